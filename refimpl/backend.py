@@ -1,0 +1,135 @@
+"""Array module, dtype policy and device synchronisation.
+
+Every array operation in refimpl goes through an array module ``xp``: NumPy by
+default, CuPy when asked for (``REFIMPL_BACKEND=cupy`` in the environment, or
+``set_backend("cupy")``).  Pure functions never pick the module themselves from
+global state: they call ``array_module(x)`` on their inputs, so the same code
+runs on host and device arrays (the CuPy idiom ``cupy.get_array_module``).
+
+Dtype policy: training runs in float32 (``TRAIN_DTYPE``); gradient and oracle
+checks run in float64 (``CHECK_DTYPE``).  Functions never mix dtypes silently:
+``check_same_dtype`` raises ``ValueError`` naming the offending argument.
+
+Before a device buffer is handed to MPI the producing stream must be finished,
+otherwise MPI may read memory a kernel is still writing: ``synchronize(x)``
+does that (a no-op for NumPy arrays).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+
+TRAIN_DTYPE = numpy.float32
+CHECK_DTYPE = numpy.float64
+_DTYPES = {"float32": numpy.float32, "float64": numpy.float64}
+
+_backend = os.environ.get("REFIMPL_BACKEND", "numpy").strip().lower() or "numpy"
+
+
+def _cupy():
+    """Import CuPy lazily: it is an optional dependency."""
+    try:
+        import cupy
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "the cupy backend needs CuPy: pip install 'refimpl[gpu]'") from err
+    return cupy
+
+
+def set_backend(name: str) -> None:
+    """Select the array module for new arrays: 'numpy' or 'cupy'."""
+    global _backend
+    name = name.strip().lower()
+    if name not in ("numpy", "cupy"):
+        raise ValueError(f"backend must be 'numpy' or 'cupy', got {name!r}")
+    if name == "cupy":
+        cp = _cupy()
+        if not cp.is_available():
+            raise RuntimeError("backend 'cupy' asked for but no CUDA device is available")
+    _backend = name
+
+
+def backend_name() -> str:
+    return _backend
+
+
+def get_xp():
+    """The array module of the run (numpy or cupy)."""
+    return _cupy() if _backend == "cupy" else numpy
+
+
+def is_device_array(a) -> bool:
+    """True for CuPy arrays (anything living in device memory)."""
+    return type(a).__module__.startswith("cupy")
+
+
+def array_module(*arrays):
+    """numpy or cupy, whichever the given arrays belong to (cupy wins)."""
+    for a in arrays:
+        if is_device_array(a):
+            return _cupy()
+    return numpy
+
+
+def asarray(a, dtype=None):
+    """Move ``a`` to the run's array module (host -> device when cupy)."""
+    return get_xp().asarray(a, dtype=dtype)
+
+
+def to_host(a):
+    """A NumPy copy (or view) of ``a``, wherever it lives."""
+    if is_device_array(a):
+        return a.get()
+    return numpy.asarray(a)
+
+
+def synchronize(a=None) -> None:
+    """Wait until the current CUDA stream has finished writing ``a``.
+
+    Must be called before a device buffer is passed to (CUDA-aware) MPI.
+    A no-op for host arrays and when CuPy is not in use.
+    """
+    if a is not None and not is_device_array(a):
+        return
+    if a is None and _backend != "cupy":
+        return
+    _cupy().cuda.get_current_stream().synchronize()
+
+
+def resolve_dtype(dtype):
+    """'float32' / 'float64' / numpy dtype -> numpy dtype class."""
+    if isinstance(dtype, str):
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+    dt = numpy.dtype(dtype)
+    if dt not in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)):
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    return dt.type
+
+
+def check_same_dtype(**arrays) -> None:
+    """Raise ValueError naming the argument whose dtype differs from the first one."""
+    items = [(k, v) for k, v in arrays.items() if v is not None]
+    if not items:
+        return
+    name0, a0 = items[0]
+    for name, a in items[1:]:
+        if a.dtype != a0.dtype:
+            raise ValueError(
+                f"dtype mismatch: {name} is {a.dtype} but {name0} is {a0.dtype}; "
+                "cast explicitly (refimpl never mixes dtypes silently)")
+
+
+def scatter_add(target, index, values) -> None:
+    """``target[index] += values`` with repeated indices accumulated.
+
+    numpy.add.at has no CuPy twin; cupyx.scatter_add is its equivalent.
+    """
+    if is_device_array(target):
+        import cupyx
+        cupyx.scatter_add(target, index, values)
+    else:
+        numpy.add.at(target, index, values)

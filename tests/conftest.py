@@ -1,0 +1,21 @@
+"""Shared pytest setup.
+
+Hypothesis profiles:
+- "default": bounded example counts so the whole suite fits CI on 2 cores.
+- "mpi": the same, derandomized and without database or time-based health
+  checks, so that every MPI rank draws the *same* sequence of examples (a
+  rank that drew a different shape would deadlock its peers).
+The MPI test files (tests/mpi/) load the "mpi" profile themselves.
+"""
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default", max_examples=int(os.environ.get("REFIMPL_EXAMPLES", "25")),
+    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "mpi", max_examples=int(os.environ.get("REFIMPL_MPI_EXAMPLES", "12")),
+    deadline=None, derandomize=True, database=None,
+    suppress_health_check=list(HealthCheck), print_blob=False)
+settings.load_profile("default")
