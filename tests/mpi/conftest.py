@@ -4,8 +4,9 @@ tests/test_mpiexec.py launches these files with 1, 2, 3, 4 and 8 ranks; they
 also run in a plain ``pytest`` as a 1-rank world.  Rules for writing them:
 
 - every rank must take the same code path and call the same collectives in the
-  same order: decide pass/fail with ``all_ranks_agree`` (a collective), never
-  with a bare ``assert`` placed *before* a collective call;
+  same order: decide pass/fail with the ``all_ranks_agree`` fixture (a
+  collective: ``all_ranks_agree(ok, "message")``), never with a bare ``assert``
+  placed *before* a collective call;
 - Hypothesis examples are drawn with the derandomized "mpi" profile, so every
   rank draws the same example.
 """
@@ -22,9 +23,12 @@ def comm():
     return MPI.COMM_WORLD
 
 
-def all_ranks_agree(comm, ok: bool, message: str = "") -> None:
-    """Collective assert: fails on every rank if it fails on any rank."""
-    flags = comm.allgather(bool(ok))
-    if not all(flags):
-        bad = [r for r, f in enumerate(flags) if not f]
-        raise AssertionError(f"failed on ranks {bad}: {message}")
+@pytest.fixture
+def all_ranks_agree(comm):
+    """Collective assert: ``all_ranks_agree(ok, msg)`` fails on every rank if it fails on any."""
+    def check(ok: bool, message: str = "") -> None:
+        flags = comm.allgather(bool(ok))
+        if not all(flags):
+            bad = [r for r, f in enumerate(flags) if not f]
+            raise AssertionError(f"failed on ranks {bad}: {message}")
+    return check
