@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install refimpl with every test extra and run the whole suite: plain pytest
+# (unit math, PyTorch oracle, CuPy API scan) plus tests/mpi/ under real
+# `mpiexec -n 1, 2, 3, 4, 8` (driven by tests/test_mpiexec.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q -e ".[mpi,test,oracle,gpu]"
+python -m pytest -q "$@"
