@@ -1,0 +1,189 @@
+"""3D batch normalisation, split into local steps around the reductions.
+
+Training-mode batch norm (PyTorch semantics, per channel c over N, D, H, W):
+
+    mean = sum(x) / n,  var = sum((x - mean)^2) / n          (biased: it normalises)
+    xhat = (x - mean) * inv_std,  inv_std = 1 / sqrt(var + eps)
+    y    = gamma * xhat + beta
+    running_mean <- (1 - m) running_mean + m mean
+    running_var  <- (1 - m) running_var  + m var * n / (n - 1)   (unbiased: it is tracked)
+
+The backward, with the sums over the same n elements,
+
+    dx = gamma * inv_std * (dy - sum(dy) / n - xhat * sum(dy * xhat) / n)
+    dgamma = sum(dy * xhat),  dbeta = sum(dy).
+
+Every per-channel sum is a separate function result, so a spatially partitioned
+layer computes the local sums on its block, allreduces them over the spatial
+(and optionally data) group, and finishes with the global sums:
+
+    forward:  batch_norm_local_sums -> Allreduce -> batch_norm_stats -> batch_norm_forward
+    backward: batch_norm_backward_local_sums -> Allreduce -> batch_norm_backward
+
+Numerical scheme (one allreduce per direction): the statistics come from the
+*shifted* sums ``S1 = sum(x - K)``, ``S2 = sum((x - K)^2)`` accumulated in
+float64, with ``mean = K + S1/n`` and ``var = S2/n - (S1/n)^2``.  The variance
+is shift-invariant; the cancellation in ``S2/n - (S1/n)^2`` costs about
+``(mean - K)^2 / var`` in relative precision, so a shift near the mean makes it
+harmless.  Layers pass the running mean as ``K``: it is identical on every rank
+of the reduction group (no extra message) and tracks the batch mean.  With no
+shift (K = 0) the float64 accumulation alone keeps float32 training accurate
+unless |mean| >> std.  (The alternative, a two-pass centred sum, is exact but
+needs two allreduces.)  Sums travel as float64 arrays of shape (C,).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..backend import array_module, check_same_dtype
+from ._args import check_float, check_ndim
+
+_AXES = (0, 2, 3, 4)  # every axis but the channel
+
+
+def _per_channel(v):
+    """(C,) -> (1, C, 1, 1, 1) for broadcasting against NCDHW."""
+    return v.reshape(1, -1, 1, 1, 1)
+
+
+class BatchNormCache(NamedTuple):
+    xhat: object     # (N, C, D, H, W) normalised input
+    gamma: object    # (C,) or None
+    inv_std: object  # (C,) in x's dtype
+
+
+def _check_channel_vector(v, name, channels):
+    if v is None:
+        return
+    check_ndim(v, 1, name, "C")
+    if v.shape[0] != channels:
+        raise ValueError(f"{name} has {v.shape[0]} channels but x has {channels}")
+
+
+def batch_norm_local_sums(x, shift=None):
+    """(count, S1, S2): count = N*D*H*W (int), S1 = sum(x - shift), S2 = sum((x - shift)^2).
+
+    S1, S2: float64 arrays of shape (C,); ``shift`` (C,) defaults to 0 (see module doc).
+    """
+    check_ndim(x, 5, "x", "N, C, D, H, W")
+    check_float("x", x)
+    _check_channel_vector(shift, "shift", x.shape[1])
+    xp = array_module(x)
+    count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
+    xs = x if shift is None else x - _per_channel(shift).astype(x.dtype)
+    s1 = xp.sum(xs, axis=_AXES, dtype=xp.float64)
+    s2 = xp.sum(xs * xs, axis=_AXES, dtype=xp.float64)
+    return count, s1, s2
+
+
+def batch_norm_stats(count, sum_, sumsq, eps=1e-5, shift=None):
+    """(mean, var_biased, inv_std), float64 (C,), from the (global) shifted sums."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    xp = array_module(sum_, sumsq)
+    m1 = sum_ / count
+    var = xp.maximum(sumsq / count - m1 * m1, 0.0)
+    mean = m1 if shift is None else m1 + shift.astype(xp.float64)
+    return mean, var, 1.0 / xp.sqrt(var + eps)
+
+
+def update_running_stats(running_mean, running_var, mean, var_biased, count, momentum=0.1):
+    """In place: running <- (1 - momentum) running + momentum * batch (variance unbiased)."""
+    if count < 2:
+        raise ValueError(f"count must be >= 2 to update the running variance, got {count}")
+    var_unbiased = var_biased * (count / (count - 1))
+    running_mean[...] = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
+    running_var[...] = (1 - momentum) * running_var + momentum * var_unbiased.astype(running_var.dtype)
+
+
+def batch_norm_forward(x, mean, inv_std, gamma=None, beta=None):
+    """y = gamma * (x - mean) * inv_std + beta  -> (y, cache); mean/inv_std cast to x's dtype."""
+    check_ndim(x, 5, "x", "N, C, D, H, W")
+    check_float("x", x)
+    for name, v in (("mean", mean), ("inv_std", inv_std), ("gamma", gamma), ("beta", beta)):
+        _check_channel_vector(v, name, x.shape[1])
+    check_same_dtype(x=x, gamma=gamma, beta=beta)
+    inv_std = inv_std.astype(x.dtype)
+    xhat = (x - _per_channel(mean.astype(x.dtype))) * _per_channel(inv_std)
+    y = xhat if gamma is None else xhat * _per_channel(gamma)
+    if beta is not None:
+        y = y + _per_channel(beta)
+    return y, BatchNormCache(xhat, gamma, inv_std)
+
+
+def batch_norm_backward_local_sums(dy, cache):
+    """(sum(dy), sum(dy * xhat)) over the local block: float64 (C,) each."""
+    check_same_dtype(xhat=cache.xhat, dy=dy)
+    if dy.shape != cache.xhat.shape:
+        raise ValueError(f"dy has shape {dy.shape}, expected {cache.xhat.shape}")
+    xp = array_module(dy)
+    return (xp.sum(dy, axis=_AXES, dtype=xp.float64),
+            xp.sum(dy * cache.xhat, axis=_AXES, dtype=xp.float64))
+
+
+def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count):
+    """(dx, dgamma, dbeta) of training-mode batch norm.
+
+    ``sum_dy``, ``sum_dy_xhat``, ``count``: the sums over *all* n elements the
+    statistics were taken over (allreduced when partitioned).  ``dgamma`` and
+    ``dbeta`` are this block's *local* contributions (None when gamma is None):
+    the caller sums them over spatial shards like any other weight gradient.
+    """
+    local_sum_dy, local_sum_dy_xhat = batch_norm_backward_local_sums(dy, cache)
+    dt = dy.dtype
+    scale = cache.inv_std if cache.gamma is None else cache.inv_std * cache.gamma
+    mean_dy = _per_channel((sum_dy / count).astype(dt))
+    mean_dy_xhat = _per_channel((sum_dy_xhat / count).astype(dt))
+    dx = _per_channel(scale) * (dy - mean_dy - cache.xhat * mean_dy_xhat)
+    if cache.gamma is None:
+        return dx, None, None
+    return dx, local_sum_dy_xhat.astype(dt), local_sum_dy.astype(dt)
+
+
+def batch_norm3d(x, gamma=None, beta=None, running_mean=None, running_var=None,
+                 training=True, momentum=0.1, eps=1e-5):
+    """One-process batch norm -> (y, cache); training updates running stats in place.
+
+    Eval mode (``training=False``) normalises with the running statistics.
+    """
+    check_ndim(x, 5, "x", "N, C, D, H, W")
+    for name, v in (("running_mean", running_mean), ("running_var", running_var)):
+        _check_channel_vector(v, name, x.shape[1])
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError("eval mode (training=False) needs running_mean and running_var")
+        xp = array_module(x)
+        inv_std = 1.0 / xp.sqrt(running_var.astype(xp.float64) + eps)
+        y, cache = batch_norm_forward(x, running_mean, inv_std, gamma, beta)
+        return y, (cache, None)
+    count, s1, s2 = batch_norm_local_sums(x, shift=running_mean)
+    if count < 2:
+        raise ValueError(f"training batch norm needs more than one value per channel, "
+                         f"got x of shape {x.shape}")
+    mean, var, inv_std = batch_norm_stats(count, s1, s2, eps, shift=running_mean)
+    if running_mean is not None and running_var is not None:
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    y, cache = batch_norm_forward(x, mean, inv_std, gamma, beta)
+    return y, (cache, count)
+
+
+def batch_norm3d_backward(dy, cache):
+    """(dx, dgamma, dbeta) for ``batch_norm3d``'s cache (training or eval mode).
+
+    In eval mode mean and inv_std are constants: dx = gamma * inv_std * dy.
+    """
+    bn_cache, count = cache
+    if count is not None:
+        sum_dy, sum_dy_xhat = batch_norm_backward_local_sums(dy, bn_cache)
+        return batch_norm_backward(dy, bn_cache, sum_dy, sum_dy_xhat, count)
+    sum_dy, sum_dy_xhat = batch_norm_backward_local_sums(dy, bn_cache)
+    scale = bn_cache.inv_std if bn_cache.gamma is None else bn_cache.inv_std * bn_cache.gamma
+    dx = _per_channel(scale) * dy
+    if bn_cache.gamma is None:
+        return dx, None, None
+    return dx, sum_dy_xhat.astype(dy.dtype), sum_dy.astype(dy.dtype)
+
+
+__all__ = ["BatchNormCache", "batch_norm_local_sums", "batch_norm_stats", "update_running_stats",
+           "batch_norm_forward", "batch_norm_backward_local_sums", "batch_norm_backward",
+           "batch_norm3d", "batch_norm3d_backward"]
