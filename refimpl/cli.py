@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {
     "demo": ("refimpl.commands.demo", "run one conv layer forward/backward and check it against finite differences"),
+    "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
 }
 
 
