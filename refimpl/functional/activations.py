@@ -1,0 +1,62 @@
+"""Pointwise activations and their backward passes (PyTorch semantics).
+
+Derivative conventions at the kinks follow PyTorch: relu'(0) = 0 and
+leaky_relu'(0) = negative_slope.  tanh's backward takes the *output*
+(tanh' = 1 - tanh^2), so a layer caches y instead of x; the CosmoFlow head
+uses ``scale * tanh(x)`` (scale 1.2), see ``scaled_tanh``.
+"""
+from __future__ import annotations
+
+from ..backend import array_module, check_same_dtype
+
+
+def relu(x):
+    """max(x, 0)."""
+    xp = array_module(x)
+    return xp.maximum(x, 0)
+
+
+def relu_backward(dy, x):
+    """dy where x > 0, else 0."""
+    check_same_dtype(x=x, dy=dy)
+    xp = array_module(x, dy)
+    return xp.where(x > 0, dy, 0)
+
+
+def leaky_relu(x, negative_slope=0.01):
+    """x where x > 0, else negative_slope * x."""
+    xp = array_module(x)
+    return xp.where(x > 0, x, x * negative_slope)
+
+
+def leaky_relu_backward(dy, x, negative_slope=0.01):
+    """dy where x > 0, else negative_slope * dy."""
+    check_same_dtype(x=x, dy=dy)
+    xp = array_module(x, dy)
+    return xp.where(x > 0, dy, dy * negative_slope)
+
+
+def tanh(x):
+    xp = array_module(x)
+    return xp.tanh(x)
+
+
+def tanh_backward(dy, y):
+    """dy * (1 - y^2) with y = tanh(x), the forward's output."""
+    check_same_dtype(y=y, dy=dy)
+    return dy * (1 - y * y)
+
+
+def scaled_tanh(x, scale=1.2):
+    """scale * tanh(x) -> (y, t) with t = tanh(x) kept for the backward."""
+    t = tanh(x)
+    return scale * t, t
+
+
+def scaled_tanh_backward(dy, t, scale=1.2):
+    """dy * scale * (1 - t^2) with t = tanh(x)."""
+    return tanh_backward(dy * scale, t)
+
+
+__all__ = ["relu", "relu_backward", "leaky_relu", "leaky_relu_backward", "tanh", "tanh_backward",
+           "scaled_tanh", "scaled_tanh_backward"]
