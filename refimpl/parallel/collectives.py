@@ -1,0 +1,465 @@
+"""Allreduce (sum) built from point-to-point messages, with alpha-beta-gamma costs.
+
+Every algorithm is a *step generator*: a plain function that reduces a 1-D
+contiguous buffer ``flat`` in place, posts one round of non-blocking messages
+(``Isend``/``Irecv``), ``yield``-s their requests, and after the round has
+completed does the local work (add what arrived, pick the next partner).  Run
+to the end with ``Waitall`` on each round it is a blocking allreduce
+(``allreduce``); advanced a round at a time with ``Testall`` it is the
+non-blocking form that gradient synchronisation overlaps with backward
+(``start_allreduce`` -> ``AllreduceHandle.test()`` / ``.wait()``): Python has
+no progress thread, so the caller's ``test()`` calls are the progress engine.
+
+Costs use the model of Thakur, Rabenseifner & Gropp (2005): sending a message
+of n bytes costs ``alpha + n*beta``; reducing n bytes locally costs
+``n*gamma``.  ``p`` is the number of ranks, ``lg`` the base-2 logarithm, and
+``p'`` the largest power of two <= p.  ``predicted_time`` evaluates them.
+
+Exactness: integer sums are associative, so every algorithm is bit-identical
+to ``MPI_Allreduce`` on integer data; on floats the order of additions differs
+(results agree to rounding).  Each element's final value is computed on one
+rank (or identically by partners, ``a + b == b + a``) and then copied, so all
+ranks end with bit-identical results.
+
+Messages of concurrent allreduces on one communicator must not mix, so every
+call takes a fresh tag from a per-communicator sequence (stored as an MPI
+attribute of the communicator): all ranks start their allreduces on a
+communicator in the same order, as with any collective.
+"""
+from __future__ import annotations
+
+import math
+
+from mpi4py import MPI
+
+from ..backend import array_module, is_device_array, synchronize
+from .partition import block_range
+
+_TAG_BASE = 1 << 14  # above the tags of hand-written messages elsewhere in refimpl
+_seq_keyval = None
+
+
+# ---------------------------------------------------------------- message helpers
+
+def _send(comm, a, dest, tag):
+    """Isend of a contiguous slice (device buffers: finish the stream first)."""
+    if is_device_array(a):
+        synchronize(a)
+    return comm.Isend(a, dest=dest, tag=tag)
+
+
+def _recv(comm, a, source, tag):
+    """Irecv into a contiguous slice (device memory with CUDA-aware MPI)."""
+    return comm.Irecv(a, source=source, tag=tag)
+
+
+def _offsets(n: int, parts: int) -> list[int]:
+    """Start of each balanced block of n elements over ``parts`` blocks, plus n."""
+    return [block_range(n, parts, i)[0] for i in range(parts)] + [n]
+
+
+def _next_tag(comm) -> int:
+    """A fresh tag for one allreduce on ``comm`` (the same on every rank)."""
+    global _seq_keyval
+    if _seq_keyval is None:
+        _seq_keyval = MPI.Comm.Create_keyval()
+    seq = comm.Get_attr(_seq_keyval) or 0
+    comm.Set_attr(_seq_keyval, seq + 1)
+    tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+    return _TAG_BASE + seq % (tag_ub - _TAG_BASE)
+
+
+# ---------------------------------------------------------------- the algorithms
+
+def native(flat, comm, tag):
+    """MPI's own ``Iallreduce`` (the library picks its algorithm by size).
+
+    Cost: at best the minimum of the algorithms below.
+    """
+    synchronize(flat)
+    yield [comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)]
+
+
+def _ring_reduce_scatter(flat, comm, members, tag):
+    """Ring reduce-scatter over ``members`` (comm ranks in ring order).
+
+    Step s: send block (i - s) to the right, receive block (i - s - 1) from the
+    left and add it in.  After q-1 steps position i owns the sum of block (i+1) % q.
+    """
+    q = len(members)
+    if q == 1:
+        return
+    i = members.index(comm.Get_rank())
+    right, left = members[(i + 1) % q], members[(i - 1) % q]
+    off = _offsets(flat.size, q)
+    xp = array_module(flat)
+    tmp = xp.empty(off[1] - off[0], dtype=flat.dtype)  # block 0 is the largest
+    for s in range(q - 1):
+        send, recv = (i - s) % q, (i - s - 1) % q
+        got = tmp[:off[recv + 1] - off[recv]]
+        yield [_send(comm, flat[off[send]:off[send + 1]], right, tag),
+               _recv(comm, got, left, tag)]
+        flat[off[recv]:off[recv + 1]] += got
+
+
+def _ring_allgather(flat, comm, members, tag):
+    """Ring allgather over ``members`` when position i owns block (i+1) % q."""
+    q = len(members)
+    i = members.index(comm.Get_rank())
+    right, left = members[(i + 1) % q], members[(i - 1) % q]
+    off = _offsets(flat.size, q)
+    for s in range(q - 1):
+        send, recv = (i + 1 - s) % q, (i - s) % q
+        yield [_send(comm, flat[off[send]:off[send + 1]], right, tag),
+               _recv(comm, flat[off[recv]:off[recv + 1]], left, tag)]
+
+
+def ring(flat, comm, tag):
+    """Ring allreduce: reduce-scatter then allgather around a ring of p ranks.
+
+    The buffer is cut into p balanced blocks; in each of p-1 steps every rank
+    sends one block to its right neighbour and adds the block it receives from
+    its left one (reduce-scatter), then p-1 more steps pass the finished blocks
+    around (allgather).  Bandwidth-optimal, latency linear in p:
+
+        T = 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
+    """
+    members = list(range(comm.Get_size()))
+    yield from _ring_reduce_scatter(flat, comm, members, tag)
+    yield from _ring_allgather(flat, comm, members, tag)
+
+
+def _fold(comm):
+    """Non-power-of-two fold (Thakur et al. 2005, sec. 4.4).
+
+    With p = p' + rem (p' a power of two), the first 2*rem ranks pair up: even
+    rank 2j gives its data to odd rank 2j+1 and sits out; the p' ranks left are
+    renumbered 0..p'-1.  Returns (p', my new rank or None, partner of the fold
+    or None, real rank of new rank).
+    """
+    p, rank = comm.Get_size(), comm.Get_rank()
+    p2 = 1 << (p.bit_length() - 1)
+    rem = p - p2
+    if rank < 2 * rem:
+        new = None if rank % 2 == 0 else rank // 2
+        partner = rank + 1 if rank % 2 == 0 else rank - 1
+    else:
+        new, partner = rank - rem, None
+    return p2, new, partner, (lambda v: 2 * v + 1 if v < rem else v + rem)
+
+
+def recursive_doubling(flat, comm, tag):
+    """Recursive doubling: lg p rounds, each exchanging the *whole* buffer.
+
+    In round k every rank swaps its partial sum with rank XOR 2^k and adds, so
+    after lg p rounds all ranks hold the total.  Latency-optimal; for a
+    non-power-of-two p the extra ranks fold in first and get the result last:
+
+        T = lg p' (alpha + n beta + n gamma)  [+ 2 alpha + 2 n beta + n gamma if p != p']
+    """
+    p2, new, partner, real = _fold(comm)
+    xp = array_module(flat)
+    tmp = xp.empty_like(flat)
+    if partner is not None:  # fold: even sends its data to odd
+        if new is None:
+            yield [_send(comm, flat, partner, tag)]
+        else:
+            yield [_recv(comm, tmp, partner, tag)]
+            flat += tmp
+    if new is not None:
+        d = 1
+        while d < p2:
+            peer = real(new ^ d)
+            yield [_send(comm, flat, peer, tag), _recv(comm, tmp, peer, tag)]
+            flat += tmp
+            d *= 2
+    if partner is not None:  # unfold: odd returns the result
+        yield [_recv(comm, flat, partner, tag) if new is None else _send(comm, flat, partner, tag)]
+
+
+def halving_doubling(flat, comm, tag):
+    """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather.
+
+    The buffer is cut into p' blocks.  Halving: with distance d = p'/2, ..., 1,
+    a rank keeps the half of its current block range on its side of bit d,
+    sends the other half to rank XOR d and adds the half it receives; it ends
+    owning the sum of block ``new rank``.  Doubling runs the same exchanges in
+    reverse (d = 1, ..., p'/2), copying instead of adding.  Non-power-of-two p
+    folds like recursive doubling:
+
+        T = 2 lg p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma
+            [+ 2 alpha + 2 n beta + n gamma if p != p']
+    """
+    p2, new, partner, real = _fold(comm)
+    xp = array_module(flat)
+    off = _offsets(flat.size, p2)
+    if partner is not None:  # fold: even sends its data to odd
+        if new is None:
+            yield [_send(comm, flat, partner, tag)]
+        else:
+            got = xp.empty_like(flat)
+            yield [_recv(comm, got, partner, tag)]
+            flat += got
+    if new is not None:
+        tmp = xp.empty(max(off[p2 // 2], flat.size - off[p2 // 2]), dtype=flat.dtype)  # largest half
+        lo, hi = 0, p2  # my block range
+        d = p2 // 2
+        while d >= 1:  # reduce-scatter by recursive halving
+            mid = (lo + hi) // 2
+            (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if new & d else ((lo, mid), (mid, hi))
+            got = tmp[:off[khi] - off[klo]]
+            peer = real(new ^ d)
+            yield [_send(comm, flat[off[slo]:off[shi]], peer, tag), _recv(comm, got, peer, tag)]
+            flat[off[klo]:off[khi]] += got
+            lo, hi = klo, khi
+            d //= 2
+        d = 1
+        while d < p2:  # allgather by recursive doubling
+            olo, ohi = (lo - d, lo) if new & d else (hi, hi + d)
+            peer = real(new ^ d)
+            yield [_send(comm, flat[off[lo]:off[hi]], peer, tag),
+                   _recv(comm, flat[off[olo]:off[ohi]], peer, tag)]
+            lo, hi = min(lo, olo), max(hi, ohi)
+            d *= 2
+    if partner is not None:  # unfold: odd returns the result
+        yield [_recv(comm, flat, partner, tag) if new is None else _send(comm, flat, partner, tag)]
+
+
+def multicolor(flat, comm, tag, colors: int = 2):
+    """Multi-colour tree allreduce (Kumar et al. 2017, IBM).
+
+    The buffer is cut into k = ``colors`` parts.  Part c is reduced up and
+    broadcast down a binary tree (heap numbering: parent of v is (v-1)//2) over
+    the ranks rotated by c*p//k, so each colour has different interior nodes
+    and roots and the k trees load different links.  The colours run
+    concurrently, level by level: in reduce round t the nodes at depth H-t of
+    every tree send their partial sums to their parents (H = floor(lg p)); the
+    broadcast runs the levels back down.  Sends and receives between one pair
+    of ranks in one round are posted in colour order on both sides, so MPI's
+    non-overtaking rule matches them.  With m = n/k and D (C) the largest, over
+    ranks, sum over colours of tree degree (number of children):
+
+        T = 2 H alpha + D m beta + C m gamma
+
+    (the busiest rank's port bounds the bandwidth term; D ~ 3k/2 for k >= 2).
+    """
+    p, rank = comm.Get_size(), comm.Get_rank()
+    off = _offsets(flat.size, colors)
+    height = p.bit_length() - 1
+    xp = array_module(flat)
+    trees = []  # per colour: (my depth, parent or None, children) in real ranks
+    for c in range(colors):
+        shift = c * p // colors
+        v = (rank - shift) % p
+        kids = [(u + shift) % p for u in (2 * v + 1, 2 * v + 2) if u < p]
+        parent = (v - 1) // 2 if v > 0 else None
+        trees.append(((v + 1).bit_length() - 1, None if parent is None else (parent + shift) % p, kids))
+    parts = [flat[off[c]:off[c + 1]] for c in range(colors)]
+    got = [[xp.empty_like(parts[c]) for _ in trees[c][2]] for c in range(colors)]
+    for t in range(height):  # reduce: depth height-t sends up to depth height-t-1
+        requests = []
+        for c, (depth, parent, kids) in enumerate(trees):
+            if depth == height - t and parent is not None:
+                requests.append(_send(comm, parts[c], parent, tag))
+            if depth == height - t - 1:
+                requests += [_recv(comm, g, k, tag) for g, k in zip(got[c], kids)]
+        yield requests
+        for c, (depth, parent, kids) in enumerate(trees):
+            if depth == height - t - 1:
+                for g in got[c]:
+                    parts[c] += g
+    for t in range(height):  # broadcast: depth t sends down to depth t+1
+        requests = []
+        for c, (depth, parent, kids) in enumerate(trees):
+            if depth == t:
+                requests += [_send(comm, parts[c], k, tag) for k in kids]
+            if depth == t + 1:
+                requests.append(_recv(comm, parts[c], parent, tag))
+        yield requests
+
+
+def default_group_size(p: int) -> int:
+    """The largest divisor of p that is <= sqrt(p) (a near-square 2-D grid)."""
+    return max(g for g in range(1, math.isqrt(p) + 1) if p % g == 0)
+
+
+def hierarchical(flat, comm, tag, group_size: int | None = None):
+    """2-D allreduce: reduce-scatter in groups, allreduce across, allgather in groups.
+
+    Ranks form q = p/g groups of g consecutive ranks (e.g. the GPUs of a node).
+    Ring reduce-scatter inside the group leaves each rank 1/g of the group sum;
+    ranks with the same position in every group ring-allreduce that piece;
+    a ring allgather inside the group reassembles the total.  Only n/g bytes
+    cross groups per rank:
+
+        T = 2(g-1) alpha + 2 (g-1)/g n beta + (g-1)/g n gamma
+          + 2(q-1) alpha + 2 (q-1)/q (n/g) beta + (q-1)/q (n/g) gamma
+
+    ``group_size`` must divide p (ValueError otherwise, raised on every rank
+    before any message); None picks ``default_group_size(p)``.
+    """
+    p, rank = comm.Get_size(), comm.Get_rank()
+    g = check_group_size(group_size, p)
+    group, local = divmod(rank, g)
+    mine = [group * g + j for j in range(g)]
+    column = [h * g + local for h in range(p // g)]
+    yield from _ring_reduce_scatter(flat, comm, mine, tag)
+    lo, hi = block_range(flat.size, g, (local + 1) % g)
+    yield from _ring_reduce_scatter(flat[lo:hi], comm, column, tag)
+    yield from _ring_allgather(flat[lo:hi], comm, column, tag)
+    yield from _ring_allgather(flat, comm, mine, tag)
+
+
+def check_group_size(group_size, p: int) -> int:
+    if group_size is None:
+        return default_group_size(p)
+    if isinstance(group_size, bool) or int(group_size) != group_size or not 1 <= group_size <= p \
+            or p % group_size:
+        raise ValueError(f"group_size must be a divisor of the number of ranks {p}, got {group_size!r}")
+    return int(group_size)
+
+
+ALGORITHMS = {
+    "native": native,
+    "ring": ring,
+    "recursive_doubling": recursive_doubling,
+    "halving_doubling": halving_doubling,
+    "multicolor": multicolor,
+    "hierarchical": hierarchical,
+}
+_OPTIONS = {"multicolor": ("colors",), "hierarchical": ("group_size",)}
+
+
+# ---------------------------------------------------------------- running them
+
+class AllreduceHandle:
+    """A started allreduce: ``test()`` advances it without blocking, ``wait()`` ends it."""
+
+    def __init__(self, steps, result):
+        self._steps = steps
+        self._requests = []
+        self.result = result
+        self.done = False
+        self._advance()
+
+    def _advance(self):
+        """Do the local work after a round and post the next round's messages."""
+        try:
+            self._requests = next(self._steps)
+        except StopIteration:
+            self._requests, self.done = [], True
+
+    def test(self) -> bool:
+        """Advance through every round that has already arrived; True when finished."""
+        while not self.done and MPI.Request.Testall(self._requests):
+            self._advance()
+        return self.done
+
+    def wait(self):
+        """Block until finished; returns the result buffer."""
+        while not self.done:
+            MPI.Request.Waitall(self._requests)
+            self._advance()
+        return self.result
+
+
+def _flat_view(a, name: str):
+    """1-D view of a C- or F-contiguous array (elementwise sums ignore the order)."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    if a.flags.f_contiguous:
+        return a.T.reshape(-1)
+    raise ValueError(f"{name} must be a contiguous array, got strides {a.strides}")
+
+
+def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -> AllreduceHandle:
+    """Start a sum-allreduce of ``buf`` over ``comm``; returns its handle.
+
+    In place when ``out`` is None, else ``out`` (same shape and dtype) gets the
+    sum and ``buf`` is left as it was.  ``options``: ``colors`` (multicolor),
+    ``group_size`` (hierarchical).  Bad arguments raise ValueError on every rank
+    before any message (they depend only on arguments all ranks share).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    unknown = set(options) - set(_OPTIONS.get(algorithm, ()))
+    if unknown:
+        raise ValueError(f"algorithm {algorithm!r} takes no option(s) {sorted(unknown)}")
+    if "colors" in options and (isinstance(options["colors"], bool) or int(options["colors"]) != options["colors"]
+                                or options["colors"] < 1):
+        raise ValueError(f"colors must be an int >= 1, got {options['colors']!r}")
+    if algorithm == "hierarchical":
+        check_group_size(options.get("group_size"), comm.Get_size())
+    if buf.dtype.kind not in "iufc":
+        raise ValueError(f"buf must hold numbers (int, uint, float, complex), got {buf.dtype}")
+    flat = _flat_view(buf, "buf")
+    if out is not None and out is not buf:
+        if out.shape != buf.shape or out.dtype != buf.dtype:
+            raise ValueError(f"out must match buf: got {out.shape} {out.dtype}, "
+                             f"expected {buf.shape} {buf.dtype}")
+        out[...] = buf
+        flat = _flat_view(out, "out")
+    result = buf if out is None else out
+    steps = ALGORITHMS[algorithm](flat, comm, _next_tag(comm), **options)
+    return AllreduceHandle(steps, result)
+
+
+def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
+    """Sum ``buf`` over all ranks of ``comm`` with the named algorithm; returns the result.
+
+    See ``start_allreduce`` for the arguments; ``ALGORITHMS`` lists the names.
+    """
+    return start_allreduce(buf, comm, algorithm, out=out, **options).wait()
+
+
+# ---------------------------------------------------------------- cost model
+
+def _tree_load(p: int, colors: int) -> tuple[int, int]:
+    """(D, C) of the multicolor model: max over ranks of summed degree / children."""
+    degree, children = [0] * p, [0] * p
+    for c in range(colors):
+        shift = c * p // colors
+        for v in range(p):
+            r = (v + shift) % p
+            kids = sum(1 for u in (2 * v + 1, 2 * v + 2) if u < p)
+            degree[r] += kids + (v > 0)
+            children[r] += kids
+    return max(degree), max(children)
+
+
+def predicted_time(algorithm: str, n_bytes: float, p: int, alpha: float, beta: float,
+                   gamma: float = 0.0, **kw) -> float:
+    """Alpha-beta-gamma prediction (seconds) of one allreduce of ``n_bytes`` on ``p`` ranks.
+
+    ``alpha``: seconds per message, ``beta``: seconds per byte sent, ``gamma``:
+    seconds per byte reduced.  ``kw``: ``colors`` (multicolor, default 2),
+    ``group_size`` (hierarchical).  "native" is modelled as the best of ring,
+    recursive doubling and halving-doubling (MPI libraries switch by size).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if p < 1:
+        raise ValueError(f"p must be >= 1, got {p}")
+    n, a, b, c = float(n_bytes), alpha, beta, gamma
+    if p == 1:
+        return 0.0
+    p2 = 1 << (p.bit_length() - 1)
+    lg = p2.bit_length() - 1
+    fold = (2 * a + 2 * n * b + n * c) if p != p2 else 0.0
+    if algorithm == "native":
+        return min(predicted_time(name, n_bytes, p, alpha, beta, gamma)
+                   for name in ("ring", "recursive_doubling", "halving_doubling"))
+    if algorithm == "ring":
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * c
+    if algorithm == "recursive_doubling":
+        return lg * (a + n * b + n * c) + fold
+    if algorithm == "halving_doubling":
+        return 2 * lg * a + 2 * (p2 - 1) / p2 * n * b + (p2 - 1) / p2 * n * c + fold
+    if algorithm == "multicolor":
+        k = kw.get("colors", 2)
+        degree, children = _tree_load(p, k)
+        return 2 * (p.bit_length() - 1) * a + (degree * b + children * c) * n / k
+    g = check_group_size(kw.get("group_size"), p)  # hierarchical
+    q = p // g
+    return (2 * (g - 1) * a + 2 * (g - 1) / g * n * b + (g - 1) / g * n * c
+            + 2 * (q - 1) * a + 2 * (q - 1) / q * (n / g) * b + (q - 1) / q * (n / g) * c)

@@ -1,0 +1,197 @@
+"""Every allreduce algorithm against ``comm.Allreduce`` (run under mpiexec -n 1, 2, 3, 4, 8).
+
+Integers: bit-identical (sums wrap around identically; data spans the whole
+int range so overflow happens).  Floats: to float64 rounding, and every rank
+must end with the *same* bits.  8/16-bit integers are left out on purpose:
+Open MPI's AVX reduction kernels saturate instead of wrapping on overflow
+(open-mpi/ompi#8045, wontfix), so MPI itself is not a valid oracle there.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from mpi4py import MPI
+
+from refimpl.parallel.collectives import ALGORITHMS, allreduce, start_allreduce
+
+# (algorithm, options): every algorithm, multicolor with several k, hierarchical with every divisor
+CONFIGS = [("native", {}), ("ring", {}), ("recursive_doubling", {}), ("halving_doubling", {}),
+           ("multicolor", {"colors": 1}), ("multicolor", {"colors": 2}), ("multicolor", {"colors": 3}),
+           ("multicolor", {"colors": 7}), ("hierarchical", {})]
+SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 97, 1000]
+
+
+def divisors(p):
+    return [g for g in range(1, p + 1) if p % g == 0]
+
+
+def local_data(n, dtype, seed, rank):
+    """Rank-specific random data: full-range integers (overflow wraps), normal floats."""
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "i":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=n, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def mismatch(got, ref, comm):
+    """'' if got equals ref (bitwise for ints, to rounding for floats) on every rank identically."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return f"shape/dtype {got.shape} {got.dtype} != {ref.shape} {ref.dtype}"
+    if ref.dtype.kind in "iu":
+        if not np.array_equal(got, ref):
+            return f"integers differ at {int(np.flatnonzero(got != ref)[0])}"
+    elif ref.size:
+        tol = {np.dtype(np.float64): 1e-13, np.dtype(np.complex128): 1e-13}.get(ref.dtype, 1e-5)
+        rel = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
+        if rel > tol:
+            return f"rel error {rel:.3e} > {tol}"
+    digests = comm.allgather(got.tobytes())  # every rank must hold the same bits
+    if any(d != digests[0] for d in digests):
+        return "ranks hold different results"
+    return ""
+
+
+def check_one(comm, algorithm, options, n, dtype, seed):
+    """Problems ('' each) of in-place and out-of-place runs of one configuration."""
+    x = local_data(n, dtype, seed, comm.Get_rank())
+    ref = x.copy()
+    comm.Allreduce(MPI.IN_PLACE, ref)
+    inplace = x.copy()
+    returned = allreduce(inplace, comm, algorithm, **options)
+    out = np.full_like(x, 7)
+    kept = x.copy()
+    allreduce(x, comm, algorithm, out=out, **options)
+    problems = [mismatch(inplace, ref, comm), mismatch(out, ref, comm)]
+    if returned is not inplace:
+        problems.append("in-place call did not return its buffer")
+    if not np.array_equal(x, kept):
+        problems.append("out-of-place call changed its input")
+    return [f"{algorithm}{options} n={n} {np.dtype(dtype)}: {m}" for m in problems if m]
+
+
+@pytest.mark.parametrize("algorithm,options", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float64])
+def test_equals_mpi_allreduce(comm, all_ranks_agree, algorithm, options, dtype):
+    p = comm.Get_size()
+    problems = []
+    for n in sorted(set(SIZES + [p - 1, p + 1, 3 * p + 2])):
+        problems += check_one(comm, algorithm, options, n, dtype, seed=n)
+    all_ranks_agree(not problems, "; ".join(problems[:4]))
+
+
+def test_hierarchical_every_divisor(comm, all_ranks_agree):
+    problems = []
+    for g in divisors(comm.Get_size()):
+        for n in (0, 1, 11, 300):
+            problems += check_one(comm, "hierarchical", {"group_size": g}, n, np.int64, seed=g)
+            problems += check_one(comm, "hierarchical", {"group_size": g}, n, np.float64, seed=g)
+    all_ranks_agree(not problems, "; ".join(problems[:4]))
+
+
+def test_hierarchical_non_divisor_raises_before_any_message(comm, all_ranks_agree):
+    """A group size that does not divide p raises ValueError on every rank, sending nothing."""
+    p = comm.Get_size()
+    bad_sizes = [0, p + 1] + [g for g in range(2, p) if p % g]
+    outcomes = []
+    for g in bad_sizes:
+        buf = np.arange(5, dtype=np.int64)
+        try:
+            allreduce(buf, comm, "hierarchical", group_size=g)
+            outcomes.append(f"group_size={g} did not raise")
+        except ValueError as err:
+            if "group_size" not in str(err):
+                outcomes.append(f"message does not name group_size: {err}")
+            if not np.array_equal(buf, np.arange(5)):
+                outcomes.append("buffer was modified")
+    comm.Barrier()
+    if comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+        outcomes.append("a message was sent")
+    all_ranks_agree(not outcomes, "; ".join(outcomes))
+
+
+@settings(max_examples=10)
+@given(n=st.integers(0, 400), dtype=st.sampled_from(["int32", "int64", "float32", "float64", "complex128"]),
+       config=st.sampled_from(CONFIGS), seed=st.integers(0, 2**16))
+def test_hypothesis_sizes_and_dtypes(comm, all_ranks_agree, n, dtype, config, seed):
+    algorithm, options = config
+    problems = check_one(comm, algorithm, options, n, dtype, seed)
+    all_ranks_agree(not problems, "; ".join(problems))
+
+
+def test_nonblocking_handles_interleaved(comm, all_ranks_agree):
+    """Many allreduces in flight on one communicator at once, advanced by test() in turns."""
+    rank = comm.Get_rank()
+    started = []
+    for i, (algorithm, options) in enumerate(CONFIGS * 2):
+        x = local_data(50 + 37 * i, np.float64 if i % 2 else np.int64, i, rank)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref)
+        started.append((start_allreduce(x, comm, algorithm, **options), x, ref, algorithm))
+    for _ in range(3):
+        for handle, *_ in reversed(started):
+            handle.test()
+    problems = []
+    for handle, x, ref, algorithm in started:
+        if handle.wait() is not x or not handle.test():
+            problems.append(f"{algorithm}: wait() did not finish with the buffer")
+        m = mismatch(x, ref, comm)
+        if m:
+            problems.append(f"{algorithm}: {m}")
+    all_ranks_agree(not problems, "; ".join(problems[:4]))
+
+
+def test_nonblocking_out_of_place(comm, all_ranks_agree):
+    x = local_data(101, np.int64, 3, comm.Get_rank())
+    ref = x.copy()
+    comm.Allreduce(MPI.IN_PLACE, ref)
+    problems = []
+    for algorithm in ALGORITHMS:
+        out = np.zeros_like(x)
+        handle = start_allreduce(x, comm, algorithm, out=out)
+        while not handle.test():
+            pass
+        m = mismatch(out, ref, comm)
+        if m or handle.result is not out:
+            problems.append(f"{algorithm}: {m or 'result is not out'}")
+    all_ranks_agree(not problems, "; ".join(problems))
+
+
+def test_multidimensional_and_fortran_order(comm, all_ranks_agree):
+    rank = comm.Get_rank()
+    problems = []
+    for order in ("C", "F"):
+        x = np.asarray(local_data(60, np.float64, 5, rank).reshape(3, 4, 5), order=order)
+        ref = x.copy(order=order)
+        comm.Allreduce(MPI.IN_PLACE, ref)
+        for algorithm in ALGORITHMS:
+            y = x.copy(order=order)
+            allreduce(y, comm, algorithm)
+            m = mismatch(y, ref, comm)
+            if m:
+                problems.append(f"{algorithm} {order}: {m}")
+    all_ranks_agree(not problems, "; ".join(problems))
+
+
+def test_bad_arguments_raise(comm, all_ranks_agree):
+    x = np.arange(12.0)
+    cases = [
+        (lambda: allreduce(x.copy(), comm, "butterfly"), "algorithm"),
+        (lambda: allreduce(np.arange(12.0)[::2], comm, "ring"), "contiguous"),
+        (lambda: allreduce(np.ones(3, bool), comm, "ring"), "numbers"),
+        (lambda: allreduce(x.copy(), comm, "ring", out=np.zeros(11)), "out"),
+        (lambda: allreduce(x.copy(), comm, "ring", out=np.zeros(12, np.float32)), "out"),
+        (lambda: allreduce(x.copy(), comm, "multicolor", colors=0), "colors"),
+        (lambda: allreduce(x.copy(), comm, "ring", colors=2), "colors"),
+    ]
+    failures = []
+    for call, word in cases:
+        try:
+            call()
+            failures.append(f"no error (expected one naming {word})")
+        except ValueError as err:
+            if word not in str(err):
+                failures.append(f"message {err!r} does not name {word}")
+    all_ranks_agree(not failures, "; ".join(failures))
