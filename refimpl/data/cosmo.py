@@ -103,7 +103,7 @@ def gaussian_field(shape, phys, rng):
     white = rng.standard_normal(shape)
     modes = numpy.fft.rfftn(white)
     modes *= numpy.sqrt(power_spectrum(wavenumbers(shape), phys))
-    return numpy.fft.irfftn(modes, s=shape)
+    return numpy.fft.irfftn(modes, s=shape, axes=(0, 1, 2))
 
 
 def measure_power_spectrum(field, bins: int = 16):
