@@ -17,6 +17,14 @@ import functools
 import os
 
 EPILOG = """\
+examples:
+  refimpl datagen cosmoflow --out data/cosmo --samples 64 --val-samples 16 --size 64
+  refimpl datagen segmentation --out data/seg --size 64,64,32 --classes 4
+  refimpl datagen cosmoflow --out data/lbann --layout per-sample --chunk 32
+
+train sample i is drawn from seed + i, val sample j from seed + samples + j; files
+appear under their final names only once complete (tmp file + os.replace).
+
 output (docs/data.md):
   --layout single       OUT/train.h5, OUT/val.h5 with 'full' (N,C,D,H,W) float32 and
                         'unitPar' (N,4) float32 (cosmoflow) or 'labels' (N,D,H,W) uint8

@@ -213,7 +213,11 @@ class HDF5Reader:
         return 0 if self.cache is None else sum(x.nbytes + y.nbytes for x, y in self.cache.values())
 
     def read(self, i):
-        """(x (C, d, h, w) float32, y) of sample ``i``'s local block; validated on first read."""
+        """(x (C, d, h, w) float32, y) of sample ``i``'s local block; validated on first read.
+
+        With ``cache=True`` the returned arrays are the cached ones: do not modify
+        them in place (``read_batch`` copies).
+        """
         i = self._check_index(i)
         if self.samples is not None and i not in self.samples:
             raise ValueError(f"sample {i} is not among this reader's samples")
