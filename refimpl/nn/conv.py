@@ -1,0 +1,123 @@
+"""Conv3d and ConvTranspose3d layers (PyTorch weight layouts and default init).
+
+``forward`` = ``local_forward`` on the whole input; a spatially partitioned
+subclass exchanges halos first and calls ``local_forward`` on its padded block
+(with the padding it applied itself), then reuses ``local_backward`` and the
+gradient bookkeeping in ``backward``.
+"""
+from __future__ import annotations
+
+from ..backend import TRAIN_DTYPE
+from ..functional._args import triple
+from ..functional.conv3d import conv3d, conv3d_backward
+from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
+from .init import check_rng, uniform_fan_in
+from .module import Module
+
+
+def _check_channels(in_channels, out_channels):
+    for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if isinstance(v, bool) or int(v) != v or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+class Conv3d(Module):
+    """y = conv3d(x, weight, bias); weight (out, in, kd, kh, kw), fan_in = in * kd * kh * kw."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 bias=True, *, rng, dtype=TRAIN_DTYPE):
+        super().__init__()
+        _check_channels(in_channels, out_channels)
+        check_rng(rng)
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size = triple(kernel_size, "kernel_size", 1)
+        self.stride = triple(stride, "stride", 1)
+        self.padding = triple(padding, "padding", 0)
+        self.dilation = triple(dilation, "dilation", 1)
+        k = self.kernel_size
+        fan_in = self.in_channels * k[0] * k[1] * k[2]
+        self.weight = self.add_parameter(
+            "weight", uniform_fan_in(rng, (self.out_channels, self.in_channels) + k, fan_in, dtype))
+        self.bias = self.add_parameter(
+            "bias", uniform_fan_in(rng, (self.out_channels,), fan_in, dtype)) if bias else None
+
+    def local_forward(self, x, padding):
+        b = None if self.bias is None else self.bias.data
+        return conv3d(x, self.weight.data, b, self.stride, padding, self.dilation)
+
+    def local_backward(self, dy, x, padding):
+        """(dx, dw, db) of local_forward."""
+        return conv3d_backward(dy, x, self.weight.data, self.stride, padding, self.dilation)
+
+    def forward(self, x):
+        self._save(x)
+        return self.local_forward(x, self.padding)
+
+    def backward(self, dy):
+        (x,) = self._saved()
+        dx, dw, db = self.local_backward(dy, x, self.padding)
+        self.weight.accumulate_grad(dw)
+        if self.bias is not None:
+            self.bias.accumulate_grad(db)
+        return dx
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+                f"bias={self.bias is not None}")
+
+
+class ConvTranspose3d(Module):
+    """y = conv_transpose3d(x, weight, bias); weight (in, out, kd, kh, kw).
+
+    PyTorch computes fan_in from the weight's dim 1, i.e. out * kd * kh * kw here.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 output_padding=0, dilation=1, bias=True, *, rng, dtype=TRAIN_DTYPE):
+        super().__init__()
+        _check_channels(in_channels, out_channels)
+        check_rng(rng)
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size = triple(kernel_size, "kernel_size", 1)
+        self.stride = triple(stride, "stride", 1)
+        self.padding = triple(padding, "padding", 0)
+        self.output_padding = triple(output_padding, "output_padding", 0)
+        self.dilation = triple(dilation, "dilation", 1)
+        k = self.kernel_size
+        fan_in = self.out_channels * k[0] * k[1] * k[2]
+        self.weight = self.add_parameter(
+            "weight", uniform_fan_in(rng, (self.in_channels, self.out_channels) + k, fan_in, dtype))
+        self.bias = self.add_parameter(
+            "bias", uniform_fan_in(rng, (self.out_channels,), fan_in, dtype)) if bias else None
+
+    def local_forward(self, x, padding, output_padding):
+        b = None if self.bias is None else self.bias.data
+        return conv_transpose3d(x, self.weight.data, b, self.stride, padding, output_padding,
+                                self.dilation)
+
+    def local_backward(self, dy, x, padding, output_padding):
+        """(dx, dw, db) of local_forward."""
+        return conv_transpose3d_backward(dy, x, self.weight.data, self.stride, padding,
+                                         output_padding, self.dilation)
+
+    def forward(self, x):
+        self._save(x)
+        return self.local_forward(x, self.padding, self.output_padding)
+
+    def backward(self, dy):
+        (x,) = self._saved()
+        dx, dw, db = self.local_backward(dy, x, self.padding, self.output_padding)
+        self.weight.accumulate_grad(dw)
+        if self.bias is not None:
+            self.bias.accumulate_grad(db)
+        return dx
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, "
+                f"output_padding={self.output_padding}, dilation={self.dilation}, "
+                f"bias={self.bias is not None}")
+
+
+__all__ = ["Conv3d", "ConvTranspose3d"]

@@ -1,0 +1,163 @@
+"""``Module``: a layer with parameters, buffers, sub-layers and a hand-written backward.
+
+There is no autograd: ``forward(x)`` keeps what its backward needs, and
+``backward(dy) -> dx`` uses it once, *accumulates* the parameter gradients with
+``Parameter.accumulate_grad`` (which fires the gradient-synchronisation hook)
+and returns the input gradient.  Containers call their children's backward in
+reverse order.
+
+Names follow PyTorch (``"0.weight"``, ``"3.running_mean"``), so a ``state_dict``
+maps one to one onto the equivalent torch model's.  Registration order is the
+order of ``parameters()``, which gradient bucketing relies on.
+"""
+from __future__ import annotations
+
+from ..backend import array_module, to_host
+from .parameter import Parameter
+
+
+class Module:
+    def __init__(self):
+        self._parameters: dict[str, Parameter] = {}
+        self._buffers: dict[str, object] = {}    # arrays updated in place (running stats)
+        self._modules: dict[str, Module] = {}
+        self._cache = None                         # what forward keeps for backward
+        self.training = True
+
+    # ------------------------------------------------------------ registration
+    def add_parameter(self, name: str, data) -> Parameter:
+        param = Parameter(data, name)
+        self._parameters[name] = param
+        return param
+
+    def add_buffer(self, name: str, data):
+        self._buffers[name] = data
+        return data
+
+    def add_module(self, name: str, module: "Module") -> "Module":
+        if not isinstance(module, Module):
+            raise ValueError(f"module {name!r} must be a refimpl.nn Module, got {type(module).__name__}")
+        self._modules[name] = module
+        for sub, param in module.named_parameters():
+            param.name = f"{name}.{sub}"
+        return module
+
+    # ------------------------------------------------------------ computation
+    def forward(self, x):
+        raise NotImplementedError
+
+    def backward(self, dy):
+        raise NotImplementedError
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def _save(self, *values):
+        self._cache = values
+
+    def _saved(self):
+        """The values saved by forward, released so memory is freed after backward."""
+        if self._cache is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a forward before it")
+        values, self._cache = self._cache, None
+        return values
+
+    # ------------------------------------------------------------ traversal
+    def children(self):
+        return list(self._modules.values())
+
+    def named_parameters(self, prefix: str = ""):
+        """(name, Parameter) pairs: this module's in registration order, then each child's."""
+        out = [(prefix + name, p) for name, p in self._parameters.items()]
+        for name, child in self._modules.items():
+            out += child.named_parameters(f"{prefix}{name}.")
+        return out
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self, prefix: str = ""):
+        out = [(prefix + name, b) for name, b in self._buffers.items()]
+        for name, child in self._modules.items():
+            out += child.named_buffers(f"{prefix}{name}.")
+        return out
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.zero_grad()
+
+    def train(self, mode: bool = True) -> "Module":
+        self.training = mode
+        for child in self._modules.values():
+            child.train(mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Host (NumPy) copies of every parameter and buffer, PyTorch-style names."""
+        state = {name: to_host(p.data).copy() for name, p in self.named_parameters()}
+        state.update({name: to_host(b).copy() for name, b in self.named_buffers()})
+        return state
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy values into the existing arrays (in place, so optimiser references stay valid)."""
+        targets = {name: p.data for name, p in self.named_parameters()}
+        targets.update(self.named_buffers())
+        if strict:
+            missing = sorted(set(targets) - set(state))
+            unexpected = sorted(set(state) - set(targets))
+            if missing or unexpected:
+                raise ValueError(f"state_dict does not match the model: missing {missing}, "
+                                 f"unexpected {unexpected}")
+        for name, target in targets.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            target[...] = array_module(target).asarray(value, dtype=target.dtype)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not self._modules:
+            return head + ")"
+        lines = [f"  ({name}): " + repr(m).replace("\n", "\n  ") for name, m in self._modules.items()]
+        return head + "\n" + "\n".join(lines) + "\n)"
+
+
+class Sequential(Module):
+    """Layers applied in order; backward runs them in reverse."""
+
+    def __init__(self, *layers: Module):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def forward(self, x):
+        for layer in self._modules.values():
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy):
+        for layer in reversed(list(self._modules.values())):
+            dy = layer.backward(dy)
+        return dy
+
+    def __getitem__(self, i: int) -> Module:
+        return list(self._modules.values())[i]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+__all__ = ["Module", "Sequential"]

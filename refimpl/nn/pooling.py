@@ -1,0 +1,68 @@
+"""MaxPool3d and AvgPool3d layers (no parameters).
+
+As in the conv layers, ``local_forward``/``local_backward`` take the padding
+explicitly so that a spatially partitioned subclass can run them on a block it
+has already extended with halos (and -inf / zero padding at the domain edge).
+"""
+from __future__ import annotations
+
+from ..functional._args import triple
+from ..functional.pooling import avg_pool3d, avg_pool3d_backward, max_pool3d, max_pool3d_backward
+from .module import Module
+
+
+class MaxPool3d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
+        super().__init__()
+        self.kernel_size = triple(kernel_size, "kernel_size", 1)
+        self.stride = self.kernel_size if stride is None else triple(stride, "stride", 1)
+        self.padding = triple(padding, "padding", 0)
+        self.dilation = triple(dilation, "dilation", 1)
+
+    def local_forward(self, x, padding):
+        return max_pool3d(x, self.kernel_size, self.stride, padding, self.dilation)
+
+    def local_backward(self, dy, x, padding):
+        return max_pool3d_backward(dy, x, self.kernel_size, self.stride, padding, self.dilation)
+
+    def forward(self, x):
+        self._save(x)
+        return self.local_forward(x, self.padding)
+
+    def backward(self, dy):
+        (x,) = self._saved()
+        return self.local_backward(dy, x, self.padding)
+
+    def extra_repr(self):
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation={self.dilation}")
+
+
+class AvgPool3d(Module):
+    """Average pooling with count_include_pad=True (divisor = kernel volume)."""
+
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size = triple(kernel_size, "kernel_size", 1)
+        self.stride = self.kernel_size if stride is None else triple(stride, "stride", 1)
+        self.padding = triple(padding, "padding", 0)
+
+    def local_forward(self, x, padding):
+        return avg_pool3d(x, self.kernel_size, self.stride, padding)
+
+    def local_backward(self, dy, x, padding):
+        return avg_pool3d_backward(dy, x, self.kernel_size, self.stride, padding)
+
+    def forward(self, x):
+        self._save(x)
+        return self.local_forward(x, self.padding)
+
+    def backward(self, dy):
+        (x,) = self._saved()
+        return self.local_backward(dy, x, self.padding)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+__all__ = ["MaxPool3d", "AvgPool3d"]

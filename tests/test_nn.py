@@ -1,0 +1,204 @@
+"""refimpl.nn layers vs equivalent PyTorch models with the same weights (float64)."""
+import numpy as np
+import pytest
+
+from refimpl.nn.activation import LeakyReLU, ReLU, ScaledTanh, Tanh
+from refimpl.nn.batch_norm import BatchNorm3d
+from refimpl.nn.conv import Conv3d, ConvTranspose3d
+from refimpl.nn.dropout import Dropout
+from refimpl.nn.linear import Flatten, Linear
+from refimpl.nn.module import Module, Sequential
+from refimpl.nn.pooling import AvgPool3d, MaxPool3d
+
+torch = pytest.importorskip("torch", reason="PyTorch absent: pip install 'refimpl[oracle]'")
+tnn = torch.nn
+
+
+def rel_err(a, b, floor=1e-300):
+    """max|a - b| / max(max|b|, floor)."""
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), floor))
+
+
+def classifier(rng, dtype=np.float64):
+    """conv -> bn -> relu -> pool -> flatten -> linear, input (N, 2, 7, 6, 5)."""
+    return Sequential(
+        Conv3d(2, 3, (3, 2, 3), stride=(1, 2, 1), padding=(1, 0, 2), rng=rng, dtype=dtype),
+        BatchNorm3d(3, dtype=dtype),
+        ReLU(),
+        MaxPool3d(2, stride=(2, 1, 2), padding=(1, 0, 0)),
+        Flatten(),
+        Linear(3 * 4 * 2 * 3, 4, rng=rng, dtype=dtype))
+
+
+def torch_classifier():
+    return tnn.Sequential(
+        tnn.Conv3d(2, 3, (3, 2, 3), stride=(1, 2, 1), padding=(1, 0, 2)),
+        tnn.BatchNorm3d(3), tnn.ReLU(), tnn.MaxPool3d(2, stride=(2, 1, 2), padding=(1, 0, 0)),
+        tnn.Flatten(), tnn.Linear(3 * 4 * 2 * 3, 4)).double()
+
+
+def upsampler(rng, dtype=np.float64):
+    """deconv -> leaky -> avgpool -> conv(dilated) -> bn -> tanh -> flatten -> linear -> 1.2 tanh."""
+    return Sequential(
+        ConvTranspose3d(2, 3, (3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 0), output_padding=(1, 0, 1),
+                        dilation=(1, 2, 1), rng=rng, dtype=dtype),
+        LeakyReLU(0.3),
+        AvgPool3d((2, 1, 3), stride=(1, 2, 2), padding=(1, 0, 1)),
+        Conv3d(3, 2, 2, dilation=(2, 1, 1), bias=False, rng=rng, dtype=dtype),
+        BatchNorm3d(2, dtype=dtype), Tanh(), Flatten(),
+        Linear(80, 3, rng=rng, dtype=dtype), ScaledTanh(1.2))
+
+
+class TorchScaledTanh(tnn.Module):
+    def forward(self, x):
+        return 1.2 * torch.tanh(x)
+
+
+def torch_upsampler():
+    return tnn.Sequential(
+        tnn.ConvTranspose3d(2, 3, (3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 0),
+                            output_padding=(1, 0, 1), dilation=(1, 2, 1)),
+        tnn.LeakyReLU(0.3), tnn.AvgPool3d((2, 1, 3), stride=(1, 2, 2), padding=(1, 0, 1)),
+        tnn.Conv3d(3, 2, 2, dilation=(2, 1, 1), bias=False), tnn.BatchNorm3d(2), tnn.Tanh(),
+        tnn.Flatten(), tnn.Linear(80, 3), TorchScaledTanh()).double()
+
+
+def copy_to_torch(model, tmodel):
+    state = {k: torch.tensor(v) for k, v in model.state_dict().items()}
+    missing, unexpected = tmodel.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("num_batches_tracked") for k in missing)
+
+
+def compare_with_torch(model, tmodel, x_shape, seed, steps=2):
+    """Train-mode forward/backward for ``steps`` steps, then an eval forward; all vs torch."""
+    rng = np.random.default_rng(seed)
+    copy_to_torch(model, tmodel)
+    for _ in range(steps):
+        x = rng.standard_normal(x_shape)
+        xt = torch.tensor(x, requires_grad=True)
+        yt = tmodel(xt)
+        y = model.forward(x)
+        assert rel_err(y, yt.detach().numpy()) <= 1e-10
+        dy = rng.standard_normal(y.shape)
+        yt.backward(torch.tensor(dy))
+        assert rel_err(model.backward(dy), xt.grad.numpy()) <= 1e-10
+    tparams = dict(tmodel.named_parameters())
+    # accumulated over the steps, as in torch; a conv bias feeding batch norm has a true
+    # gradient of exactly 0 (rounding noise ~1e-15): hence the floor of 1 on the scale
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, tparams[name].grad.numpy(), floor=1.0) <= 1e-10, name
+    tbuffers = dict(tmodel.named_buffers())
+    for name, b in model.named_buffers():
+        assert rel_err(b, tbuffers[name].numpy()) <= 1e-10, name
+    model.eval(), tmodel.eval()
+    x = rng.standard_normal(x_shape)
+    assert rel_err(model.forward(x), tmodel(torch.tensor(x)).detach().numpy()) <= 1e-10
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_classifier_matches_torch(seed):
+    compare_with_torch(classifier(np.random.default_rng(seed)), torch_classifier(), (3, 2, 7, 6, 5), seed)
+
+
+def test_upsampler_matches_torch():
+    model = upsampler(np.random.default_rng(5))
+    compare_with_torch(model, torch_upsampler(), (2, 2, 3, 4, 4), 5)
+
+
+def test_names_order_and_state_dict_keys_match_torch():
+    model = classifier(np.random.default_rng(0))
+    tkeys = [k for k in torch_classifier().state_dict() if not k.endswith("num_batches_tracked")]
+    assert sorted(model.state_dict()) == sorted(tkeys)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in torch_classifier().named_parameters()]
+    assert [p.name for p in model.parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_default_init_bounds_dtype_and_reproducibility():
+    conv = Conv3d(4, 8, (3, 3, 2), rng=np.random.default_rng(0))
+    deconv = ConvTranspose3d(4, 8, 3, rng=np.random.default_rng(0))
+    lin = Linear(50, 10, rng=np.random.default_rng(0))
+    for layer, fan_in in ((conv, 4 * 18), (deconv, 8 * 27), (lin, 50)):
+        bound = 1 / np.sqrt(fan_in)
+        for p in layer.parameters():
+            assert p.data.dtype == np.float32
+            assert np.abs(p.data).max() <= bound
+        assert np.abs(layer.weight.data).max() > 0.9 * bound     # fills the interval
+    again = Conv3d(4, 8, (3, 3, 2), rng=np.random.default_rng(0))
+    assert np.array_equal(conv.weight.data, again.weight.data) and np.array_equal(conv.bias.data, again.bias.data)
+    other = Conv3d(4, 8, (3, 3, 2), rng=np.random.default_rng(1))
+    assert not np.array_equal(conv.weight.data, other.weight.data)
+    with pytest.raises(ValueError, match="rng must be a numpy.random.Generator"):
+        Conv3d(1, 1, 1, rng=0)
+
+
+def test_zero_grad_and_accumulation():
+    model = classifier(np.random.default_rng(2))
+    ready = []
+    for p in model.parameters():
+        p.on_grad_ready = lambda param: ready.append(param.name)
+    x = np.random.default_rng(3).standard_normal((2, 2, 7, 6, 5))
+    dy = np.random.default_rng(4).standard_normal(model.forward(x).shape)
+    model.backward(dy)
+    first = {n: p.grad.copy() for n, p in model.named_parameters()}
+    # backward order: last layer first; each parameter reported once
+    assert ready == ["5.weight", "5.bias", "1.weight", "1.bias", "0.weight", "0.bias"]
+    model.forward(x)  # same batch: same batch-norm statistics, same gradients, added
+    model.backward(dy)
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, 2 * first[n], floor=1.0) <= 1e-12, n
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="backward called without a forward"):
+        model.backward(dy)
+
+
+def test_state_dict_round_trip():
+    src = classifier(np.random.default_rng(6))
+    x = np.random.default_rng(7).standard_normal((2, 2, 7, 6, 5))
+    src.forward(x)                       # moves the running statistics
+    state = src.state_dict()
+    dst = classifier(np.random.default_rng(8))
+    dst.load_state_dict(state)
+    for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert np.array_equal(a, b), name
+    src.eval(), dst.eval()
+    assert np.array_equal(src.forward(x), dst.forward(x))
+    state["0.weight"][...] = 0           # a copy: the model is untouched
+    assert np.abs(src[0].weight.data).max() > 0
+    with pytest.raises(ValueError, match=r"missing \['5.bias'\]"):
+        dst.load_state_dict({k: v for k, v in state.items() if k != "5.bias"})
+    with pytest.raises(ValueError, match="has shape"):
+        dst.load_state_dict({**state, "1.running_mean": np.zeros(4)})
+
+
+def test_dropout_layer():
+    x = np.random.default_rng(9).standard_normal((2, 3, 4, 4, 4))
+    layer = Dropout(0.25, seed=3)
+    y1 = layer.forward(x)
+    dx = layer.backward(np.ones_like(x))
+    kept = y1 != 0
+    assert np.allclose(y1[kept], x[kept] / 0.75) and np.allclose(dx[kept], 1 / 0.75)
+    assert np.all(dx[~kept] == 0)
+    y2 = layer.forward(x)
+    assert not np.array_equal(y1 != 0, y2 != 0)                  # a fresh mask per step
+    replay = Dropout(0.25, seed=3)
+    assert np.array_equal(replay.forward(x), y1)                 # reproducible from the seed
+    layer.eval()
+    assert layer.forward(x) is x and layer.backward(x) is x
+
+
+def test_train_eval_propagate_and_bad_arguments():
+    model = classifier(np.random.default_rng(0))
+    model.eval()
+    assert not any(m.training for m in model)
+    model.train()
+    assert all(m.training for m in model)
+    with pytest.raises(ValueError, match="x has 4 channels but BatchNorm3d expects 3"):
+        BatchNorm3d(3).forward(np.ones((2, 4, 2, 2, 2), np.float32))
+    with pytest.raises(ValueError, match="in_channels must be a positive integer"):
+        Conv3d(0, 2, 3, rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="kernel_size must be >= 1"):
+        MaxPool3d(0)
+    with pytest.raises(ValueError, match="module '0' must be a refimpl.nn Module"):
+        Sequential(torch.nn.ReLU())
+    assert isinstance(model, Module) and "Conv3d(2, 3" in repr(model)
