@@ -1,0 +1,238 @@
+"""Bucketed gradient allreduce, overlapped with backward.
+
+Data-parallel training averages every gradient over the data-parallel
+replicas.  Reducing each parameter separately costs one latency per
+parameter; reducing everything after backward leaves the network idle while
+backward runs.  The remedy (Intel MLSL, Sridharan et al. 2018; PyTorch DDP)
+is to pack gradients into a few flat *buckets* in the order backward produces
+them -- the reverse of the forward (registration) order -- and to start a
+non-blocking allreduce of a bucket as soon as its last gradient is written,
+while backward goes on computing the earlier layers.  The first bucket is kept
+small so that communication starts early.
+
+Spatial shards: a layer split over the spatial group holds the full weight on
+every spatial rank, and each rank's dW, db is a *partial sum* over its block.
+The true gradient is summed over the spatial group and averaged over the data
+group.  Both happen in one reduction over the product group (data x spatial):
+sum over all of its ranks, then divide by the data-group size -- never a sum
+followed by a second reduction (that would double count).
+
+Python has no progress thread: an allreduce advances only when someone calls
+into MPI.  Every gradient hook therefore also ``test()``-s the buckets in
+flight.  Buckets are started strictly in bucket order on every rank (a bucket
+that is ready early waits for the ones before it), so all ranks start the same
+collectives in the same order even when a parameter is unused on some ranks.
+
+Usage, per step::
+
+    sync = GradientSynchronizer(model.parameters(), data_comm, spatial_comm)
+    loss.backward(...)        # hooks start bucket allreduces as gradients appear
+    sync.finish()             # wait, average, write the gradients back
+    optimizer.step()
+
+``with sync.no_sync(): ...`` runs backward without synchronising (gradient
+accumulation); the next synchronised step reduces the accumulated sum.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from mpi4py import MPI
+
+from ..backend import array_module
+from .collectives import ALGORITHMS, start_allreduce
+
+MIB = 1 << 20
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together in one flat buffer."""
+    params: list                     # in backward (reverse registration) order
+    offsets: list                    # element offset of each param in flat, plus the end
+    flat: object                     # (n,) reduction buffer, dtype of its params
+    ready: set = field(default_factory=set)   # ids of params hooked this step
+    handle: object = None            # AllreduceHandle while in flight
+    started_at: float = 0.0
+    done_at: float | None = None     # first time test() saw it finished
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+
+def make_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[Bucket]:
+    """Pack params (given in backward order) into buckets of one dtype and array module.
+
+    A bucket is closed when the next parameter would take it past its cap
+    (``first_bucket_bytes`` for the first, ``bucket_bytes`` after), or has another
+    dtype; a parameter larger than the cap gets a bucket of its own.
+    """
+    groups, current, size = [], [], 0
+    for param in params:
+        cap = first_bucket_bytes if not groups else bucket_bytes
+        same_kind = not current or (param.data.dtype == current[0].data.dtype
+                                    and array_module(param.data) is array_module(current[0].data))
+        if current and (size + param.data.nbytes > cap or not same_kind):
+            groups.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += param.data.nbytes
+    if current:
+        groups.append(current)
+    buckets = []
+    for group in groups:
+        offsets = [0]
+        for param in group:
+            offsets.append(offsets[-1] + param.data.size)
+        xp = array_module(group[0].data)
+        buckets.append(Bucket(group, offsets, xp.zeros(offsets[-1], dtype=group[0].data.dtype)))
+    return buckets
+
+
+def product_comm(data_comm, spatial_comm):
+    """The communicator of the data x spatial group containing this rank.
+
+    Built from the world ranks of every spatial peer's data group.  The two
+    communicators must be orthogonal (each data group meets each spatial group
+    in one rank); collective over ``spatial_comm``, then over the product group.
+    """
+    if spatial_comm is None or spatial_comm.Get_size() == 1:
+        return data_comm
+    if data_comm.Get_size() == 1:
+        return spatial_comm
+    world = MPI.COMM_WORLD
+    mine = MPI.Group.Translate_ranks(data_comm.Get_group(), list(range(data_comm.Get_size())),
+                                     world.Get_group())
+    members = sorted({r for group in spatial_comm.allgather(list(mine)) for r in group})
+    if len(members) != data_comm.Get_size() * spatial_comm.Get_size():
+        raise ValueError("data_comm and spatial_comm must be orthogonal: their product group has "
+                         f"{len(members)} ranks, expected {data_comm.Get_size()} x {spatial_comm.Get_size()}")
+    if len(members) == world.Get_size():
+        return world
+    return world.Create_group(world.Get_group().Incl(members))
+
+
+class GradientSynchronizer:
+    """Sum gradients over data x spatial, average over data, bucketed and overlapped.
+
+    ``params``: the model's Parameters in registration (forward) order.
+    ``reduce_comm``: the product group, if the caller already has it (e.g.
+    from a process grid); otherwise built by ``product_comm``.
+    ``algorithm`` and ``algorithm_options``: see refimpl.parallel.collectives.
+    """
+
+    def __init__(self, params, data_comm, spatial_comm=None, bucket_bytes: int = 25 * MIB,
+                 first_bucket_bytes: int = 1 * MIB, algorithm: str = "native", overlap: bool = True,
+                 reduce_comm=None, **algorithm_options):
+        params = list(params)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
+            if isinstance(value, bool) or int(value) != value or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("params must not repeat a Parameter")
+        self.data_size = data_comm.Get_size()
+        self.reduce_comm = reduce_comm if reduce_comm is not None else product_comm(data_comm, spatial_comm)
+        self.algorithm, self.algorithm_options = algorithm, algorithm_options
+        self.overlap = overlap
+        self.buckets = make_buckets(params[::-1], bucket_bytes, first_bucket_bytes)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0            # index of the next bucket to start
+        self._syncing = True
+        self._step_began = None
+        self.history = []         # one record (dict) per synchronised step
+        for param in params:
+            param.on_grad_ready = self._grad_ready
+
+    # ------------------------------------------------------------ during backward
+
+    def _grad_ready(self, param) -> None:
+        """Parameter.accumulate_grad hook: mark ready, start full buckets, make progress."""
+        if not self._syncing:
+            return
+        if self._step_began is None:
+            self._step_began = time.perf_counter()
+        bucket = self._bucket_of[id(param)]
+        if bucket.handle is not None:
+            raise RuntimeError(
+                f"gradient of {param.name or 'a parameter'} arrived after its bucket was sent; "
+                "a parameter used twice must accumulate once per backward (or use overlap=False)")
+        bucket.ready.add(id(param))
+        if self.overlap:
+            while self._next < len(self.buckets) and \
+                    len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+                self._start(self.buckets[self._next])
+            self._progress()
+
+    def _start(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients (None counts as zeros) into its buffer and start the sum."""
+        for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+            if param.grad is None:
+                bucket.flat[lo:hi] = 0
+            else:
+                bucket.flat[lo:hi] = param.grad.reshape(-1)
+        bucket.started_at, bucket.done_at = time.perf_counter(), None
+        bucket.handle = start_allreduce(bucket.flat, self.reduce_comm, self.algorithm,
+                                        **self.algorithm_options)
+        self._next += 1
+
+    def _progress(self) -> None:
+        """Advance every bucket in flight as far as it goes without blocking."""
+        for bucket in self.buckets[:self._next]:
+            if bucket.done_at is None and bucket.handle.test():
+                bucket.done_at = time.perf_counter()
+
+    # ------------------------------------------------------------ after backward
+
+    def finish(self) -> None:
+        """Start what is left, wait for every bucket, average and write ``param.grad``.
+
+        Inside ``no_sync()`` this does nothing (gradients stay local sums).
+        """
+        if not self._syncing:
+            return
+        backward_end = time.perf_counter()
+        started_in_backward = self._next
+        in_flight = sum(min(b.done_at or backward_end, backward_end) - b.started_at
+                        for b in self.buckets[:self._next])
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        for bucket in self.buckets:
+            bucket.handle.wait()
+        finished = time.perf_counter()
+        for bucket in self.buckets:
+            for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+                param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / self.data_size
+            bucket.ready.clear()
+            bucket.handle = None
+        self._next = 0
+        self.history.append({
+            "buckets": len(self.buckets),
+            "started_in_backward": started_in_backward,
+            "in_flight_during_backward_s": in_flight,   # summed over buckets
+            "wait_s": finished - backward_end,          # time finish() blocked
+            "backward_s": backward_end - (self._step_began or backward_end),  # first hook -> finish
+        })
+        self._step_began = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip synchronisation: backward inside accumulates gradients locally only."""
+        if any(b.handle is not None or b.ready for b in self.buckets):
+            raise RuntimeError("no_sync() entered while a synchronised backward is unfinished; "
+                               "call finish() first")
+        self._syncing = False
+        try:
+            yield self
+        finally:
+            self._syncing = True
+
+    def detach(self) -> None:
+        """Remove the hooks from the parameters."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.on_grad_ready = None
