@@ -9,13 +9,14 @@ from __future__ import annotations
 
 
 class Parameter:
-    __slots__ = ("data", "grad", "name", "on_grad_ready")
+    __slots__ = ("data", "grad", "name", "on_grad_ready", "spatial_replicated")
 
     def __init__(self, data, name: str = ""):
         self.data = data
         self.grad = None
         self.name = name
         self.on_grad_ready = None  # callback(param), set by gradient synchronisation
+        self.spatial_replicated = False
 
     def accumulate_grad(self, g) -> None:
         """grad += g (grad starts as None after zero_grad)."""
