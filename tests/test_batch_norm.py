@@ -15,8 +15,9 @@ from refimpl.functional.batch_norm import (
 torch = pytest.importorskip("torch", reason="PyTorch absent: pip install 'refimpl[oracle]'")
 
 
-def rel_err(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), 1e-300))
+def rel_err(a, b, floor=1e-300):
+    """max|a - b| / max(max|b|, floor)."""
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), floor))
 
 
 def directional_fd_err(f, x, dx, dy, h=1e-6, seed=0):
@@ -50,7 +51,10 @@ def test_batch_norm3d_matches_torch(shape, seed, training):
     y, cache = batch_norm3d(x, gamma, beta, rmean, rvar, training=training, momentum=0.1, eps=1e-5)
     dx, dgamma, dbeta = batch_norm3d_backward(dy, cache)
     assert rel_err(y, yt.detach().numpy()) <= 1e-10
-    assert rel_err(dx, xt.grad.numpy()) <= 1e-10
+    # dx is a difference of O(|dy| gamma inv_std) terms that can nearly cancel (n = 2 makes
+    # it ~eps/var): measure its error on that scale
+    scale = np.max(np.abs(dy)) * np.max(gamma / np.sqrt(x.var(axis=(0, 2, 3, 4)) + 1e-5))
+    assert rel_err(dx, xt.grad.numpy(), floor=scale) <= 1e-10
     assert rel_err(dgamma, gt.grad.numpy()) <= 1e-10
     assert rel_err(dbeta, bt.grad.numpy()) <= 1e-10
     assert rel_err(rmean, rmean_t.numpy()) <= 1e-10   # updated in place (training) or untouched
