@@ -191,9 +191,11 @@ def test_serial_emulation_of_the_exchange_fills_every_needed_input(plan):
         index = tuple(slice(a, b) for a, b in plan.needed(c))
         np.testing.assert_array_equal(have[c][index], truth[index])
     predicted = bytes_sent(plan, itemsize=8, channels=2, batch=3)
+    returned = bytes_sent(plan, itemsize=8, channels=2, batch=3, adjoint=True)
     for r, c in enumerate(ranks):
         volume = sum(m.volume for a in range(3) for m in plan.sends(c, a))
         assert predicted[r] == volume * 8 * 2 * 3
+    assert sum(predicted) == sum(returned)  # the adjoint sends every piece back
 
 
 def test_need_past_the_neighbour_is_served_by_every_owner():

@@ -301,15 +301,17 @@ def transposed_conv_halo_plan(global_in_shape, grid_dims, kernel, stride=1, padd
     return HaloPlan(tuple(axes))
 
 
-def bytes_sent(plan: HaloPlan, itemsize: int, channels: int, batch: int) -> list[int]:
-    """Bytes each spatial rank (row-major) sends in one forward halo exchange.
+def bytes_sent(plan: HaloPlan, itemsize: int, channels: int, batch: int, adjoint: bool = False) -> list[int]:
+    """Bytes each spatial rank (row-major) sends in one halo exchange.
 
-    The adjoint exchange sends the same volume back along the same routes.
+    Forward: the owned pieces it serves; adjoint: the ghost gradients it returns,
+    i.e. what it received in the forward exchange (the same routes, reversed).
     """
     dims = plan.grid_dims
     per_rank = []
     for rank in range(dims[0] * dims[1] * dims[2]):
         coords = grid_coords(rank, dims)
-        volume = sum(m.volume for axis in range(3) for m in plan.sends(coords, axis))
+        messages = plan.recvs if adjoint else plan.sends
+        volume = sum(m.volume for axis in range(3) for m in messages(coords, axis))
         per_rank.append(volume * itemsize * channels * batch)
     return per_rank

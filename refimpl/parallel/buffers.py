@@ -1,0 +1,88 @@
+"""The one switch between device arrays and MPI: CUDA-aware or host-staged.
+
+Every buffer refimpl hands to MPI goes through here:
+
+- ``send_buffer(a)``: a C-contiguous array MPI may read now.  Host arrays pass
+  through.  A device array first waits for its stream (a kernel may still be
+  writing it: ``backend.synchronize``), then is handed over directly when MPI is
+  CUDA-aware, or copied to host memory when it is not.
+- ``recv_buffer(shape, dtype, like)``: where MPI writes a message meant for an
+  array like ``like``: device memory when ``like`` is on the device and MPI is
+  CUDA-aware, host memory otherwise.
+- ``finish_recv(buf, like)``: the received data in ``like``'s memory (copies a
+  staged host buffer to the device).
+
+"Device array" means: exposes ``__cuda_array_interface__`` (CuPy arrays do, and
+so does a host array wrapped in that interface, which is how the tests drive
+this code path without a GPU: mpi4py hands the interface's pointer to MPI
+either way).  Allocations and host<->device copies go through the array's
+module, ``array_module(a)`` (``cupy``); tests replace it with a host stand-in.
+
+CUDA-aware MPI is off unless ``REFIMPL_CUDA_AWARE=1`` (or ``set_cuda_aware(True)``):
+staging through the host is always correct; direct device buffers need an MPI
+built with CUDA support.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy
+
+from .. import backend
+from ..backend import array_module
+
+_TRUE = ("1", "true", "yes", "on")
+_cuda_aware = os.environ.get("REFIMPL_CUDA_AWARE", "0").strip().lower() in _TRUE
+
+
+def set_cuda_aware(flag: bool) -> None:
+    """Hand device buffers to MPI directly (True) or stage them through host memory (False)."""
+    global _cuda_aware
+    _cuda_aware = bool(flag)
+
+
+def cuda_aware() -> bool:
+    return _cuda_aware
+
+
+def is_device(a) -> bool:
+    """True for arrays in device memory: anything exposing ``__cuda_array_interface__``."""
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def _c_contiguous(a) -> bool:
+    """C-contiguity from the array interface (strides None means C-contiguous)."""
+    iface = a.__cuda_array_interface__
+    strides = iface.get("strides")
+    if strides is None:
+        return True
+    expected, step = [], numpy.dtype(iface["typestr"]).itemsize
+    for n in reversed(iface["shape"]):
+        expected.append(step)
+        step *= n
+    return all(n <= 1 or s == e for n, s, e in zip(iface["shape"], strides, reversed(expected)))
+
+
+def send_buffer(a):
+    """A contiguous buffer of ``a`` that MPI may read now (device or host, per the switch)."""
+    xp = array_module(a)
+    if not is_device(a):
+        return xp.ascontiguousarray(a)
+    if not _c_contiguous(a):
+        a = xp.ascontiguousarray(a)
+    backend.synchronize(a)  # the stream must have finished writing a before MPI reads it
+    return a if _cuda_aware else xp.asnumpy(a)
+
+
+def recv_buffer(shape, dtype, like):
+    """An uninitialised buffer MPI can write a message for an array like ``like`` into."""
+    if is_device(like) and _cuda_aware:
+        return array_module(like).empty(tuple(shape), dtype=dtype)
+    return numpy.empty(tuple(shape), dtype=dtype)
+
+
+def finish_recv(buf, like):
+    """The received ``buf`` in ``like``'s memory: staged host data is copied to the device."""
+    if is_device(like) and not is_device(buf):
+        return array_module(like).asarray(buf)
+    return buf
