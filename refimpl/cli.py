@@ -11,7 +11,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("refimpl.commands.demo", "run one conv layer forward/backward and check it against finite differences"),
+    "check-layer": ("refimpl.commands.check_layer",
+                    "run one spatially partitioned layer under mpiexec and compare it with the unpartitioned oracle"),
     "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
 }
 
