@@ -8,7 +8,7 @@ gradient bookkeeping in ``backward``.
 from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
-from ..functional._args import triple
+from ..functional._args import transposed_out_size, triple, window_out_size
 from ..functional.conv3d import conv3d, conv3d_backward
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from .init import check_rng, uniform_fan_in
@@ -48,6 +48,10 @@ class Conv3d(Module):
     def local_backward(self, dy, x, padding):
         """(dx, dw, db) of local_forward."""
         return conv3d_backward(dy, x, self.weight.data, self.stride, padding, self.dilation)
+
+    def setup(self, global_in_shape):
+        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
+            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation))
 
     def forward(self, x):
         self._save(x)
@@ -100,6 +104,11 @@ class ConvTranspose3d(Module):
         """(dx, dw, db) of local_forward."""
         return conv_transpose3d_backward(dy, x, self.weight.data, self.stride, padding,
                                          output_padding, self.dilation)
+
+    def setup(self, global_in_shape):
+        return tuple(transposed_out_size(n, k, s, p, d, op) for n, k, s, p, d, op in zip(
+            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation,
+            self.output_padding))
 
     def forward(self, x):
         self._save(x)

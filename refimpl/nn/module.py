@@ -52,6 +52,15 @@ class Module:
     def __call__(self, x):
         return self.forward(x)
 
+    def setup(self, global_in_shape):
+        """Prepare for inputs of global spatial extent (D, H, W); returns the output's extent.
+
+        Pointwise layers keep the extent (this default).  Window layers compute theirs;
+        their spatially partitioned versions also build their halo plans here (pure
+        index math, no message), which is why models call it once before training.
+        """
+        return tuple(global_in_shape)
+
     def _save(self, *values):
         self._cache = values
 
@@ -149,6 +158,11 @@ class Sequential(Module):
         for layer in reversed(list(self._modules.values())):
             dy = layer.backward(dy)
         return dy
+
+    def setup(self, global_in_shape):
+        for layer in self._modules.values():
+            global_in_shape = layer.setup(global_in_shape)
+        return global_in_shape
 
     def __getitem__(self, i: int) -> Module:
         return list(self._modules.values())[i]

@@ -6,7 +6,7 @@ has already extended with halos (and -inf / zero padding at the domain edge).
 """
 from __future__ import annotations
 
-from ..functional._args import triple
+from ..functional._args import triple, window_out_size
 from ..functional.pooling import avg_pool3d, avg_pool3d_backward, max_pool3d, max_pool3d_backward
 from .module import Module
 
@@ -24,6 +24,11 @@ class MaxPool3d(Module):
 
     def local_backward(self, dy, x, padding):
         return max_pool3d_backward(dy, x, self.kernel_size, self.stride, padding, self.dilation)
+
+    def setup(self, global_in_shape):
+        dilation = getattr(self, "dilation", (1, 1, 1))
+        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
+            global_in_shape, self.kernel_size, self.stride, self.padding, dilation))
 
     def forward(self, x):
         self._save(x)
@@ -52,6 +57,11 @@ class AvgPool3d(Module):
 
     def local_backward(self, dy, x, padding):
         return avg_pool3d_backward(dy, x, self.kernel_size, self.stride, padding)
+
+    def setup(self, global_in_shape):
+        dilation = getattr(self, "dilation", (1, 1, 1))
+        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
+            global_in_shape, self.kernel_size, self.stride, self.padding, dilation))
 
     def forward(self, x):
         self._save(x)
