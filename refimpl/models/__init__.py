@@ -1,0 +1,41 @@
+"""CosmoFlow and 3D U-Net on any process grid.
+
+``build_model(name, config, grid, seed)`` gives the same network (same weights,
+same dropout masks, same batch-norm statistics) on every process grid: with
+``grid=None`` the plain single-process model, otherwise each rank holds its
+block of every activation (see refimpl/models/base.py for the batch layout and
+the loss scaling that makes the synchronised gradients those of the global
+batch).
+"""
+from __future__ import annotations
+
+from ..backend import TRAIN_DTYPE
+from .cosmoflow import CosmoFlow
+from .presets import PRESETS
+from .unet3d import UNet3D
+
+MODELS = {"cosmoflow": CosmoFlow, "unet3d": UNet3D}
+
+
+def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
+                global_batch: int | None = None):
+    """The model ``name`` ("cosmoflow" | "unet3d") built from ``config``.
+
+    ``config``: a dict of overrides of the model's DEFAULTS (unknown keys raise
+    ValueError), or a preset name from ``PRESETS[name]``.  ``grid``: a
+    ProcessGrid or None.  ``global_batch``: if given, checked to be divisible by
+    the grid's Pn (ValueError on every rank, before any message) and enforced on
+    every forward.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model name must be one of {sorted(MODELS)}, got {name!r}")
+    if isinstance(config, str):
+        if config not in PRESETS[name]:
+            raise ValueError(f"no {name} preset {config!r}; presets: {sorted(PRESETS[name])}")
+        config = PRESETS[name][config]
+    if isinstance(seed, bool) or int(seed) != seed or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return MODELS[name](dict(config), grid, int(seed), dtype, global_batch)
+
+
+__all__ = ["PRESETS", "MODELS", "build_model", "CosmoFlow", "UNet3D"]

@@ -1,0 +1,220 @@
+"""What both models share: the layer factory, the batch bookkeeping and the loss reduction.
+
+One model class serves every process grid.  ``Layers`` hands out the
+unpartitioned layer (``grid=None``) or its spatially partitioned twin
+(``refimpl.nn.spatial``); both draw their initial weights from the same
+``numpy.random.Generator`` in the same order, so a seed gives the same model on
+any grid, and parameter names (hence ``state_dict``) are the same too.
+
+Batch bookkeeping: the global batch of ``B`` samples is split over the ``Pn``
+sample groups in equal parts (``B % Pn == 0``); sample group ``n`` holds samples
+``[n*B/Pn, (n+1)*B/Pn)`` and, within it, each spatial rank the balanced block
+``grid.local_block`` of every sample.
+
+Loss scaling: the gradient synchroniser sums parameter gradients over the
+spatial group and *averages* them over the data group (divides by Pn).  A loss
+normalised by the global count therefore hands back ``Pn * dL/dout`` so that the
+average of the Pn data-parallel contributions is the gradient of the global
+loss: ``(1/Pn) sum_n Pn dL/dW|_n = dL/dW``.
+"""
+from __future__ import annotations
+
+from ..backend import TRAIN_DTYPE, array_module, resolve_dtype
+from ..functional.linear import flatten, flatten_backward
+from ..nn import spatial
+from ..nn.batch_norm import BatchNorm3d
+from ..nn.conv import Conv3d, ConvTranspose3d
+from ..nn.dropout import Dropout
+from ..nn.init import check_rng
+from ..nn.linear import Linear
+from ..nn.module import Module
+from ..nn.pooling import MaxPool3d
+
+
+class FlattenLinear(Linear):
+    """Flatten (C, D, H, W) + dense in one layer: the unpartitioned SpatialFlattenLinear.
+
+    One module (not Flatten then Linear) so that parameter names are those of the
+    partitioned model and a checkpoint moves between grids unchanged.
+    """
+
+    def __init__(self, in_channels, in_features, out_features, *, rng, dtype=TRAIN_DTYPE):
+        super().__init__(in_features, out_features, rng=rng, dtype=dtype)
+        self.in_channels = int(in_channels)
+        self.bias.spatial_replicated = True
+
+    def setup(self, global_in_shape):
+        d, h, w = global_in_shape
+        if self.in_channels * d * h * w != self.in_features:
+            raise ValueError(f"in_features {self.in_features} != channels {self.in_channels} x "
+                             f"global extent {tuple(global_in_shape)}")
+        return (self.out_features,)
+
+    def forward(self, x):
+        self.x_shape = x.shape                         # (N, C, D, H, W)
+        return super().forward(flatten(x))             # (N, out)
+
+    def backward(self, dy):
+        return flatten_backward(super().backward(dy), self.x_shape)
+
+
+class Layers:
+    """Builds each layer unpartitioned (grid None) or spatially partitioned over ``grid``."""
+
+    def __init__(self, grid, rng, dtype):
+        self.grid, self.rng, self.dtype = grid, check_rng(rng), resolve_dtype(dtype)
+
+    def _kw(self):
+        return {} if self.grid is None else {"grid": self.grid}
+
+    def conv(self, c_in, c_out, kernel_size, padding=0, bias=True):
+        cls = Conv3d if self.grid is None else spatial.SpatialConv3d
+        return cls(c_in, c_out, kernel_size, padding=padding, bias=bias, rng=self.rng, dtype=self.dtype,
+                   **self._kw())
+
+    def conv_transpose(self, c_in, c_out, kernel_size, stride):
+        cls = ConvTranspose3d if self.grid is None else spatial.SpatialConvTranspose3d
+        return cls(c_in, c_out, kernel_size, stride=stride, rng=self.rng, dtype=self.dtype, **self._kw())
+
+    def max_pool(self, kernel_size):
+        return MaxPool3d(kernel_size) if self.grid is None else \
+            spatial.SpatialMaxPool3d(kernel_size, grid=self.grid)
+
+    def batch_norm(self, channels, eps=1e-5, momentum=0.1):
+        """Statistics over the whole global batch (every rank of the grid): grid-invariant."""
+        if self.grid is None:
+            return BatchNorm3d(channels, eps, momentum, dtype=self.dtype)
+        return spatial.SpatialBatchNorm3d(channels, eps, momentum, grid=self.grid, global_stats=True,
+                                          dtype=self.dtype)
+
+    def flatten_linear(self, in_channels, in_features, out_features):
+        if self.grid is None:
+            return FlattenLinear(in_channels, in_features, out_features, rng=self.rng, dtype=self.dtype)
+        return spatial.SpatialFlattenLinear(in_channels, in_features, out_features, grid=self.grid,
+                                            rng=self.rng, dtype=self.dtype)
+
+    def linear(self, in_features, out_features):
+        return Linear(in_features, out_features, rng=self.rng, dtype=self.dtype)
+
+    def dropout(self, p):
+        """Mask drawn in global-batch coordinates (``set_block`` each forward)."""
+        return spatial.SpatialDropout(p, seed=int(self.rng.integers(2 ** 63)))
+
+
+def check_positive_int(config, key, minimum=1):
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"config[{key!r}] must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_input_shape(config, divisor, what):
+    """config['input_shape'] = (C, D, H, W) with every spatial size divisible by ``divisor``."""
+    shape = tuple(config["input_shape"])
+    if len(shape) != 4 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise ValueError(f"config['input_shape'] must be 4 positive integers (C, D, H, W), got {shape}")
+    for axis, n in zip("DHW", shape[1:]):
+        if n % divisor:
+            raise ValueError(f"input size {axis}={n} of input_shape {shape} must be divisible by "
+                             f"{divisor} ({what})")
+    return shape
+
+
+def merge_config(defaults: dict, config: dict, model: str) -> dict:
+    """defaults updated by config; unknown keys raise ValueError (a typo must not pass silently)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown {model} config key(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
+class Model(Module):
+    """A model on a process grid: batch bookkeeping, input checks, loss reductions.
+
+    Subclasses set ``input_shape`` (C, D, H, W), ``task`` and build their layers,
+    then call ``self.setup_layers()``.
+    """
+
+    task = ""
+
+    def __init__(self, config, grid, dtype, global_batch):
+        super().__init__()
+        self.config, self.grid, self.dtype = config, grid, resolve_dtype(dtype)
+        self.data_parallel = 1 if grid is None else grid.dims[0]        # Pn
+        if global_batch is not None:
+            check_global_batch(global_batch, self.data_parallel)
+        self.global_batch = global_batch
+
+    # ------------------------------------------------------------ blocks
+    def local_block(self, global_dhw):
+        """This rank's slices of a (D, H, W) volume (the whole volume without a grid)."""
+        if self.grid is None:
+            return tuple(slice(0, n) for n in global_dhw)
+        return self.grid.local_block(global_dhw)
+
+    def local_samples(self, global_batch: int) -> slice:
+        """This sample group's slice of the global batch (equal parts)."""
+        n_local = check_global_batch(global_batch, self.data_parallel)
+        start = (0 if self.grid is None else self.grid.sample_coord) * n_local
+        return slice(start, start + n_local)
+
+    def local_input(self, x_global):
+        """(B, C, D, H, W) global batch -> this rank's (B/Pn, C, local block)."""
+        return x_global[(self.local_samples(x_global.shape[0]), slice(None))
+                        + tuple(self.local_block(x_global.shape[2:]))]
+
+    def local_input_shape(self, n_local: int):
+        c = self.input_shape[0]
+        block = self.local_block(self.input_shape[1:])
+        return (n_local, c) + tuple(s.stop - s.start for s in block)
+
+    def check_input(self, x):
+        """x must be this rank's block; returns the global batch size."""
+        shape = tuple(getattr(x, "shape", ()))
+        expected = self.local_input_shape(shape[0] if len(shape) == 5 else 0)
+        if shape != expected:
+            raise ValueError(f"x_local must have shape {expected} (this rank's block of a global input "
+                             f"(B, {', '.join(map(str, self.input_shape))}) on grid "
+                             f"{None if self.grid is None else self.grid.dims}), got {shape}")
+        if x.dtype != self.dtype:
+            raise ValueError(f"x_local is {x.dtype} but the model is {self.dtype.__name__}")
+        batch = x.shape[0] * self.data_parallel
+        if self.global_batch is not None and batch != self.global_batch:
+            raise ValueError(f"x_local holds {x.shape[0]} samples: {batch} over {self.data_parallel} "
+                             f"sample groups, but the model was built for global_batch {self.global_batch}")
+        return batch
+
+    def sample_offset(self, n_local: int) -> int:
+        return (0 if self.grid is None else self.grid.sample_coord) * n_local
+
+    def setup_layers(self, layers):
+        """Chain ``setup`` through ``layers`` from the input extent (pure index math)."""
+        extent = tuple(self.input_shape[1:])
+        for layer in layers:
+            extent = layer.setup(extent)
+        return extent
+
+    # ------------------------------------------------------------ reductions
+    def reduce_sums(self, sums, over: str):
+        """Sum a float64 array of local sums over 'data' (data_comm) or 'grid' (grid.comm)."""
+        if self.grid is None:
+            return sums
+        from ..parallel.collectives import allreduce
+        comm = self.grid.data_comm if over == "data" else self.grid.comm
+        xp = array_module(sums)
+        return allreduce(xp.ascontiguousarray(sums), comm)
+
+
+def check_global_batch(global_batch, data_parallel: int) -> int:
+    """B must be a positive multiple of Pn; returns B // Pn (same answer on every rank)."""
+    if isinstance(global_batch, bool) or int(global_batch) != global_batch or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+    if global_batch % data_parallel:
+        raise ValueError(f"global_batch {global_batch} must be divisible by the number of sample "
+                         f"groups Pn={data_parallel}")
+    return int(global_batch) // data_parallel
+
+
+__all__ = ["FlattenLinear", "Layers", "Model", "check_global_batch", "merge_config"]

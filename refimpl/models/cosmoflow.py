@@ -1,0 +1,114 @@
+"""CosmoFlow: regression of 4 cosmological parameters from a 3D dark-matter density volume.
+
+The MLPerf HPC reference network (Mathuriya et al. 2018; MLPerf HPC CosmoFlow),
+for L conv blocks of width ``conv_size * 2^i`` (mlperf preset: 4 x 128^3, L = 5):
+
+    x                                     (B, 4, S, S, S)
+    L x [Conv3d k=3 pad 1 -> LeakyReLU(0.3) -> MaxPool3d 2]
+      block i                             (B, conv_size * 2^i, S / 2^(i+1), ...)
+    flatten + Dense fc1_size              (B, fc1)     <- SpatialFlattenLinear on a grid
+    LeakyReLU(0.3) -> Dropout             (B, fc1)
+    Dense fc2_size -> LeakyReLU -> Dropout (B, fc2)
+    Dense num_outputs -> 1.2 tanh         (B, 4)       targets lie in [-1, 1]
+
+Loss: mean squared error over the global batch and the 4 outputs; metric: mean
+absolute error.  ``S`` must be divisible by 2^L.
+
+On a process grid every conv/pool layer holds the rank's spatial block and the
+flatten + first dense layer reduces its partial products over the spatial group,
+so the dense head runs *replicated* on every spatial rank of a sample group:
+its parameters are ``spatial_replicated`` (the synchroniser averages their equal
+gradients over the spatial group) and its dropout masks are drawn in
+global-batch coordinates, so every grid drops the same units of the same sample.
+"""
+from __future__ import annotations
+
+import numpy
+
+from ..backend import array_module
+from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
+from ..nn.activation import LeakyReLU, ScaledTanh
+from ..nn.module import Sequential
+from .base import Layers, Model, check_input_shape, check_positive_int, merge_config
+
+DEFAULTS = {
+    "input_shape": (4, 128, 128, 128),   # (C, D, H, W)
+    "conv_size": 32,                     # channels of the first conv block; block i has conv_size * 2^i
+    "n_conv_layers": 5,
+    "kernel_size": 3,                    # odd: 'same' padding k // 2
+    "fc1_size": 128,
+    "fc2_size": 64,
+    "num_outputs": 4,
+    "dropout": 0.5,
+    "leaky_slope": 0.3,
+    "output_scale": 1.2,
+}
+
+
+class CosmoFlow(Model):
+    task = "regression"
+
+    def __init__(self, config, grid, seed, dtype, global_batch=None):
+        config = merge_config(DEFAULTS, config, "cosmoflow")
+        super().__init__(config, grid, dtype, global_batch)
+        n_layers = check_positive_int(config, "n_conv_layers")
+        width, k = check_positive_int(config, "conv_size"), check_positive_int(config, "kernel_size")
+        if k % 2 == 0:
+            raise ValueError(f"config['kernel_size'] must be odd ('same' padding k // 2), got {k}")
+        fc1, fc2 = check_positive_int(config, "fc1_size"), check_positive_int(config, "fc2_size")
+        self.num_outputs = check_positive_int(config, "num_outputs")
+        if not 0.0 <= config["dropout"] < 1.0:
+            raise ValueError(f"config['dropout'] must be in [0, 1), got {config['dropout']!r}")
+        self.input_shape = check_input_shape(config, 2 ** n_layers, f"{n_layers} conv blocks each "
+                                             "halve it")
+        slope = float(config["leaky_slope"])
+        make = Layers(grid, numpy.random.default_rng(seed), dtype)
+
+        blocks, c_in = [], self.input_shape[0]
+        for i in range(n_layers):
+            c_out = width * 2 ** i
+            blocks += [make.conv(c_in, c_out, k, padding=k // 2),   # (B, c_out, s, s, s)
+                       LeakyReLU(slope),
+                       make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
+            c_in = c_out
+        self.features = self.add_module("features", Sequential(*blocks))
+        final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
+        n_flat = c_in * final[0] * final[1] * final[2]
+        self.dropouts = [make.dropout(config["dropout"]), make.dropout(config["dropout"])]
+        self.head = self.add_module("head", Sequential(
+            make.flatten_linear(c_in, n_flat, fc1), LeakyReLU(slope), self.dropouts[0],  # (B, fc1)
+            make.linear(fc1, fc2), LeakyReLU(slope), self.dropouts[1],                   # (B, fc2)
+            make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))      # (B, 4)
+        for param in self.head.parameters():     # the head runs replicated on every spatial rank
+            param.spatial_replicated = True
+        self.setup_layers([self.features, self.head])
+
+    def forward(self, x_local):
+        """(n_local, C, local block) -> (n_local, num_outputs), the same on every spatial rank."""
+        batch = self.check_input(x_local)
+        offset = self.sample_offset(x_local.shape[0])
+        for dropout, width in zip(self.dropouts, (self.config["fc1_size"], self.config["fc2_size"])):
+            dropout.set_block((batch, width), (offset, 0))
+        return self.head.forward(self.features.forward(x_local))
+
+    def backward(self, dout_local):
+        return self.features.backward(self.head.backward(dout_local))
+
+    def loss(self, out_local, target_local):
+        """MSE over the global batch and outputs; (loss, Pn * dloss/dout, {"mae": ...}).
+
+        Every spatial rank of a sample group holds the same outputs and targets, so the
+        sums are reduced over the data group only.
+        """
+        xp = array_module(out_local)
+        if tuple(target_local.shape) != tuple(out_local.shape):
+            raise ValueError(f"target_local must have shape {tuple(out_local.shape)} "
+                             f"(n_local, num_outputs), got {tuple(target_local.shape)}")
+        sums = self.reduce_sums(xp.concatenate([mse_local_sums(out_local, target_local),     # [n, sum e^2,
+                                                mae_local_sums(out_local, target_local)]),   #  n, sum |e|]
+                                over="data")
+        dout = mse_loss_backward(out_local, target_local, sums[:2], dloss=float(self.data_parallel))
+        return mean_finish(sums[:2]), dout, {"mae": mean_finish(sums[2:])}
+
+
+__all__ = ["CosmoFlow", "DEFAULTS"]

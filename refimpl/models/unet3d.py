@@ -1,0 +1,160 @@
+"""3D U-Net: voxel-wise segmentation (Cicek et al. 2016; the LBANN / MLPerf variants).
+
+With L levels and widths w_i = base_width * 2^i (tiny preset: 1 x 16^3, L = 2, w_0 = 4):
+
+    x                                              (B, C, S, S, S)
+    encoder level i = 0..L-1:
+      enc_i  = [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2   (B, w_i, S/2^i, ...)  -> skip_i
+      pool_i = MaxPool3d 2                                     (B, w_i, S/2^(i+1), ...)
+    bottleneck = [conv block] x 2                              (B, w_L, S/2^L, ...)
+    decoder level i = L-1..0:
+      up_i   = ConvTranspose3d k=2 s=2                         (B, w_i, S/2^i, ...)
+      concat (up_i, skip_i) on the channel axis                (B, 2 w_i, S/2^i, ...)
+      dec_i  = [conv block] x 2                                (B, w_i, S/2^i, ...)
+    out = Conv3d k=1 -> class logits                           (B, K, S, S, S)
+
+Convs followed by batch norm have no bias (the norm's shift replaces it, and its
+gradient would be identically zero).  Loss (config "loss"): softmax cross-entropy
+(optional class weights), soft Dice, or their sum "ce+dice"; metric: hard Dice
+of the argmax, averaged over classes.  ``S`` must be divisible by 2^L.
+
+On a process grid every layer holds the rank's spatial block.  The skip and the
+upsampled tensor are balanced blocks of the same global extent on the same grid,
+so they coincide and concatenate locally.  Batch norm statistics cover the whole
+global batch (``global_stats=True``: reduced over every rank of the grid), which
+makes the model grid-invariant.  Backward splits the concatenated gradient and
+adds the skip part to the gradient of the encoder output.
+"""
+from __future__ import annotations
+
+import numpy
+
+from ..backend import array_module, asarray
+from ..functional.losses import (
+    cross_entropy_backward, cross_entropy_local_sums, dice_score_finish, dice_score_local_sums,
+    mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums)
+from ..nn.activation import ReLU
+from ..nn.module import Sequential
+from .base import Layers, Model, check_input_shape, check_positive_int, merge_config
+
+LOSSES = ("ce", "dice", "ce+dice")
+DEFAULTS = {
+    "input_shape": (1, 128, 128, 128),   # (C, D, H, W)
+    "num_classes": 3,
+    "levels": 3,                         # poolings on the way down (and upsamplings back)
+    "base_width": 32,                    # channels of level 0; level i has base_width * 2^i
+    "loss": "ce",                        # "ce" | "dice" | "ce+dice"
+    "class_weights": None,               # cross-entropy weight per class, or None
+    "dice_eps": 1e-5,
+    "bn_eps": 1e-5,
+    "bn_momentum": 0.1,
+}
+
+
+class UNet3D(Model):
+    task = "segmentation"
+
+    def __init__(self, config, grid, seed, dtype, global_batch=None):
+        config = merge_config(DEFAULTS, config, "unet3d")
+        super().__init__(config, grid, dtype, global_batch)
+        self.levels = check_positive_int(config, "levels")
+        base = check_positive_int(config, "base_width")
+        self.num_classes = check_positive_int(config, "num_classes", minimum=2)
+        if config["loss"] not in LOSSES:
+            raise ValueError(f"config['loss'] must be one of {LOSSES}, got {config['loss']!r}")
+        self.terms = config["loss"].split("+")
+        self.class_weights = None
+        if config["class_weights"] is not None:
+            weights = numpy.asarray(config["class_weights"], dtype=numpy.float64)
+            if weights.shape != (self.num_classes,) or (weights < 0).any():
+                raise ValueError(f"config['class_weights'] must be {self.num_classes} non-negative "
+                                 f"numbers, got {config['class_weights']!r}")
+            self.class_weights = asarray(weights, dtype=self.dtype)
+        self.input_shape = check_input_shape(config, 2 ** self.levels,
+                                             f"{self.levels} levels each halve it")
+        make = Layers(grid, numpy.random.default_rng(seed), dtype)
+
+        def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2
+            return Sequential(
+                make.conv(c_in, c_out, 3, padding=1, bias=False),
+                make.batch_norm(c_out, config["bn_eps"], config["bn_momentum"]), ReLU(),
+                make.conv(c_out, c_out, 3, padding=1, bias=False),
+                make.batch_norm(c_out, config["bn_eps"], config["bn_momentum"]), ReLU())
+
+        self.widths = [base * 2 ** i for i in range(self.levels + 1)]
+        self.enc, self.pool, self.up, self.dec = [], [], [None] * self.levels, [None] * self.levels
+        c_in = self.input_shape[0]
+        for i in range(self.levels):                  # registration = forward order (for bucketing)
+            self.enc.append(self.add_module(f"enc{i}", conv_block(c_in, self.widths[i])))
+            self.pool.append(self.add_module(f"pool{i}", make.max_pool(2)))
+            c_in = self.widths[i]
+        self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
+        for i in reversed(range(self.levels)):
+            self.up[i] = self.add_module(f"up{i}", make.conv_transpose(self.widths[i + 1],
+                                                                       self.widths[i], 2, 2))
+            self.dec[i] = self.add_module(f"dec{i}", conv_block(2 * self.widths[i], self.widths[i]))
+        self.out = self.add_module("out", make.conv(self.widths[0], self.num_classes, 1))
+        self.setup_layers(self.children())   # extents: S -> S/2^L -> S (pure index math)
+
+    def forward(self, x_local):
+        """(n_local, C, local block) -> (n_local, K, local block) class logits."""
+        self.check_input(x_local)
+        xp = array_module(x_local)
+        x, skips = x_local, []
+        for enc, pool in zip(self.enc, self.pool):
+            x = enc.forward(x)                        # (n, w_i, block at level i)
+            skips.append(x)
+            x = pool.forward(x)                       # (n, w_i, block at level i+1)
+        x = self.bottleneck.forward(x)                # (n, w_L, block at level L)
+        for i in reversed(range(self.levels)):
+            up = self.up[i].forward(x)                # (n, w_i, block at level i)
+            if up.shape != skips[i].shape:            # both: balanced blocks of one global extent
+                raise RuntimeError(f"level {i}: upsampled block {up.shape} != skip block {skips[i].shape}")
+            x = self.dec[i].forward(xp.concatenate([up, skips[i]], axis=1))   # (n, w_i, ...)
+        return self.out.forward(x)                    # (n, K, local block)
+
+    def backward(self, dout_local):
+        xp = array_module(dout_local)
+        d = self.out.backward(dout_local)
+        skip_grads = [None] * self.levels
+        for i in range(self.levels):                  # decoder in reverse: level 0 first
+            d_cat = self.dec[i].backward(d)           # (n, 2 w_i, ...) = (d up, d skip)
+            w = self.widths[i]
+            skip_grads[i] = d_cat[:, w:]
+            d = self.up[i].backward(xp.ascontiguousarray(d_cat[:, :w]))
+        d = self.bottleneck.backward(d)
+        for i in reversed(range(self.levels)):
+            d = self.pool[i].backward(d) + skip_grads[i]   # the encoder output feeds pool and skip
+            d = self.enc[i].backward(d)
+        return d
+
+    def loss(self, out_local, target_local):
+        """(loss, Pn * dloss/dout, {"dice": mean hard Dice}) over the global batch and every voxel.
+
+        One allreduce over the whole grid carries every sum: cross-entropy
+        [sum w, sum w nll], soft Dice [I_k, P_k, T_k] and the hard Dice counts.
+        """
+        xp = array_module(out_local)
+        k = self.num_classes
+        pieces = [dice_score_local_sums(out_local, target_local).reshape(-1)]          # (3K,)
+        if "ce" in self.terms:
+            pieces.append(cross_entropy_local_sums(out_local, target_local, self.class_weights))  # (2,)
+        if "dice" in self.terms:
+            pieces.append(soft_dice_local_sums(out_local, target_local).reshape(-1))    # (3K,)
+        sums = self.reduce_sums(xp.concatenate(pieces), over="grid")
+        scale = float(self.data_parallel)
+        loss, dout, at = 0.0, xp.zeros_like(out_local), 3 * k
+        if "ce" in self.terms:
+            ce_sums, at = sums[at:at + 2], at + 2
+            loss += mean_finish(ce_sums)
+            dout += cross_entropy_backward(out_local, target_local, ce_sums, self.class_weights, scale)
+        if "dice" in self.terms:
+            dice_sums = sums[at:at + 3 * k].reshape(3, k)
+            eps = float(self.config["dice_eps"])
+            loss += soft_dice_finish(dice_sums, eps)
+            dout += soft_dice_backward(out_local, target_local, dice_sums, eps, scale)
+        dice = float(numpy.mean(dice_score_finish(sums[:3 * k].reshape(3, k))))
+        return loss, dout, {"dice": dice}
+
+
+__all__ = ["UNet3D", "DEFAULTS", "LOSSES"]
