@@ -94,8 +94,10 @@ def parse_args(argv=None):
     if len(channels) < 2 or min(channels) < 1:
         ap.error("--channels needs at least two positive integers (input channels, then one per block)")
     args.channels = tuple(channels)
-    args.size = args.size or (QUICK["size"] if args.quick else 128)
-    args.repeats = args.repeats or (QUICK["repeats"] if args.quick else 1)
+    if args.size is None:
+        args.size = QUICK["size"] if args.quick else 128
+    if args.repeats is None:
+        args.repeats = QUICK["repeats"] if args.quick else 1
     if args.size < 1 or args.repeats < 1:
         ap.error("--size and --repeats must be >= 1")
     if args.ranks is None and args.quick and os.environ.get("OMPI_COMM_WORLD_SIZE") is None:
