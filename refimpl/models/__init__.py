@@ -10,11 +10,13 @@ batch).
 from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
+from . import cosmoflow, unet3d
 from .cosmoflow import CosmoFlow
 from .presets import PRESETS
 from .unet3d import UNet3D
 
 MODELS = {"cosmoflow": CosmoFlow, "unet3d": UNet3D}
+DEFAULTS = {"cosmoflow": cosmoflow.DEFAULTS, "unet3d": unet3d.DEFAULTS}   # every config key, per model
 
 
 def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
@@ -38,4 +40,4 @@ def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
     return MODELS[name](dict(config), grid, int(seed), dtype, global_batch)
 
 
-__all__ = ["PRESETS", "MODELS", "build_model", "CosmoFlow", "UNet3D"]
+__all__ = ["PRESETS", "MODELS", "DEFAULTS", "build_model", "CosmoFlow", "UNet3D"]
