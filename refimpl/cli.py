@@ -14,6 +14,8 @@ COMMANDS = {
     "check-layer": ("refimpl.commands.check_layer",
                     "run one spatially partitioned layer under mpiexec and compare it with the unpartitioned oracle"),
     "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
+    "train": ("refimpl.commands.train",
+              "train CosmoFlow or 3D U-Net data x spatial parallel under mpiexec (checkpoints, metrics, plot)"),
 }
 
 

@@ -1,0 +1,219 @@
+"""Training checkpoints: one HDF5 file, checksummed, written atomically, enough to resume bit for bit.
+
+File layout (format ``refimpl-checkpoint``, version 1)::
+
+    /model/<name>            parameters (PyTorch-style names), from rank 0
+    /buffers/<n>/<name>      buffers (batch-norm running stats) of data-parallel rank n
+    /optimizer/<slot>.<i>    optimiser state (momentum buffers, Adam moments) of parameter i
+    root attributes          format, version, meta (JSON), sha256
+
+``meta`` holds everything that is not an array: step, epoch, the loader
+position (``Loader.state_dict``), the dropout counters (``Dropout.step`` per
+module: masks are counter-based, so the counter *is* the dropout RNG state),
+the state of every ``numpy.random.Generator`` a module holds, the optimiser's
+name / step count / lr, the full run config, the grid and the world size.
+
+Which rank saves what: after gradient synchronisation every rank holds the same
+parameters and optimiser state, so rank 0 writes them.  Buffers may differ
+between data-parallel ranks (batch norm with per-sample-group statistics), so
+each data rank's buffers are gathered to rank 0 and stored separately (the
+models in refimpl.models use global statistics, where they coincide).  Every
+rank reads the file on resume and takes its own data rank's buffers.
+
+Integrity: ``sha256`` is the hash of the meta JSON and of every array (name,
+dtype, shape, bytes) in sorted name order; a file whose hash does not match,
+or that is not a readable checkpoint at all, is refused with CheckpointError.
+
+Atomicity: the file is written to ``<path>.tmp-<pid>`` beside the target,
+flushed and fsync-ed, then renamed over ``path`` with ``os.replace`` (and the
+directory fsync-ed).  Until the rename the previous checkpoint is untouched, so
+a crash (or SIGKILL) mid-write leaves the last complete checkpoint in place.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import time
+
+import numpy
+
+from .backend import to_host
+
+FORMAT = "refimpl-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, damaged, or from another setup."""
+
+
+# ---------------------------------------------------------------- the file (one process)
+
+def checksum(arrays: dict, meta_json: str) -> str:
+    """sha256 over the meta JSON and every array (name, dtype, shape, bytes), names sorted."""
+    h = hashlib.sha256(meta_json.encode())
+    for name in sorted(arrays):
+        a = numpy.ascontiguousarray(arrays[name])
+        h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def write_file(path, arrays: dict, meta: dict) -> None:
+    """Write ``arrays`` (name -> host array; '/' makes groups) and ``meta`` atomically."""
+    import h5py
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    for stale in glob.glob(glob.escape(path) + ".tmp-*"):   # left by a run killed mid-write
+        os.remove(stale)
+    meta_json = json.dumps(meta, sort_keys=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["version"] = VERSION
+            f.attrs["meta"] = meta_json
+            for name in sorted(arrays):
+                f.create_dataset(name, data=numpy.ascontiguousarray(arrays[name]))
+            f.attrs["sha256"] = checksum(arrays, meta_json)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path):
+    """(arrays, meta) of a checkpoint; CheckpointError if it is missing, foreign or damaged."""
+    import h5py
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not a refimpl checkpoint "
+                                      f"(format attribute {f.attrs.get('format')!r})")
+            version = int(f.attrs.get("version", -1))
+            if version != VERSION:
+                raise CheckpointError(f"{path} has checkpoint format version {version}; "
+                                      f"this refimpl reads version {VERSION}")
+            meta_json, stored = str(f.attrs["meta"]), str(f.attrs["sha256"])
+            arrays = {}
+            f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
+                         if isinstance(obj, h5py.Dataset) else None)
+    except CheckpointError:
+        raise
+    except Exception as err:   # truncated / overwritten bytes: HDF5 raises OSError, KeyError, ...
+        raise CheckpointError(f"checkpoint {path} is damaged and cannot be read "
+                              f"({type(err).__name__}: {err})") from None
+    if checksum(arrays, meta_json) != stored:
+        raise CheckpointError(f"checkpoint {path} is damaged: its sha256 checksum does not match "
+                              "the contents (refusing to resume from it)")
+    return arrays, json.loads(meta_json)
+
+
+# ---------------------------------------------------------------- the training state
+
+def named_modules(module, prefix=""):
+    """(name, module) pairs, the module itself first ('' for the root)."""
+    out = [(prefix.rstrip("."), module)]
+    for name, child in module._modules.items():
+        out += named_modules(child, f"{prefix}{name}.")
+    return out
+
+
+def dropout_counters(model) -> dict:
+    from .nn.dropout import Dropout
+    return {name: int(m.step) for name, m in named_modules(model) if isinstance(m, Dropout)}
+
+
+def generator_states(model) -> dict:
+    """State of every numpy.random.Generator held as a module attribute ('<module>:<attr>')."""
+    out = {}
+    for name, m in named_modules(model):
+        for attr, value in vars(m).items():
+            if isinstance(value, numpy.random.Generator):
+                out[f"{name}:{attr}"] = value.bit_generator.state
+    return out
+
+
+def _set_generators(model, states: dict) -> None:
+    modules = dict(named_modules(model))
+    for key, state in states.items():
+        name, _, attr = key.rpartition(":")
+        modules[name].__dict__[attr].bit_generator.state = state
+
+
+def save(path, model, optimizer, grid, meta: dict) -> None:
+    """Collective over ``grid.comm``: gather buffers per data rank, rank 0 writes ``path``.
+
+    ``meta`` (JSON-serialisable): step, epoch, loader, config, ... ; the
+    optimiser, dropout and generator states and the grid are added here.
+    Returns after the file is complete on every rank (barrier).
+    """
+    buffers = {name: to_host(b).copy() for name, b in model.named_buffers()}
+    per_data_rank = grid.data_comm.gather(buffers, root=0)       # data rank 0 of each spatial group
+    if grid.rank == 0:
+        opt = optimizer.state_dict()
+        arrays = {f"model/{name}": to_host(p.data).copy() for name, p in model.named_parameters()}
+        for n, bufs in enumerate(per_data_rank):
+            arrays.update({f"buffers/{n}/{name}": b for name, b in bufs.items()})
+        arrays.update({f"optimizer/{key}": a for key, a in opt["arrays"].items()})
+        meta = dict(meta, optimizer={"name": opt["name"], "step_count": opt["step_count"], "lr": opt["lr"]},
+                    dropout=dropout_counters(model), generators=generator_states(model),
+                    grid=list(grid.dims), world_size=grid.comm.Get_size(),
+                    saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        error = None
+        try:
+            write_file(path, arrays, meta)
+        except Exception as err:   # pragma: no cover - disk full etc.
+            error = f"writing checkpoint {path} failed: {err}"
+    else:
+        error = None
+    error = grid.comm.bcast(error, root=0)
+    if error:
+        raise CheckpointError(error)
+
+
+def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
+    """Load a checkpoint read by ``read_file`` into model and optimiser on this rank.
+
+    Raises CheckpointError on a mismatch (the same on every rank: every rank read
+    the same file).  Returns notes (e.g. buffers taken from another data rank).
+    """
+    notes = []
+    params = {k[len("model/"):]: a for k, a in arrays.items() if k.startswith("model/")}
+    saved_pn = len({k.split("/")[1] for k in arrays if k.startswith("buffers/")})
+    n = grid.sample_coord if saved_pn == grid.dims[0] else 0
+    if saved_pn and saved_pn != grid.dims[0]:
+        notes.append(f"checkpoint has buffers of {saved_pn} data-parallel ranks, this grid has "
+                     f"{grid.dims[0]}: using data rank {n}'s")
+    buffers = {k[len(f"buffers/{n}/"):]: a for k, a in arrays.items() if k.startswith(f"buffers/{n}/")}
+    try:
+        model.load_state_dict({**params, **buffers})
+        opt_arrays = {k[len("optimizer/"):]: a for k, a in arrays.items() if k.startswith("optimizer/")}
+        optimizer.load_state_dict(dict(meta["optimizer"], arrays=opt_arrays))
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint does not fit this model / optimizer: {err}") from None
+    modules = dict(named_modules(model))
+    for name, step in meta.get("dropout", {}).items():
+        if name not in modules:
+            raise CheckpointError(f"checkpoint has a dropout counter for {name!r}, not in this model")
+        modules[name].step = int(step)
+    _set_generators(model, meta.get("generators", {}))
+    return notes
+
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "checksum", "write_file", "read_file",
+           "named_modules", "dropout_counters", "generator_states", "save", "restore"]

@@ -1,0 +1,122 @@
+"""``refimpl train``: hybrid data x spatial parallel training of CosmoFlow or 3D U-Net under mpiexec.
+
+Without --data a small synthetic dataset matching the model preset is generated
+into OUT/data first (rank 0), so the command works on a fresh machine.  OUT
+receives checkpoint.h5 (resumable bit for bit with --resume), metrics.jsonl,
+loss.png, config.json and summary.json.  Settings come from the defaults, then
+--config FILE.toml, then the flags given (see docs/training.md).
+
+Exit status: 0 done; 2 bad input (reported by rank 0, every rank exits); 3 the
+loss became NaN/Inf (the last good checkpoint is kept).
+
+Examples:
+    mpiexec -n 4 refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 30 --out runs/quickstart
+    mpiexec -n 4 refimpl train --out runs/quickstart --resume --steps 60
+    mpiexec -n 2 refimpl train --model unet3d --grid 1,2,1,1 --optimizer adam --lr 0.01 --steps 20 --out runs/unet
+    refimpl datagen cosmoflow --out data/c32 --size 32 --samples 128 && \\
+        mpiexec -n 8 refimpl train --config run.toml --data data/c32 --grid 2,1,2,2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser):
+    from ..config import CHOICES
+    from ..optim import SCHEDULES
+    from ..parallel.collectives import ALGORITHMS
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    a = parser.add_argument
+    a("--config", metavar="FILE.toml", help="TOML file of settings (flags given override it)")
+    a("--model", choices=CHOICES["model"], help="network (default cosmoflow)")
+    a("--preset", help="model preset: tiny, small, mlperf (cosmoflow) / default (unet3d) (default tiny)")
+    a("--data", metavar="DIR", help="directory with train.h5 (+ val.h5) from 'refimpl datagen' "
+      "(default: generate a small dataset into OUT/data)")
+    a("--generate", dest="generate", action="store_const", const=True,
+      help="generate OUT/data when --data is not given (the default)")
+    a("--no-generate", dest="generate", action="store_const", const=False,
+      help="fail instead of generating data when --data is not given")
+    a("--gen-samples", type=int, help="generated training samples (default 64)")
+    a("--gen-val-samples", type=int, help="generated validation samples (default 16)")
+    a("--grid", metavar="Pn,Pd,Ph,Pw", help="process grid; must multiply to the number of ranks "
+      "(default: all ranks data parallel)")
+    a("--global-batch", type=int, metavar="B", help="samples per step over all sample groups; "
+      "divisible by Pn (default 4 rounded up to a multiple of Pn)")
+    a("--steps", type=int, help="train this many steps in total (default: --epochs)")
+    a("--epochs", type=int, help="train this many epochs in total (default 1)")
+    a("--optimizer", choices=CHOICES["optimizer"], help="default adam")
+    a("--lr", type=float, help="base learning rate (default sgd 0.01, adam 0.001, mlperf 0.001)")
+    a("--base-batch", type=int, help="linear scaling: lr = LR * global_batch / BASE_BATCH (default: no "
+      "scaling; mlperf: 64)")
+    a("--momentum", type=float, help="SGD momentum (default 0.9)")
+    a("--nesterov", action="store_const", const=True, help="Nesterov momentum")
+    a("--weight-decay", type=float, help="L2 weight decay (default 0)")
+    a("--warmup-steps", type=int, help="linear warmup steps (constant / step schedules)")
+    a("--schedule", choices=SCHEDULES, help="constant (default); step (see --decay); mlperf (MLPerf "
+      "CosmoFlow: SGD 0.001 at batch 64 scaled linearly, 4 warmup epochs, x0.25 after epoch 32, "
+      "x0.125 after 64)")
+    a("--decay", metavar="STEP:FACTOR,...", help="step schedule: lr = peak * FACTOR from STEP on "
+      "(mlperf: EPOCH:FACTOR)")
+    a("--dtype", choices=CHOICES["dtype"], help="default float32")
+    a("--seed", type=int, help="seed of the weights, data order and dropout (default 0)")
+    a("--out", metavar="DIR", help="output directory (default runs/train)")
+    a("--resume", action="store_const", const=True, help="continue the run in OUT from OUT/checkpoint.h5")
+    a("--overwrite", action="store_const", const=True, help="start over in an OUT that holds a run")
+    a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 10)")
+    a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 10)")
+    a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
+    a("--allreduce", choices=sorted(ALGORITHMS), help="gradient allreduce algorithm (default native)")
+    a("--bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
+    a("--no-overlap", dest="overlap", action="store_const", const=False,
+      help="reduce gradients after backward instead of during it")
+    a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
+    a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
+    a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
+      "sample before training; lazy: check each batch as it is read")
+    a("--no-cache", dest="cache", action="store_const", const=False, help="re-read samples every epoch")
+    a("--no-plot", dest="plot", action="store_const", const=False, help="do not write loss.png")
+    a("--quiet", action="store_const", const=True, help="no progress bar or log lines")
+
+
+FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
+             "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
+             "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
+             "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
+             "backend", "cuda_aware", "check_data", "cache", "plot", "quiet")
+
+
+def given_settings(args) -> dict:
+    """The settings named by --config and the flags (flags win); pure, raises ValueError."""
+    from ..config import check_keys, load_toml
+    given = {}
+    if args.config:
+        given = load_toml(args.config)
+        check_keys(given, f"--config {args.config}")
+        length = [k for k in ("steps", "epochs") if getattr(args, k) is not None]
+        if len(length) == 1:     # a length flag replaces the file's length
+            given.pop("epochs" if length[0] == "steps" else "steps", None)
+    flags = {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k) is not None}
+    return {**given, **flags}
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ..config import merge
+    from ..train import Diverged, InputError, collective, main
+    comm = MPI.COMM_WORLD
+    try:
+        given = collective(comm, given_settings, args)
+        config = collective(comm, merge, given)
+        main(config, given, comm)
+    except InputError as err:
+        if comm.Get_rank() == 0:
+            print(f"refimpl train: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except Diverged as err:
+        if comm.Get_rank() == 0:
+            print(f"refimpl train: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
+    return 0
