@@ -357,7 +357,7 @@ def print_table(reports):
                else "n/a (oversubscr.)" if r["oversubscribed"] else "n/a")
         ideal = mib(r["peak_ideal_bytes"]) if r["peak_ideal_bytes"] is not None else "n/a"
         ratio = f"{r['peak_over_ideal']:.2f}" if r["peak_over_ideal"] is not None else "n/a"
-        print(f"{r['ranks']:>2} {'x'.join(map(str, r['grid'])):>6} {r['step_s']:7.2f} "
+        print(f"{r['ranks']:>2} {'x'.join(map(str, r['grid'])):>6} {r['step_s']:7.3f} "
               f"{100 * r['halo_share_mean']:7.1f}/{100 * r['halo_share_max']:<7.1f} "
               f"{mib(r['peak_bytes']):>9} {ideal:>9} {ratio:>10} {mib(r['maxrss_bytes']):>10} "
               f"{r['bytes_sent_max'] / 2**20:13.3f} {r['bytes_predicted_max'] / 2**20:13.3f} "
@@ -365,10 +365,10 @@ def print_table(reports):
 
 
 def driver(args) -> int:
-    cores = cpu_cores()
+    cores, load_start = cpu_cores(), os.getloadavg()[0]
     print(f"# bench_spatial: one {args.size}^3 sample, channels {','.join(map(str, args.channels))}, "
           f"float32, fwd+bwd, split {args.split}, {cores} cores, 1 BLAS thread per rank, "
-          f"warm-up + {args.repeats} timed step(s)", flush=True)
+          f"warm-up + {args.repeats} timed step(s), load average {load_start:.1f}", flush=True)
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         for p in args.ranks:
@@ -379,7 +379,9 @@ def driver(args) -> int:
     drift = [r["checksum_rel_diff"] for r in reports if r["checksum_rel_diff"] is not None]
     print(f"# step s: slowest rank; halo %: time in HaloExchange.forward+adjoint / step time (incl. "
           f"waiting for neighbours); sent/plan: largest rank, fwd+adjoint; efficiency t1/(P tP) only "
-          f"for P <= {cores} cores; checksum drift vs P=1: {max(drift) if drift else 0:.1e}")
+          f"for P <= {cores} cores; checksum drift vs P=1: {max(drift) if drift else 0:.1e}; "
+          f"load average at the end {os.getloadavg()[0]:.1f} (above {cores}: other processes "
+          f"share the cores and the times are noisy)")
     ok = all(r["bytes_match"] for r in reports)
     if not ok:
         print("# MISMATCH: bytes sent differ from the halo plan's prediction", file=sys.stderr)
@@ -387,6 +389,7 @@ def driver(args) -> int:
         with open(args.json, "w") as fh:
             json.dump({"size": args.size, "channels": list(args.channels), "split": args.split,
                        "cores": cores, "repeats": args.repeats, "blas_env": BLAS_ENV,
+                       "load_average": [load_start, os.getloadavg()[0]],
                        "bytes_match": ok, "rows": reports}, fh, indent=1)
     return 0 if ok else 1
 
