@@ -51,10 +51,12 @@ def test_presets_build_with_their_input_shapes():
             assert model.input_shape == tuple(config["input_shape"]), (name, preset)
 
 
-def test_cosmoflow_head_is_spatially_replicated_and_convs_are_not():
+def test_cosmoflow_head_after_the_flatten_is_spatially_replicated():
     model = build_model("cosmoflow", "tiny", None, seed=0)
-    assert all(p.spatial_replicated for p in model.head.parameters())
-    assert not any(p.spatial_replicated for p in model.features.parameters())
+    replicated = {name for name, p in model.named_parameters() if p.spatial_replicated}
+    # the flatten + dense weight is split by columns over the spatial ranks (summed, not averaged)
+    assert replicated == {name for name, _ in model.named_parameters()
+                          if name.startswith("head.") and name != "head.0.weight"}
 
 
 def test_same_seed_same_weights_other_seed_other_weights():

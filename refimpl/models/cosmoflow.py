@@ -75,13 +75,18 @@ class CosmoFlow(Model):
         final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
         n_flat = c_in * final[0] * final[1] * final[2]
         self.dropouts = [make.dropout(config["dropout"]), make.dropout(config["dropout"])]
+        flatten_dense = make.flatten_linear(c_in, n_flat, fc1)   # weight: each rank's columns
         self.head = self.add_module("head", Sequential(
-            make.flatten_linear(c_in, n_flat, fc1), LeakyReLU(slope), self.dropouts[0],  # (B, fc1)
-            make.linear(fc1, fc2), LeakyReLU(slope), self.dropouts[1],                   # (B, fc2)
-            make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))      # (B, 4)
-        for param in self.head.parameters():     # the head runs replicated on every spatial rank
-            param.spatial_replicated = True
+            flatten_dense, LeakyReLU(slope), self.dropouts[0],                          # (B, fc1)
+            make.linear(fc1, fc2), LeakyReLU(slope), self.dropouts[1],                  # (B, fc2)
+            make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))     # (B, 4)
+        for param in self.head.parameters():     # after the flatten the head runs replicated
+            param.spatial_replicated = param is not flatten_dense.weight
         self.setup_layers([self.features, self.head])
+
+    def local_target(self, target_global):
+        """(B, num_outputs) -> this sample group's (B/Pn, num_outputs), the same on each spatial rank."""
+        return target_global[self.local_samples(target_global.shape[0])]
 
     def forward(self, x_local):
         """(n_local, C, local block) -> (n_local, num_outputs), the same on every spatial rank."""

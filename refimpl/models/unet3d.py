@@ -96,6 +96,11 @@ class UNet3D(Model):
         self.out = self.add_module("out", make.conv(self.widths[0], self.num_classes, 1))
         self.setup_layers(self.children())   # extents: S -> S/2^L -> S (pure index math)
 
+    def local_target(self, target_global):
+        """(B, D, H, W) labels -> this rank's (B/Pn, local block)."""
+        return target_global[(self.local_samples(target_global.shape[0]),)
+                             + tuple(self.local_block(target_global.shape[1:]))]
+
     def forward(self, x_local):
         """(n_local, C, local block) -> (n_local, K, local block) class logits."""
         self.check_input(x_local)

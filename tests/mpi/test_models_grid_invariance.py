@@ -1,0 +1,126 @@
+"""The central promise: the same seed and global batch train the same model on any process grid.
+
+For the world size P, every (Pn, Pd, Ph, Pw) arrangement below (those whose
+spatial blocks the tiny 16^3 inputs can hold down to the deepest 4^3 level) runs
+a few plain SGD steps (``p.data -= lr * p.grad`` after
+``GradientSynchronizer.finish()``) of CosmoFlow and 3D U-Net in float64, with
+dropout on (p = 0.5) and batch norm over the global batch.  Every rank also
+trains the unpartitioned model (grid None) on the whole global batch, locally,
+without any message; losses, metrics, every parameter and every batch-norm
+statistic must agree to 1e-10 relative.
+"""
+import functools
+import itertools
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from refimpl.models import PRESETS, build_model
+from refimpl.parallel.grad_sync import GradientSynchronizer
+from refimpl.parallel.grid import ProcessGrid
+
+SIZE = MPI.COMM_WORLD.Get_size()
+SEED, STEPS, LR, TOL = 11, 3, 0.1, 1e-10
+CONFIGS = {"cosmoflow": {**PRESETS["cosmoflow"]["tiny"], "dropout": 0.5},
+           "unet3d": {**PRESETS["unet3d"]["tiny"], "loss": "ce+dice"}}
+DEEPEST = 16 // 4          # both tiny models reach a 4^3 extent (2 poolings)
+
+# the arrangements tried for each world size; sizes not listed use every arrangement
+CHOSEN = {
+    2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)],
+    3: [(3, 1, 1, 1), (1, 3, 1, 1), (1, 1, 1, 3)],
+    4: [(4, 1, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2), (1, 4, 1, 1)],
+    8: [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 1, 4)],
+}
+
+
+def arrangements(p):
+    """(Pn, Pd, Ph, Pw) with product p whose spatial blocks are non-empty at the deepest level."""
+    every = [dims for dims in itertools.product(range(1, p + 1), repeat=4)
+             if int(np.prod(dims)) == p and max(dims[1:]) <= DEEPEST]
+    return [dims for dims in CHOSEN.get(p, every) if dims in every]
+
+
+def global_batch(pn):
+    """The smallest multiple of Pn that is at least 4."""
+    return pn * -(-4 // pn)
+
+
+def data(model, batch, step):
+    """Step ``step``'s global (x, target): the same on every rank."""
+    rng = np.random.default_rng([SEED, batch, step])
+    x = rng.standard_normal((batch,) + model.input_shape)
+    if model.task == "regression":
+        return x, rng.uniform(-1, 1, (batch, model.num_outputs))
+    return x, rng.integers(0, model.num_classes, (batch,) + model.input_shape[1:])
+
+
+def train(name, grid, batch):
+    """STEPS SGD steps; returns (model, [(loss, metrics) per step])."""
+    model = build_model(name, CONFIGS[name], grid, SEED, np.float64, global_batch=batch)
+    sync = None if grid is None else GradientSynchronizer(
+        model.parameters(), grid.data_comm, grid.spatial_comm, reduce_comm=grid.comm)
+    history = []
+    for step in range(STEPS):
+        x, target = data(model, batch, step)
+        model.zero_grad()
+        out = model.forward(model.local_input(x))
+        loss, dout, metrics = model.loss(out, model.local_target(target))
+        model.backward(dout)
+        if sync is not None:
+            sync.finish()
+        for p in model.parameters():
+            p.data -= LR * p.grad
+        history.append((loss, metrics))
+    return model, history
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name, batch):
+    """The unpartitioned run, on this rank alone (no message)."""
+    return train(name, None, batch)
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dims", arrangements(SIZE), ids=lambda d: "x".join(map(str, d)))
+def test_training_is_grid_invariant(comm, all_ranks_agree, name, dims):
+    grid = ProcessGrid(comm, dims)
+    batch = global_batch(dims[0])
+    model, history = train(name, grid, batch)
+    ref_model, ref_history = reference(name, batch)
+
+    worst, where = 0.0, ""
+    state, ref_state = model.state_dict(), ref_model.state_dict()
+    for key, want in ref_state.items():      # every parameter and batch-norm statistic
+        err = rel_err(state[key], want)
+        if err > worst:
+            worst, where = err, key
+    for step, ((loss, metrics), (ref_loss, ref_metrics)) in enumerate(zip(history, ref_history)):
+        for what, got, want in [("loss", loss, ref_loss)] + [
+                (k, metrics[k], ref_metrics[k]) for k in ref_metrics]:
+            err = abs(got - want) / abs(want)
+            if err > worst:
+                worst, where = err, f"step {step} {what}"
+    # the loss and the metrics are the same float on every rank
+    same = comm.allgather([(loss, sorted(m.items())) for loss, m in history])
+    all_ranks_agree(all(s == same[0] for s in same), f"losses/metrics differ between ranks: {same}")
+    all_ranks_agree(worst <= TOL, f"{name} on grid {dims}: max rel err {worst:.3g} at {where}")
+    grid.free()
+
+
+def test_global_batch_not_divisible_by_pn_raises_on_every_rank(comm, all_ranks_agree):
+    if SIZE == 1:
+        pytest.skip("every batch divides over one sample group")
+    grid = ProcessGrid(comm, (SIZE, 1, 1, 1))
+    try:
+        build_model("cosmoflow", CONFIGS["cosmoflow"], grid, SEED, np.float64, global_batch=SIZE + 1)
+        raised = False
+    except ValueError as err:
+        raised = "divisible" in str(err)
+    all_ranks_agree(raised, "build_model accepted a global batch that Pn does not divide")
+    grid.free()
