@@ -228,3 +228,12 @@ def test_transposed_plan_and_generic_plan_agree():
     generic = halo_plan(shape, dims, lambda a, c: tplan.axes[a].needed[c])
     assert [ax.transfers for ax in generic.axes] == [ax.transfers for ax in tplan.axes]
     assert tplan.axes[0].outputs[-1][1] == transposed_output_extent(5, 4, 2, 1, 1, 1)
+
+
+def test_plan_arguments_are_checked():
+    with pytest.raises(ValueError, match="grid_dims"):
+        conv_halo_plan((4, 4, 4), (1, 0, 1), 3)
+    with pytest.raises(ValueError, match="needed range"):
+        halo_plan((4, 4, 4), (2, 1, 1), lambda a, c: (0, 5))
+    with pytest.raises(ValueError, match="padding"):
+        halo_plan((4, 4, 4), (2, 1, 1), lambda a, c: (0, 4)).padding((0, 0, 0))

@@ -41,6 +41,13 @@ def check_dims(dims) -> tuple[int, ...]:
     return tuple(int(p) for p in dims)
 
 
+def all_grids(size: int) -> list[tuple[int, int, int, int]]:
+    """Every (Pn, Pd, Ph, Pw) whose product is ``size``, in lexicographic order."""
+    divisors = [q for q in range(1, size + 1) if size % q == 0]
+    return [(pn, pd, ph, size // (pn * pd * ph)) for pn in divisors for pd in divisors for ph in divisors
+            if size % (pn * pd * ph) == 0]
+
+
 class ProcessGrid:
     """A (Pn, Pd, Ph, Pw) Cartesian grid over ``comm`` with its spatial and data sub-communicators."""
 

@@ -236,9 +236,15 @@ class HaloPlan:
         return tuple(ax.needed[c] for ax, c in zip(self.axes, coords))
 
     def outputs(self, coords) -> tuple[Range, Range, Range]:
+        """The output block (per axis) the rank at ``coords`` computes (per-op plans only)."""
+        if any(ax.outputs is None for ax in self.axes):
+            raise ValueError("this plan was built from needed ranges alone: it has no output blocks")
         return tuple(ax.outputs[c] for ax, c in zip(self.axes, coords))
 
     def padding(self, coords) -> tuple[Range, Range, Range]:
+        """(low, high) zero padding per axis the local window op adds (conv_halo_plan only)."""
+        if any(ax.padding is None for ax in self.axes):
+            raise ValueError("only conv_halo_plan records the clipped padding")
         return tuple(ax.padding[c] for ax, c in zip(self.axes, coords))
 
     def _region(self, coords, axis, piece) -> tuple[Range, Range, Range]:

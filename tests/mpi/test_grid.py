@@ -1,17 +1,8 @@
 """ProcessGrid under real MPI: bad grids fail on every rank, communicators and the row-major map."""
-import itertools
-
 import pytest
 
-from refimpl.parallel.grid import ProcessGrid, parse_grid
+from refimpl.parallel.grid import ProcessGrid, all_grids, parse_grid
 from refimpl.parallel.partition import block_range, grid_coords, grid_rank
-
-
-def factorizations(size, parts=4):
-    """Every way of writing ``size`` as an ordered product of ``parts`` factors."""
-    divisors = [q for q in range(1, size + 1) if size % q == 0]
-    return [dims for dims in itertools.product(divisors, repeat=parts)
-            if dims[0] * dims[1] * dims[2] * dims[3] == size]
 
 
 def test_parse_grid():
@@ -20,6 +11,14 @@ def test_parse_grid():
     for bad in ("2,1,1", "2,1,1,a", "1,0,1,1", "1,1,1,-2", ""):
         with pytest.raises(ValueError, match="grid"):
             parse_grid(bad)
+
+
+def test_all_grids():
+    assert all_grids(1) == [(1, 1, 1, 1)]
+    grids = all_grids(8)
+    assert len(grids) == 20 and len(set(grids)) == 20  # C(3+3, 3) ordered factorisations of 2^3
+    assert all(a * b * c * d == 8 for a, b, c, d in grids) and (1, 2, 2, 2) in grids
+    assert all_grids(3) == [(1, 1, 1, 3), (1, 1, 3, 1), (1, 3, 1, 1), (3, 1, 1, 1)]
 
 
 def test_bad_grid_raises_on_every_rank(comm, all_ranks_agree):
@@ -36,7 +35,7 @@ def test_bad_grid_raises_on_every_rank(comm, all_ranks_agree):
 
 def test_communicators_and_row_major_map(comm, all_ranks_agree):
     size, rank = comm.Get_size(), comm.Get_rank()
-    for dims in factorizations(size)[:12]:
+    for dims in all_grids(size):
         grid = ProcessGrid(comm, dims)
         n, d, h, w = grid.coords
         pn, pd, ph, pw = dims

@@ -17,19 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from refimpl.parallel.grid import ProcessGrid
+from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.halo import HaloExchange
 from refimpl.parallel.partition import bytes_sent, conv_halo_plan, window_output_extent
 
 
-def factorizations(size):
-    divisors = [q for q in range(1, size + 1) if size % q == 0]
-    return [dims for dims in itertools.product(divisors, repeat=4) if np.prod(dims) == size]
-
-
 @pytest.fixture(scope="module")
 def grids():
-    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in factorizations(MPI.COMM_WORLD.Get_size())]
+    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in all_grids(MPI.COMM_WORLD.Get_size())]
     yield made
     for grid in made:
         grid.free()

@@ -1,8 +1,6 @@
 """Redistribution under real MPI on every (Pn, Pd, Ph, Pw) grid of the world size:
 gather(scatter(x)) == x, allgather == the whole array, and a dot-product test
 <F x, y> == <x, F* y> (float64, summed over ranks) for every operator/adjoint pair."""
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,19 +8,14 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from refimpl.parallel import buffers, fake_device
-from refimpl.parallel.grid import ProcessGrid
+from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.redistribute import (allgather_spatial, broadcast, gather_spatial,
                                            reduce_scatter_spatial, scatter_spatial, sum_reduce)
 
 
-def factorizations(size):
-    divisors = [q for q in range(1, size + 1) if size % q == 0]
-    return [dims for dims in itertools.product(divisors, repeat=4) if np.prod(dims) == size]
-
-
 @pytest.fixture(scope="module")
 def grids():
-    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in factorizations(MPI.COMM_WORLD.Get_size())]
+    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in all_grids(MPI.COMM_WORLD.Get_size())]
     yield made
     for grid in made:
         grid.free()
