@@ -1,14 +1,15 @@
 """Allreduce (sum) built from point-to-point messages, with alpha-beta-gamma costs.
 
-Every algorithm is a *step generator*: a plain function that reduces a 1-D
-contiguous buffer ``flat`` in place, posts one round of non-blocking messages
-(``Isend``/``Irecv``), ``yield``-s their requests, and after the round has
-completed does the local work (add what arrived, pick the next partner).  Run
-to the end with ``Waitall`` on each round it is a blocking allreduce
-(``allreduce``); advanced a round at a time with ``Testall`` it is the
-non-blocking form that gradient synchronisation overlaps with backward
-(``start_allreduce`` -> ``AllreduceHandle.test()`` / ``.wait()``): Python has
-no progress thread, so the caller's ``test()`` calls are the progress engine.
+Every algorithm is a *step generator* ``fn(flat, msgs, **options)``: a plain
+function that reduces a 1-D contiguous buffer ``flat`` in place, posts one
+round of non-blocking messages (``msgs.send`` / ``msgs.recv``: Isend / Irecv),
+``yield``-s their requests, and after the round has completed does the local
+work (add what arrived, pick the next partner).  Run to the end with
+``Waitall`` on each round it is a blocking allreduce (``allreduce``); advanced
+a round at a time with ``Testall`` it is the non-blocking form that gradient
+synchronisation overlaps with backward (``start_allreduce`` ->
+``AllreduceHandle.test()`` / ``.wait()``): Python has no progress thread, so
+the caller's ``test()`` calls are the progress engine.
 
 Costs use the model of Thakur, Rabenseifner & Gropp (2005): sending a message
 of n bytes costs ``alpha + n*beta``; reducing n bytes locally costs
@@ -32,7 +33,8 @@ import math
 
 from mpi4py import MPI
 
-from ..backend import array_module, is_device_array, synchronize
+from ..backend import array_module
+from .buffers import finish_recv, is_device, recv_buffer, send_buffer
 from .partition import block_range
 
 _TAG_BASE = 1 << 14  # above the tags of hand-written messages elsewhere in refimpl
@@ -41,16 +43,50 @@ _seq_keyval = None
 
 # ---------------------------------------------------------------- message helpers
 
-def _send(comm, a, dest, tag):
-    """Isend of a contiguous slice (device buffers: finish the stream first)."""
-    if is_device_array(a):
-        synchronize(a)
-    return comm.Isend(a, dest=dest, tag=tag)
+class Messages:
+    """The messages of one allreduce: its communicator, its own tag, device staging.
 
+    Every buffer goes through refimpl.parallel.buffers: host arrays pass
+    straight to MPI; a device array is handed over directly when MPI is
+    CUDA-aware, else staged through host memory.  A staged receive lands in
+    its target in ``land()``, which the driver calls when a round has arrived.
+    """
 
-def _recv(comm, a, source, tag):
-    """Irecv into a contiguous slice (device memory with CUDA-aware MPI)."""
-    return comm.Irecv(a, source=source, tag=tag)
+    def __init__(self, comm, tag: int):
+        self.comm, self.tag = comm, tag
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._staged = []  # (host buffer, device target) of this round's receives
+        self._sending = []  # send buffers of this round, alive until it completes
+
+    def send(self, a, dest: int):
+        buf = send_buffer(a)
+        self._sending.append(buf)
+        return self.comm.Isend(buf, dest=dest, tag=self.tag)
+
+    def recv(self, target, source: int):
+        return self.comm.Irecv(self._landing(target), source=source, tag=self.tag)
+
+    def allreduce(self, target):
+        """MPI's Iallreduce of ``target`` in place."""
+        buf = self._landing(target)
+        if buf is not target:
+            buf[...] = send_buffer(target)
+        return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def _landing(self, target):
+        if not is_device(target):
+            return target
+        buf = recv_buffer(target.shape, target.dtype, like=target)
+        if buf is not target:
+            self._staged.append((buf, target))
+        return buf
+
+    def land(self) -> None:
+        """After a round: copy staged receives into their targets, release send buffers."""
+        for buf, target in self._staged:
+            target[...] = finish_recv(buf, like=target)
+        self._staged.clear()
+        self._sending.clear()
 
 
 def _offsets(n: int, parts: int) -> list[int]:
@@ -71,16 +107,15 @@ def _next_tag(comm) -> int:
 
 # ---------------------------------------------------------------- the algorithms
 
-def native(flat, comm, tag):
+def native(flat, msgs):
     """MPI's own ``Iallreduce`` (the library picks its algorithm by size).
 
     Cost: at best the minimum of the algorithms below.
     """
-    synchronize(flat)
-    yield [comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)]
+    yield [msgs.allreduce(flat)]
 
 
-def _ring_reduce_scatter(flat, comm, members, tag):
+def _ring_reduce_scatter(flat, msgs, members):
     """Ring reduce-scatter over ``members`` (comm ranks in ring order).
 
     Step s: send block (i - s) to the right, receive block (i - s - 1) from the
@@ -89,7 +124,7 @@ def _ring_reduce_scatter(flat, comm, members, tag):
     q = len(members)
     if q == 1:
         return
-    i = members.index(comm.Get_rank())
+    i = members.index(msgs.rank)
     right, left = members[(i + 1) % q], members[(i - 1) % q]
     off = _offsets(flat.size, q)
     xp = array_module(flat)
@@ -97,24 +132,24 @@ def _ring_reduce_scatter(flat, comm, members, tag):
     for s in range(q - 1):
         send, recv = (i - s) % q, (i - s - 1) % q
         got = tmp[:off[recv + 1] - off[recv]]
-        yield [_send(comm, flat[off[send]:off[send + 1]], right, tag),
-               _recv(comm, got, left, tag)]
+        yield [msgs.send(flat[off[send]:off[send + 1]], right),
+               msgs.recv(got, left)]
         flat[off[recv]:off[recv + 1]] += got
 
 
-def _ring_allgather(flat, comm, members, tag):
+def _ring_allgather(flat, msgs, members):
     """Ring allgather over ``members`` when position i owns block (i+1) % q."""
     q = len(members)
-    i = members.index(comm.Get_rank())
+    i = members.index(msgs.rank)
     right, left = members[(i + 1) % q], members[(i - 1) % q]
     off = _offsets(flat.size, q)
     for s in range(q - 1):
         send, recv = (i + 1 - s) % q, (i - s) % q
-        yield [_send(comm, flat[off[send]:off[send + 1]], right, tag),
-               _recv(comm, flat[off[recv]:off[recv + 1]], left, tag)]
+        yield [msgs.send(flat[off[send]:off[send + 1]], right),
+               msgs.recv(flat[off[recv]:off[recv + 1]], left)]
 
 
-def ring(flat, comm, tag):
+def ring(flat, msgs):
     """Ring allreduce: reduce-scatter then allgather around a ring of p ranks.
 
     The buffer is cut into p balanced blocks; in each of p-1 steps every rank
@@ -124,12 +159,12 @@ def ring(flat, comm, tag):
 
         T = 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
     """
-    members = list(range(comm.Get_size()))
-    yield from _ring_reduce_scatter(flat, comm, members, tag)
-    yield from _ring_allgather(flat, comm, members, tag)
+    members = list(range(msgs.size))
+    yield from _ring_reduce_scatter(flat, msgs, members)
+    yield from _ring_allgather(flat, msgs, members)
 
 
-def _fold(comm):
+def _fold(msgs):
     """Non-power-of-two fold (Thakur et al. 2005, sec. 4.4).
 
     With p = p' + rem (p' a power of two), the first 2*rem ranks pair up: even
@@ -137,7 +172,7 @@ def _fold(comm):
     renumbered 0..p'-1.  Returns (p', my new rank or None, partner of the fold
     or None, real rank of new rank).
     """
-    p, rank = comm.Get_size(), comm.Get_rank()
+    p, rank = msgs.size, msgs.rank
     p2 = 1 << (p.bit_length() - 1)
     rem = p - p2
     if rank < 2 * rem:
@@ -148,7 +183,7 @@ def _fold(comm):
     return p2, new, partner, (lambda v: 2 * v + 1 if v < rem else v + rem)
 
 
-def recursive_doubling(flat, comm, tag):
+def recursive_doubling(flat, msgs):
     """Recursive doubling: lg p rounds, each exchanging the *whole* buffer.
 
     In round k every rank swaps its partial sum with rank XOR 2^k and adds, so
@@ -157,27 +192,27 @@ def recursive_doubling(flat, comm, tag):
 
         T = lg p' (alpha + n beta + n gamma)  [+ 2 alpha + 2 n beta + n gamma if p != p']
     """
-    p2, new, partner, real = _fold(comm)
+    p2, new, partner, real = _fold(msgs)
     xp = array_module(flat)
     tmp = xp.empty_like(flat)
     if partner is not None:  # fold: even sends its data to odd
         if new is None:
-            yield [_send(comm, flat, partner, tag)]
+            yield [msgs.send(flat, partner)]
         else:
-            yield [_recv(comm, tmp, partner, tag)]
+            yield [msgs.recv(tmp, partner)]
             flat += tmp
     if new is not None:
         d = 1
         while d < p2:
             peer = real(new ^ d)
-            yield [_send(comm, flat, peer, tag), _recv(comm, tmp, peer, tag)]
+            yield [msgs.send(flat, peer), msgs.recv(tmp, peer)]
             flat += tmp
             d *= 2
     if partner is not None:  # unfold: odd returns the result
-        yield [_recv(comm, flat, partner, tag) if new is None else _send(comm, flat, partner, tag)]
+        yield [msgs.recv(flat, partner) if new is None else msgs.send(flat, partner)]
 
 
-def halving_doubling(flat, comm, tag):
+def halving_doubling(flat, msgs):
     """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather.
 
     The buffer is cut into p' blocks.  Halving: with distance d = p'/2, ..., 1,
@@ -190,15 +225,15 @@ def halving_doubling(flat, comm, tag):
         T = 2 lg p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma
             [+ 2 alpha + 2 n beta + n gamma if p != p']
     """
-    p2, new, partner, real = _fold(comm)
+    p2, new, partner, real = _fold(msgs)
     xp = array_module(flat)
     off = _offsets(flat.size, p2)
     if partner is not None:  # fold: even sends its data to odd
         if new is None:
-            yield [_send(comm, flat, partner, tag)]
+            yield [msgs.send(flat, partner)]
         else:
             got = xp.empty_like(flat)
-            yield [_recv(comm, got, partner, tag)]
+            yield [msgs.recv(got, partner)]
             flat += got
     if new is not None:
         tmp = xp.empty(max(off[p2 // 2], flat.size - off[p2 // 2]), dtype=flat.dtype)  # largest half
@@ -209,7 +244,7 @@ def halving_doubling(flat, comm, tag):
             (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if new & d else ((lo, mid), (mid, hi))
             got = tmp[:off[khi] - off[klo]]
             peer = real(new ^ d)
-            yield [_send(comm, flat[off[slo]:off[shi]], peer, tag), _recv(comm, got, peer, tag)]
+            yield [msgs.send(flat[off[slo]:off[shi]], peer), msgs.recv(got, peer)]
             flat[off[klo]:off[khi]] += got
             lo, hi = klo, khi
             d //= 2
@@ -217,15 +252,15 @@ def halving_doubling(flat, comm, tag):
         while d < p2:  # allgather by recursive doubling
             olo, ohi = (lo - d, lo) if new & d else (hi, hi + d)
             peer = real(new ^ d)
-            yield [_send(comm, flat[off[lo]:off[hi]], peer, tag),
-                   _recv(comm, flat[off[olo]:off[ohi]], peer, tag)]
+            yield [msgs.send(flat[off[lo]:off[hi]], peer),
+                   msgs.recv(flat[off[olo]:off[ohi]], peer)]
             lo, hi = min(lo, olo), max(hi, ohi)
             d *= 2
     if partner is not None:  # unfold: odd returns the result
-        yield [_recv(comm, flat, partner, tag) if new is None else _send(comm, flat, partner, tag)]
+        yield [msgs.recv(flat, partner) if new is None else msgs.send(flat, partner)]
 
 
-def multicolor(flat, comm, tag, colors: int = 2):
+def multicolor(flat, msgs, colors: int = 2):
     """Multi-colour tree allreduce (Kumar et al. 2017, IBM).
 
     The buffer is cut into k = ``colors`` parts.  Part c is reduced up and
@@ -243,7 +278,7 @@ def multicolor(flat, comm, tag, colors: int = 2):
 
     (the busiest rank's port bounds the bandwidth term; D ~ 3k/2 for k >= 2).
     """
-    p, rank = comm.Get_size(), comm.Get_rank()
+    p, rank = msgs.size, msgs.rank
     off = _offsets(flat.size, colors)
     height = p.bit_length() - 1
     xp = array_module(flat)
@@ -260,9 +295,9 @@ def multicolor(flat, comm, tag, colors: int = 2):
         requests = []
         for c, (depth, parent, kids) in enumerate(trees):
             if depth == height - t and parent is not None:
-                requests.append(_send(comm, parts[c], parent, tag))
+                requests.append(msgs.send(parts[c], parent))
             if depth == height - t - 1:
-                requests += [_recv(comm, g, k, tag) for g, k in zip(got[c], kids)]
+                requests += [msgs.recv(g, k) for g, k in zip(got[c], kids)]
         yield requests
         for c, (depth, parent, kids) in enumerate(trees):
             if depth == height - t - 1:
@@ -272,9 +307,9 @@ def multicolor(flat, comm, tag, colors: int = 2):
         requests = []
         for c, (depth, parent, kids) in enumerate(trees):
             if depth == t:
-                requests += [_send(comm, parts[c], k, tag) for k in kids]
+                requests += [msgs.send(parts[c], k) for k in kids]
             if depth == t + 1:
-                requests.append(_recv(comm, parts[c], parent, tag))
+                requests.append(msgs.recv(parts[c], parent))
         yield requests
 
 
@@ -283,7 +318,7 @@ def default_group_size(p: int) -> int:
     return max(g for g in range(1, math.isqrt(p) + 1) if p % g == 0)
 
 
-def hierarchical(flat, comm, tag, group_size: int | None = None):
+def hierarchical(flat, msgs, group_size: int | None = None):
     """2-D allreduce: reduce-scatter in groups, allreduce across, allgather in groups.
 
     Ranks form q = p/g groups of g consecutive ranks (e.g. the GPUs of a node).
@@ -298,16 +333,16 @@ def hierarchical(flat, comm, tag, group_size: int | None = None):
     ``group_size`` must divide p (ValueError otherwise, raised on every rank
     before any message); None picks ``default_group_size(p)``.
     """
-    p, rank = comm.Get_size(), comm.Get_rank()
+    p, rank = msgs.size, msgs.rank
     g = check_group_size(group_size, p)
     group, local = divmod(rank, g)
     mine = [group * g + j for j in range(g)]
     column = [h * g + local for h in range(p // g)]
-    yield from _ring_reduce_scatter(flat, comm, mine, tag)
+    yield from _ring_reduce_scatter(flat, msgs, mine)
     lo, hi = block_range(flat.size, g, (local + 1) % g)
-    yield from _ring_reduce_scatter(flat[lo:hi], comm, column, tag)
-    yield from _ring_allgather(flat[lo:hi], comm, column, tag)
-    yield from _ring_allgather(flat, comm, mine, tag)
+    yield from _ring_reduce_scatter(flat[lo:hi], msgs, column)
+    yield from _ring_allgather(flat[lo:hi], msgs, column)
+    yield from _ring_allgather(flat, msgs, mine)
 
 
 def check_group_size(group_size, p: int) -> int:
@@ -335,8 +370,8 @@ _OPTIONS = {"multicolor": ("colors",), "hierarchical": ("group_size",)}
 class AllreduceHandle:
     """A started allreduce: ``test()`` advances it without blocking, ``wait()`` ends it."""
 
-    def __init__(self, steps, result):
-        self._steps = steps
+    def __init__(self, steps, msgs, result):
+        self._steps, self._msgs = steps, msgs
         self._requests = []
         self.result = result
         self.done = False
@@ -344,6 +379,7 @@ class AllreduceHandle:
 
     def _advance(self):
         """Do the local work after a round and post the next round's messages."""
+        self._msgs.land()
         try:
             self._requests = next(self._steps)
         except StopIteration:
@@ -400,8 +436,8 @@ def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -
         out[...] = buf
         flat = _flat_view(out, "out")
     result = buf if out is None else out
-    steps = ALGORITHMS[algorithm](flat, comm, _next_tag(comm), **options)
-    return AllreduceHandle(steps, result)
+    msgs = Messages(comm, _next_tag(comm))
+    return AllreduceHandle(ALGORITHMS[algorithm](flat, msgs, **options), msgs, result)
 
 
 def allreduce(buf, comm, algorithm: str = "native", out=None, **options):

@@ -15,7 +15,10 @@ every spatial rank, and each rank's dW, db is a *partial sum* over its block.
 The true gradient is summed over the spatial group and averaged over the data
 group.  Both happen in one reduction over the product group (data x spatial):
 sum over all of its ranks, then divide by the data-group size -- never a sum
-followed by a second reduction (that would double count).
+followed by a second reduction (that would double count).  A parameter of a
+replicated part of the model (``Parameter.spatial_replicated``: e.g. the dense
+head after a spatial gather) has the *same* gradient on every spatial rank, so
+its sum is divided by the whole product-group size: averaged over both.
 
 Python has no progress thread: an allreduce advances only when someone calls
 into MPI.  Every gradient hook therefore also ``test()``-s the buckets in
@@ -206,7 +209,9 @@ class GradientSynchronizer:
         finished = time.perf_counter()
         for bucket in self.buckets:
             for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-                param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / self.data_size
+                divisor = self.reduce_comm.Get_size() if getattr(param, "spatial_replicated", False) \
+                    else self.data_size
+                param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / divisor
             bucket.ready.clear()
             bucket.handle = None
         self._next = 0

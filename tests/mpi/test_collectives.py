@@ -195,3 +195,41 @@ def test_bad_arguments_raise(comm, all_ranks_agree):
             if word not in str(err):
                 failures.append(f"message {err!r} does not name {word}")
     all_ranks_agree(not failures, "; ".join(failures))
+
+
+class FakeDevice(np.ndarray):
+    """Host memory that claims to be device memory (exposes ``__cuda_array_interface__``)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ctypes.data, False),
+                "strides": None if self.flags.c_contiguous else self.strides, "version": 3}
+
+
+class FakeCupy:
+    """The array module buffers.py uses for device arrays: host copies stand in for transfers."""
+    asnumpy = staticmethod(lambda a: np.array(a))
+    asarray = staticmethod(lambda a: np.array(a).view(FakeDevice))
+    empty = staticmethod(lambda shape, dtype: np.empty(shape, dtype).view(FakeDevice))
+    ascontiguousarray = staticmethod(lambda a: np.ascontiguousarray(a).view(FakeDevice))
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_device_buffers_staged_or_direct(comm, all_ranks_agree, monkeypatch, cuda_aware):
+    """Device arrays go through refimpl.parallel.buffers: staged via host, or handed over directly."""
+    from refimpl.parallel import buffers
+    monkeypatch.setattr(buffers, "array_module",
+                        lambda *a: FakeCupy if any(isinstance(x, FakeDevice) for x in a) else np)
+    monkeypatch.setattr(buffers, "_cuda_aware", cuda_aware)
+    problems = []
+    for algorithm, options in CONFIGS:
+        for n in (0, 1, 37):
+            x = local_data(n, np.float64, n, comm.Get_rank())
+            ref = x.copy()
+            comm.Allreduce(MPI.IN_PLACE, ref)
+            dev = x.copy().view(FakeDevice)
+            allreduce(dev, comm, algorithm, **options)
+            m = mismatch(dev.view(np.ndarray), ref, comm)
+            if m:
+                problems.append(f"{algorithm}{options} n={n}: {m}")
+    all_ranks_agree(not problems, "; ".join(problems[:4]))

@@ -151,7 +151,7 @@ def grid_shape(p):
 def test_spatial_sum_data_average(comm, all_ranks_agree, overlap):
     """Sum over the spatial group, average over the data group: one reduction, no double count.
 
-    The world is split (model, data, spatial) row-major; with 8 ranks the product
+    Parameters marked ``spatial_replicated`` are averaged over both groups.  The world is split (model, data, spatial) row-major; with 8 ranks the product
     group data x spatial is a proper subgroup (one per model index).
     """
     rank = comm.Get_rank()
@@ -162,12 +162,20 @@ def test_spatial_sum_data_average(comm, all_ranks_agree, overlap):
     spatial_comm = comm.Split(color=m * data_n + d, key=s)
     product = comm.Split(color=m, key=rem)  # the oracle's group
     params = make_params()
+    replicated = [3, 6]  # e.g. biases of a replicated head: equal on every spatial rank
+    for i in replicated:
+        params[i].spatial_replicated = True
     sync = GradientSynchronizer(params, data_comm, spatial_comm, bucket_bytes=600, first_bucket_bytes=200,
                                 algorithm="ring", overlap=overlap)
     grads = random_grads(rank, 11)
+    for i in replicated:  # the same gradient on every spatial rank of a data replica
+        grads[i] = random_grads(m * data_n + d, 12)[i]
     backward(params, grads)
     sync.finish()
-    err = errors(params, expected(product, grads, data_n))
+    want = expected(product, grads, data_n)
+    for i in replicated:  # averaged over data and spatial: the spatial ranks' common value, data-averaged
+        want[i] = data_comm.allreduce(grads[i], op=MPI.SUM) / data_n
+    err = errors(params, want)
     sizes = (sync.reduce_comm.Get_size(), data_comm.Get_size(), spatial_comm.Get_size())
     for c in (data_comm, spatial_comm, product):
         c.Free()
