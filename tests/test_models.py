@@ -110,6 +110,19 @@ def test_wrong_input_shape_or_dtype_raises():
         model.forward(np.ones((2, 1, 16, 16, 16), np.float32))
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_eval_mode_is_deterministic_and_train_mode_dropout_is_not(name):
+    model = build_model(name, "tiny", None, seed=0, dtype=np.float64)   # cosmoflow tiny: dropout 0.5
+    x, _ = batch(model, 2, seed=4)
+    train_a, train_b = model.forward(x), model.forward(x)               # fresh masks / same BN batch
+    model.eval()
+    eval_a, eval_b = model.forward(x), model.forward(x)                 # running stats, no dropout
+    assert np.array_equal(eval_a, eval_b)
+    assert not np.allclose(eval_a, train_a)
+    if name == "cosmoflow":
+        assert not np.array_equal(train_a, train_b)
+
+
 # ---------------------------------------------------------------- PyTorch oracle
 def torch_cosmoflow(torch, config):
     tnn = torch.nn

@@ -24,7 +24,6 @@ from ..functional.linear import flatten, flatten_backward
 from ..nn import spatial
 from ..nn.batch_norm import BatchNorm3d
 from ..nn.conv import Conv3d, ConvTranspose3d
-from ..nn.dropout import Dropout
 from ..nn.init import check_rng
 from ..nn.linear import Linear
 from ..nn.module import Module
