@@ -8,8 +8,9 @@ File layout (format ``refimpl-checkpoint``, version 1)::
     root attributes          format, version, meta (JSON), sha256
 
 ``meta`` holds everything that is not an array: step, epoch, the loader
-position (``Loader.state_dict``), the dropout counters (``Dropout.step`` per
-module: masks are counter-based, so the counter *is* the dropout RNG state),
+position (``Loader.state_dict``), the dropout seeds and counters (``Dropout.seed``,
+``Dropout.step`` per module: masks are counter-based, so these *are* the dropout
+RNG state),
 the state of every ``numpy.random.Generator`` a module holds, the optimiser's
 name / step count / lr, the full run config, the grid and the world size.
 
@@ -133,9 +134,11 @@ def named_modules(module, prefix=""):
     return out
 
 
-def dropout_counters(model) -> dict:
+def dropout_state(model) -> dict:
+    """{module name: {"seed", "step"}} of every Dropout: its whole random state (counter-based masks)."""
     from .nn.dropout import Dropout
-    return {name: int(m.step) for name, m in named_modules(model) if isinstance(m, Dropout)}
+    return {name: {"seed": int(m.seed), "step": int(m.step)}
+            for name, m in named_modules(model) if isinstance(m, Dropout)}
 
 
 def generator_states(model) -> dict:
@@ -171,7 +174,7 @@ def save(path, model, optimizer, grid, meta: dict) -> None:
             arrays.update({f"buffers/{n}/{name}": b for name, b in bufs.items()})
         arrays.update({f"optimizer/{key}": a for key, a in opt["arrays"].items()})
         meta = dict(meta, optimizer={"name": opt["name"], "step_count": opt["step_count"], "lr": opt["lr"]},
-                    dropout=dropout_counters(model), generators=generator_states(model),
+                    dropout=dropout_state(model), generators=generator_states(model),
                     grid=list(grid.dims), world_size=grid.comm.Get_size(),
                     saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
         error = None
@@ -207,13 +210,13 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
     except ValueError as err:
         raise CheckpointError(f"checkpoint does not fit this model / optimizer: {err}") from None
     modules = dict(named_modules(model))
-    for name, step in meta.get("dropout", {}).items():
+    for name, state in meta.get("dropout", {}).items():
         if name not in modules:
-            raise CheckpointError(f"checkpoint has a dropout counter for {name!r}, not in this model")
-        modules[name].step = int(step)
+            raise CheckpointError(f"checkpoint has dropout state for {name!r}, not in this model")
+        modules[name].seed, modules[name].step = int(state["seed"]), int(state["step"])
     _set_generators(model, meta.get("generators", {}))
     return notes
 
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "checksum", "write_file", "read_file",
-           "named_modules", "dropout_counters", "generator_states", "save", "restore"]
+           "named_modules", "dropout_state", "generator_states", "save", "restore"]

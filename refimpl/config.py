@@ -29,8 +29,8 @@ DEFAULTS = {
     # what to train
     "model": "cosmoflow", "preset": "tiny", "model_config": {},
     # data: a directory with train.h5 / val.h5 (refimpl datagen); none -> generate into OUT/data
-    "data": None, "generate": None, "gen_samples": 64, "gen_val_samples": 16, "gen_seed": 1234,
-    "cache": True, "check_data": "full", "log1p": "auto",
+    "data": None, "generate": None, "gen_samples": None, "gen_val_samples": None, "gen_seed": 1234,
+    "cache": True, "check_data": "full", "log1p": "auto", "normalize": True,
     # how to split it
     "grid": None, "global_batch": None,
     # how long
@@ -42,7 +42,7 @@ DEFAULTS = {
     # numerics and reproducibility
     "dtype": "float32", "seed": 0,
     # output
-    "out": "runs/train", "resume": False, "overwrite": False, "checkpoint_every": 10, "validate_every": 10,
+    "out": "runs/train", "resume": False, "overwrite": False, "checkpoint_every": 50, "validate_every": 25,
     "log_every": 1, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
@@ -53,12 +53,13 @@ DEFAULT_LR = {"sgd": 0.01, "adam": 0.001}
 # keys a resumed run must share with its checkpoint (they change the trajectory)
 IDENTITY_KEYS = ("model", "preset", "model_config", "global_batch", "optimizer", "lr", "momentum",
                  "nesterov", "weight_decay", "betas", "eps", "base_batch", "warmup_steps", "schedule",
-                 "decay", "warmup_epochs", "dtype", "seed", "log1p")
+                 "decay", "warmup_epochs", "dtype", "seed", "log1p", "normalize")
 
 CHOICES = {
     "model": ("cosmoflow", "unet3d"), "optimizer": ("sgd", "adam"),
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
     "backend": ("numpy", "cupy"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
+    "normalize": (True, False),
 }
 
 
@@ -112,13 +113,14 @@ def validate(config: dict) -> None:
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"{key} must be one of {list(allowed)}, got {config[key]!r}")
-    for key in ("gen_samples", "checkpoint_every", "validate_every", "log_every"):
+    for key in ("checkpoint_every", "validate_every", "log_every"):
         _int(config, key, 1)
-    for key in ("gen_val_samples", "warmup_steps", "seed", "gen_seed"):
+    for key in ("warmup_steps", "seed", "gen_seed"):
         _int(config, key, 0)
-    for key in ("global_batch", "steps", "epochs", "base_batch", "warmup_epochs"):
+    for key in ("global_batch", "steps", "epochs", "base_batch", "warmup_epochs", "gen_samples",
+                "gen_val_samples"):
         if config[key] is not None:
-            _int(config, key, 0 if key == "warmup_epochs" else 1)
+            _int(config, key, 0 if key in ("warmup_epochs", "gen_val_samples") else 1)
     for key in ("lr", "momentum", "weight_decay", "eps", "bucket_mb"):
         value = config[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -10,8 +10,8 @@ Exit status: 0 done; 2 bad input (reported by rank 0, every rank exits); 3 the
 loss became NaN/Inf (the last good checkpoint is kept).
 
 Examples:
-    mpiexec -n 4 refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 30 --out runs/quickstart
-    mpiexec -n 4 refimpl train --out runs/quickstart --resume --steps 60
+    mpiexec -n 4 refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 300 --lr 0.003 --out runs/quickstart
+    mpiexec -n 4 refimpl train --out runs/quickstart --resume --steps 400
     mpiexec -n 2 refimpl train --model unet3d --grid 1,2,1,1 --optimizer adam --lr 0.01 --steps 20 --out runs/unet
     refimpl datagen cosmoflow --out data/c32 --size 32 --samples 128 && \\
         mpiexec -n 8 refimpl train --config run.toml --data data/c32 --grid 2,1,2,2
@@ -38,8 +38,8 @@ def add_arguments(parser):
       help="generate OUT/data when --data is not given (the default)")
     a("--no-generate", dest="generate", action="store_const", const=False,
       help="fail instead of generating data when --data is not given")
-    a("--gen-samples", type=int, help="generated training samples (default 64)")
-    a("--gen-val-samples", type=int, help="generated validation samples (default 16)")
+    a("--gen-samples", type=int, help="generated training samples (default: 16 to 256, about 128 MiB)")
+    a("--gen-val-samples", type=int, help="generated validation samples (default: 1/8 of the training samples, at least 4)")
     a("--grid", metavar="Pn,Pd,Ph,Pw", help="process grid; must multiply to the number of ranks "
       "(default: all ranks data parallel)")
     a("--global-batch", type=int, metavar="B", help="samples per step over all sample groups; "
@@ -64,8 +64,8 @@ def add_arguments(parser):
     a("--out", metavar="DIR", help="output directory (default runs/train)")
     a("--resume", action="store_const", const=True, help="continue the run in OUT from OUT/checkpoint.h5")
     a("--overwrite", action="store_const", const=True, help="start over in an OUT that holds a run")
-    a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 10)")
-    a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 10)")
+    a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
+    a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
     a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
     a("--allreduce", choices=sorted(ALGORITHMS), help="gradient allreduce algorithm (default native)")
     a("--bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
@@ -75,6 +75,9 @@ def add_arguments(parser):
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
       "sample before training; lazy: check each batch as it is read")
+    a("--no-normalize", dest="normalize", action="store_const", const=False,
+      help="feed inputs as read (default: standardise each channel with the mean and std of the "
+      "first 32 training samples)")
     a("--no-cache", dest="cache", action="store_const", const=False, help="re-read samples every epoch")
     a("--no-plot", dest="plot", action="store_const", const=False, help="do not write loss.png")
     a("--quiet", action="store_const", const=True, help="no progress bar or log lines")
@@ -84,7 +87,7 @@ FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samp
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
-             "backend", "cuda_aware", "check_data", "cache", "plot", "quiet")
+             "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet")
 
 
 def given_settings(args) -> dict:

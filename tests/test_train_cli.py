@@ -1,0 +1,224 @@
+"""``refimpl train`` end to end under mpiexec: outputs, SIGKILL + --resume bit for bit, bad input.
+
+Every run is tiny (cosmoflow tiny preset: 4 x 16^3 samples, 1-3 ranks) and has a
+timeout, so a rank that hangs (instead of exiting with the others) fails the test.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
+h5py = pytest.importorskip("h5py")
+
+from refimpl.checkpoint import read_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 240
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def train_cmd(n, *args):
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: pip install 'refimpl[mpi]'")
+    return [mpiexec, "--oversubscribe", "-n", str(n), sys.executable, "-m", "refimpl", "train",
+            "--quiet", *map(str, args)]
+
+
+def train(n, *args, timeout=TIMEOUT_S):
+    try:
+        return subprocess.run(train_cmd(n, *args), cwd=ROOT, env=mpi_env(), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"refimpl train {args} hung for {timeout}s (a rank did not exit)\n{err.stdout}\n{err.stderr}")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A tiny cosmoflow dataset matching the tiny preset (4 x 16^3)."""
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, "-m", "refimpl", "datagen", "cosmoflow", "--out", str(out),
+                    "--samples", "24", "--val-samples", "4", "--size", "16", "--quiet"],
+                   check=True, cwd=ROOT, timeout=TIMEOUT_S)
+    return out
+
+
+def metric_rows(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def model_arrays(path):
+    arrays, meta = read_file(path)
+    return {k: v for k, v in arrays.items() if not k.startswith("buffers/")}, meta
+
+
+# ---------------------------------------------------------------- runs that succeed
+
+@pytest.mark.parametrize("nranks,grid", [(2, "1,2,1,1"), (3, "3,1,1,1")])
+def test_short_run_writes_outputs(tmp_path, data_dir, nranks, grid):
+    out = tmp_path / "run"
+    proc = train(nranks, "--grid", grid, "--data", data_dir, "--steps", 4, "--global-batch", nranks,
+                 "--checkpoint-every", 2, "--validate-every", 2, "--out", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("checkpoint.h5", "metrics.jsonl", "loss.png", "config.json", "summary.json"):
+        assert (out / name).is_file(), name
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if r["split"] == "val"] == [2, 4]
+    assert all(numpy.isfinite(r["loss"]) and "mae" in r for r in rows)
+    _, meta = read_file(out / "checkpoint.h5")
+    assert meta["step"] == 4 and meta["config"]["grid"] == grid and meta["world_size"] == nranks
+
+
+def test_generates_data_when_none_given(tmp_path):
+    out = tmp_path / "gen"
+    proc = train(2, "--grid", "1,1,2,1", "--steps", 2, "--gen-samples", 8, "--gen-val-samples", 4,
+                 "--out", out, "--no-plot")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "data" / "train.h5").is_file() and (out / "data" / "val.h5").is_file()
+    assert (out / "checkpoint.h5").is_file()
+
+
+def test_sigkill_then_resume_equals_uninterrupted_bit_for_bit(tmp_path, data_dir):
+    steps, common = 40, ["--grid", "1,2,1,1", "--data", data_dir, "--global-batch", 2,
+                         "--optimizer", "sgd", "--lr", 0.01, "--checkpoint-every", 3,
+                         "--validate-every", 10, "--no-plot"]
+    whole = tmp_path / "whole"
+    proc = train(2, *common, "--steps", steps, "--out", whole)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    killed = tmp_path / "killed"
+    kill_at = random.Random(os.getpid()).randint(5, 25)
+    runner = subprocess.Popen(train_cmd(2, *common, "--steps", steps, "--out", killed), cwd=ROOT,
+                              env=mpi_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while time.monotonic() < deadline and runner.poll() is None:
+            if (killed / "metrics.jsonl").exists():
+                done = [json.loads(x)["step"] for x in open(killed / "metrics.jsonl") if x.strip()]
+                if done and max(done) >= kill_at:
+                    break
+            time.sleep(0.01)
+        assert runner.poll() is None, "the run ended before it could be killed"
+    finally:
+        os.killpg(runner.pid, signal.SIGKILL)      # mpiexec and every rank, no clean-up
+        runner.wait()
+    _, meta = read_file(killed / "checkpoint.h5")
+    assert 3 <= meta["step"] < steps and meta["step"] % 3 == 0
+
+    proc = train(2, *common, "--steps", steps, "--out", killed, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, meta_a = model_arrays(whole / "checkpoint.h5")
+    b, meta_b = model_arrays(killed / "checkpoint.h5")
+    assert meta_a["step"] == meta_b["step"] == steps
+    assert sorted(a) == sorted(b) and any(k.startswith("optimizer/") for k in a)
+    for key in a:
+        assert numpy.array_equal(a[key], b[key]), key
+    assert meta_a["loader"] == meta_b["loader"] and meta_a["dropout"] == meta_b["dropout"]
+    # the metrics log of the resumed run has every step exactly once
+    assert [r["step"] for r in metric_rows(killed) if r["split"] == "train"] == list(range(1, steps + 1))
+
+
+# ---------------------------------------------------------------- bad input: status 2 everywhere
+
+def expect_error(proc, *fragments):
+    text = proc.stderr
+    assert proc.returncode == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "refimpl train: error:" in text, text
+    for fragment in fragments:
+        assert fragment in text, f"{fragment!r} not in:\n{text}"
+
+
+def write_cosmo(path, full, targets):
+    with h5py.File(path, "w") as f:
+        f.create_dataset("full", data=full)
+        f.create_dataset("unitPar", data=targets)
+
+
+def test_grid_not_matching_ranks(tmp_path, data_dir):
+    expect_error(train(2, "--grid", "2,2,1,1", "--data", data_dir, "--out", tmp_path / "o"),
+                 "holds 4 ranks", "started 2")
+
+
+def test_global_batch_not_divisible(tmp_path, data_dir):
+    expect_error(train(2, "--grid", "2,1,1,1", "--global-batch", 3, "--data", data_dir,
+                       "--out", tmp_path / "o"), "--global-batch 3", "divisible by Pn=2")
+
+
+def test_wrong_sample_shape_and_dtype(tmp_path):
+    rng = numpy.random.default_rng(0)
+    small = tmp_path / "small"
+    small.mkdir()
+    write_cosmo(small / "train.h5", rng.random((4, 4, 12, 12, 12), dtype=numpy.float32),
+                rng.random((4, 4), dtype=numpy.float32))
+    expect_error(train(2, "--grid", "1,2,1,1", "--data", small, "--out", tmp_path / "o"),
+                 "(4, 12, 12, 12)", "expects (4, 16, 16, 16)")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    write_cosmo(wide / "train.h5", rng.random((4, 4, 16, 16, 16)), rng.random((4, 4), dtype=numpy.float32))
+    expect_error(train(2, "--grid", "1,2,1,1", "--data", wide, "--out", tmp_path / "o"), "float32")
+
+
+def test_sample_size_not_divisible_for_the_model(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model = "cosmoflow"\n[model_config]\ninput_shape = [4, 18, 16, 16]\n')
+    expect_error(train(2, "--config", cfg, "--grid", "1,2,1,1", "--out", tmp_path / "o"),
+                 "divisible by 4")
+
+
+def test_nan_in_one_ranks_block(tmp_path, data_dir):
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    with h5py.File(data_dir / "train.h5") as f:
+        full, targets = f["full"][:], f["unitPar"][:]
+    full[5, 1, 12, 3, 3] = numpy.nan           # in the second depth block only: rank 1 of grid 1,2,1,1
+    write_cosmo(bad / "train.h5", full, targets)
+    expect_error(train(2, "--grid", "1,2,1,1", "--data", bad, "--out", tmp_path / "o"),
+                 "NaN or Inf", "sample 5")
+
+
+def test_unknown_config_key_and_missing_data(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("learning_rate = 0.1\n")
+    expect_error(train(2, "--config", cfg, "--out", tmp_path / "o"), "unknown key", "learning_rate")
+    expect_error(train(2, "--data", tmp_path / "nowhere", "--out", tmp_path / "o"), "does not exist")
+
+
+def test_damaged_checkpoint_refused_on_resume(tmp_path, data_dir):
+    out = tmp_path / "run"
+    proc = train(2, "--grid", "1,2,1,1", "--data", data_dir, "--steps", 2, "--out", out, "--no-plot")
+    assert proc.returncode == 0, proc.stderr
+    raw = bytearray((out / "checkpoint.h5").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (out / "checkpoint.h5").write_bytes(bytes(raw))
+    expect_error(train(2, "--out", out, "--resume", "--steps", 4), "damaged")
+    expect_error(train(2, "--grid", "1,2,1,1", "--data", data_dir, "--out", out), "--resume", "--overwrite")
+    expect_error(train(2, "--out", tmp_path / "fresh", "--resume"), "nothing to resume")
+
+
+def test_nan_loss_stops_with_status_3_and_keeps_checkpoint(tmp_path, data_dir):
+    out = tmp_path / "run"
+    proc = train(2, "--grid", "2,1,1,1", "--data", data_dir, "--optimizer", "sgd", "--lr", "1e38",
+                 "--steps", 6, "--checkpoint-every", 1, "--out", out, "--no-plot")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "loss became" in proc.stderr
+    arrays, meta = read_file(out / "checkpoint.h5")
+    assert all(numpy.isfinite(a).all() for k, a in arrays.items() if k.startswith("model/"))
+    assert meta["step"] < 6
