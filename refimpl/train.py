@@ -238,10 +238,17 @@ def plot_metrics(metrics_path, png_path, metric_name) -> None:
     rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key in zip(axes, ("loss", metric_name)):
-        for split, style in (("train", "-"), ("val", "o-")):
-            pts = [(r["step"], r[key]) for r in rows if r["split"] == split and key in r]
-            if pts:
-                ax.plot(*zip(*pts), style, label=split, markersize=4)
+        train = [(r["step"], r[key]) for r in rows if r["split"] == "train" and key in r]
+        if train:
+            steps, values = zip(*train)
+            ax.plot(steps, values, "-", color="C0", alpha=0.3, label="train (per step)")
+            window = max(1, len(values) // 20)     # running mean over ~5% of the run
+            smooth = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                      for i in range(len(values))]
+            ax.plot(steps, smooth, "-", color="C0", label=f"train (mean of {window})")
+        val = [(r["step"], r[key]) for r in rows if r["split"] == "val" and key in r]
+        if val:
+            ax.plot(*zip(*val), "o-", color="C1", label="val", markersize=4)
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.set_yscale("log" if key == "loss" else "linear")
