@@ -66,11 +66,15 @@ class Messages:
     def recv(self, target, source: int):
         return self.comm.Irecv(self._landing(target), source=source, tag=self.tag)
 
-    def allreduce(self, target):
-        """MPI's Iallreduce of ``target`` in place."""
+    def allreduce(self, target, blocking: bool = False):
+        """MPI's allreduce of ``target`` in place: Iallreduce, or Allreduce when blocking."""
         buf = self._landing(target)
         if buf is not target:
             buf[...] = send_buffer(target)
+        if blocking:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self.land()
+            return None
         return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def _landing(self, target):
@@ -408,13 +412,11 @@ def _flat_view(a, name: str):
     raise ValueError(f"{name} must be a contiguous array, got strides {a.strides}")
 
 
-def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -> AllreduceHandle:
-    """Start a sum-allreduce of ``buf`` over ``comm``; returns its handle.
+def _checked(buf, comm, algorithm, out, options):
+    """Validate the arguments; returns (1-D view reduced in place, result array).
 
-    In place when ``out`` is None, else ``out`` (same shape and dtype) gets the
-    sum and ``buf`` is left as it was.  ``options``: ``colors`` (multicolor),
-    ``group_size`` (hierarchical).  Bad arguments raise ValueError on every rank
-    before any message (they depend only on arguments all ranks share).
+    Everything checked depends only on arguments all ranks share, so a bad call
+    raises ValueError on every rank before any message.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
@@ -429,13 +431,23 @@ def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -
     if buf.dtype.kind not in "iufc":
         raise ValueError(f"buf must hold numbers (int, uint, float, complex), got {buf.dtype}")
     flat = _flat_view(buf, "buf")
-    if out is not None and out is not buf:
-        if out.shape != buf.shape or out.dtype != buf.dtype:
-            raise ValueError(f"out must match buf: got {out.shape} {out.dtype}, "
-                             f"expected {buf.shape} {buf.dtype}")
-        out[...] = buf
-        flat = _flat_view(out, "out")
-    result = buf if out is None else out
+    if out is None or out is buf:
+        return flat, buf
+    if out.shape != buf.shape or out.dtype != buf.dtype:
+        raise ValueError(f"out must match buf: got {out.shape} {out.dtype}, expected {buf.shape} {buf.dtype}")
+    out[...] = buf
+    return _flat_view(out, "out"), out
+
+
+def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -> AllreduceHandle:
+    """Start a sum-allreduce of ``buf`` over ``comm``; returns its handle.
+
+    In place when ``out`` is None, else ``out`` (same shape and dtype) gets the
+    sum and ``buf`` is left as it was.  ``options``: ``colors`` (multicolor),
+    ``group_size`` (hierarchical).  Every rank must start its allreduces on a
+    communicator in the same order (as with any collective).
+    """
+    flat, result = _checked(buf, comm, algorithm, out, options)
     msgs = Messages(comm, _next_tag(comm))
     return AllreduceHandle(ALGORITHMS[algorithm](flat, msgs, **options), msgs, result)
 
@@ -444,7 +456,13 @@ def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
     """Sum ``buf`` over all ranks of ``comm`` with the named algorithm; returns the result.
 
     See ``start_allreduce`` for the arguments; ``ALGORITHMS`` lists the names.
+    "native" calls the blocking ``MPI_Allreduce`` here (MPI's tuned algorithms;
+    the non-blocking ``Iallreduce`` of the handle form is usually slower).
     """
+    if algorithm == "native":
+        flat, result = _checked(buf, comm, algorithm, out, options)
+        Messages(comm, tag=0).allreduce(flat, blocking=True)
+        return result
     return start_allreduce(buf, comm, algorithm, out=out, **options).wait()
 
 

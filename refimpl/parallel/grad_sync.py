@@ -148,8 +148,7 @@ class GradientSynchronizer:
         self._syncing = True
         self._step_began = None
         self.history = []         # one record (dict) per synchronised step
-        for param in params:
-            param.on_grad_ready = self._grad_ready
+        self.attach()
 
     # ------------------------------------------------------------ during backward
 
@@ -235,6 +234,12 @@ class GradientSynchronizer:
             yield self
         finally:
             self._syncing = True
+
+    def attach(self) -> None:
+        """Install this synchroniser's hook on its parameters (done by the constructor)."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.on_grad_ready = self._grad_ready
 
     def detach(self) -> None:
         """Remove the hooks from the parameters."""
