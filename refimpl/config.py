@@ -36,7 +36,7 @@ DEFAULTS = {
     # how long
     "steps": None, "epochs": None,
     # optimiser and schedule
-    "optimizer": "adam", "lr": None, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
+    "optimizer": None, "lr": None, "momentum": 0.9, "nesterov": False, "weight_decay": 0.0,
     "betas": [0.9, 0.999], "eps": 1e-8, "base_batch": None, "warmup_steps": 0,
     "schedule": "constant", "decay": "", "warmup_epochs": None,
     # numerics and reproducibility
@@ -56,7 +56,7 @@ IDENTITY_KEYS = ("model", "preset", "model_config", "global_batch", "optimizer",
                  "decay", "warmup_epochs", "dtype", "seed", "log1p", "normalize")
 
 CHOICES = {
-    "model": ("cosmoflow", "unet3d"), "optimizer": ("sgd", "adam"),
+    "model": ("cosmoflow", "unet3d"), "optimizer": (None, "sgd", "adam"),
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
     "backend": ("numpy", "cupy"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
     "normalize": (True, False),

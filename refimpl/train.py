@@ -85,6 +85,8 @@ def resolve_run(config: dict, world_size: int) -> dict:
         raise ValueError(f"--global-batch {batch} must be divisible by Pn={dims[0]} (the grid's "
                          "sample groups each take an equal share)")
     mlperf = config["schedule"] == "mlperf"
+    if config["optimizer"] is None:       # MLPerf CosmoFlow trains with SGD; otherwise Adam
+        config["optimizer"] = MLPERF_COSMOFLOW["optimizer"] if mlperf else "adam"
     lr = config["lr"] if config["lr"] is not None else \
         (MLPERF_COSMOFLOW["lr"] if mlperf else DEFAULT_LR[config["optimizer"]])
     base_batch = config["base_batch"] if config["base_batch"] is not None else \

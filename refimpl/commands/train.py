@@ -46,7 +46,7 @@ def add_arguments(parser):
       "divisible by Pn (default 4 rounded up to a multiple of Pn)")
     a("--steps", type=int, help="train this many steps in total (default: --epochs)")
     a("--epochs", type=int, help="train this many epochs in total (default 1)")
-    a("--optimizer", choices=CHOICES["optimizer"], help="default adam")
+    a("--optimizer", choices=CHOICES["optimizer"][1:], help="default adam (sgd with --schedule mlperf)")
     a("--lr", type=float, help="base learning rate (default sgd 0.01, adam 0.001, mlperf 0.001)")
     a("--base-batch", type=int, help="linear scaling: lr = LR * global_batch / BASE_BATCH (default: no "
       "scaling; mlperf: 64)")
