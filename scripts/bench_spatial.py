@@ -20,6 +20,8 @@ float32 sample of ``--size``^3 voxels, forward + backward, one warm-up step then
   (forward exchange + adjoint), next to ``partition.bytes_sent`` of the same
   halo plans (forward + adjoint): they must be equal, exactly;
 - strong-scaling efficiency ``t1 / (P * tP)`` of the step time (slowest rank),
+  with each rank's CPU time of the step next to it (on a shared machine the wall
+  time includes time spent descheduled, the CPU time does not),
   reported only where P ranks fit on the cores (one BLAS thread per rank): with
   more ranks than cores the ranks time-share the cores and their times say
   nothing about scaling (memory and bytes stay exact).
@@ -244,11 +246,11 @@ def run_one_p(args) -> dict | None:
         sent_before = sum(h.bytes_sent for h in halos)
         clock.reset()
         comm.Barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         step()
-        t_step = time.perf_counter() - t0
+        t_step, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if best is None or t_step < best["step_s"]:
-            best = {"step_s": t_step, "halo_forward_s": clock.forward_s,
+            best = {"step_s": t_step, "cpu_s": cpu, "halo_forward_s": clock.forward_s,
                     "halo_adjoint_s": clock.adjoint_s,
                     "bytes_sent": sum(h.bytes_sent for h in halos) - sent_before}
     rank_row = dict(best, rank=comm.rank, coords=list(grid.spatial_coords),
@@ -269,7 +271,7 @@ def run_one_p(args) -> dict | None:
 
 def summarize(rows) -> dict:
     """One row per P: the slowest rank's step, halo shares, the largest memory, exact-bytes check."""
-    return {"step_s": max(r["step_s"] for r in rows),
+    return {"step_s": max(r["step_s"] for r in rows), "cpu_s": max(r["cpu_s"] for r in rows),
             "halo_share_mean": sum(r["halo_share"] for r in rows) / len(rows),
             "halo_share_max": max(r["halo_share"] for r in rows),
             "peak_bytes": max(r["peak_bytes"] for r in rows),
@@ -283,13 +285,13 @@ def summarize(rows) -> dict:
 def print_ranks(report):
     print(f"# P={report['ranks']} grid {'x'.join(map(str, report['grid']))}  size {report['size']}^3  "
           f"channels {','.join(map(str, report['channels']))}  float32  checksum {report['checksum']:.6e}")
-    head = (f"{'rank':>4} {'coords':>9} {'block':>12} {'step s':>8} {'halo fwd s':>10} {'halo adj s':>10} "
+    head = (f"{'rank':>4} {'coords':>9} {'block':>12} {'step s':>8} {'cpu s':>7} {'halo fwd s':>10} {'halo adj s':>10} "
             f"{'halo %':>6} {'peak MiB':>9} {'maxrss MiB':>10} {'sent B':>11} {'plan B':>11} {'match':>5}")
     print(head)
     print("-" * len(head))
     for r in report["per_rank"]:
         print(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>9} {'x'.join(map(str, r['block'])):>12} "
-              f"{r['step_s']:8.2f} {r['halo_forward_s']:10.3f} {r['halo_adjoint_s']:10.3f} "
+              f"{r['step_s']:8.2f} {r['cpu_s']:7.2f} {r['halo_forward_s']:10.3f} {r['halo_adjoint_s']:10.3f} "
               f"{100 * r['halo_share']:6.1f} {mib(r['peak_bytes']):>9} {mib(r['maxrss_bytes']):>10} "
               f"{r['bytes_sent']:>11} {r['bytes_predicted']:>11} "
               f"{'yes' if r['bytes_sent'] == r['bytes_predicted'] else 'NO':>5}")
@@ -347,7 +349,7 @@ def add_comparisons(reports):
 
 
 def print_table(reports):
-    head = (f"{'P':>2} {'grid':>6} {'step s':>7} {'halo % mean/max':>15} {'peak MiB':>9} "
+    head = (f"{'P':>2} {'grid':>6} {'step s':>7} {'cpu s':>7} {'halo % mean/max':>15} {'peak MiB':>9} "
             f"{'ideal 1/P':>9} {'peak/ideal':>10} {'maxrss MiB':>10} {'sent MiB/rank':>13} "
             f"{'plan MiB/rank':>13} {'match':>5} {'efficiency':>18}")
     print(head)
@@ -357,7 +359,7 @@ def print_table(reports):
                else "n/a (oversubscr.)" if r["oversubscribed"] else "n/a")
         ideal = mib(r["peak_ideal_bytes"]) if r["peak_ideal_bytes"] is not None else "n/a"
         ratio = f"{r['peak_over_ideal']:.2f}" if r["peak_over_ideal"] is not None else "n/a"
-        print(f"{r['ranks']:>2} {'x'.join(map(str, r['grid'])):>6} {r['step_s']:7.3f} "
+        print(f"{r['ranks']:>2} {'x'.join(map(str, r['grid'])):>6} {r['step_s']:7.3f} {r['cpu_s']:7.3f} "
               f"{100 * r['halo_share_mean']:7.1f}/{100 * r['halo_share_max']:<7.1f} "
               f"{mib(r['peak_bytes']):>9} {ideal:>9} {ratio:>10} {mib(r['maxrss_bytes']):>10} "
               f"{r['bytes_sent_max'] / 2**20:13.3f} {r['bytes_predicted_max'] / 2**20:13.3f} "
@@ -377,7 +379,8 @@ def driver(args) -> int:
     add_comparisons(reports)
     print_table(reports)
     drift = [r["checksum_rel_diff"] for r in reports if r["checksum_rel_diff"] is not None]
-    print(f"# step s: slowest rank; halo %: time in HaloExchange.forward+adjoint / step time (incl. "
+    print(f"# step s: slowest rank's wall time; cpu s: largest CPU time of a rank in the step "
+          f"(includes MPI polling); halo %: time in HaloExchange.forward+adjoint / step time (incl. "
           f"waiting for neighbours); sent/plan: largest rank, fwd+adjoint; efficiency t1/(P tP) only "
           f"for P <= {cores} cores; checksum drift vs P=1: {max(drift) if drift else 0:.1e}; "
           f"load average at the end {os.getloadavg()[0]:.1f} (above {cores}: other processes "

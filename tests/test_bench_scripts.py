@@ -49,6 +49,7 @@ def test_driver_bytes_match_plan_and_hand_count(tmp_path):
     assert two["checksum_rel_diff"] < 1e-5             # the same function on 1 and 2 ranks
     assert one["peak_bytes"] > 0 and two["peak_ideal_bytes"] == one["peak_bytes"] / 2
     assert (two["efficiency"] is None) == two["oversubscribed"]
+    assert all(r["step_s"] > 0 and r["cpu_s"] > 0 for r in one["per_rank"] + two["per_rank"])
     assert 0 <= two["halo_share_max"] <= 1 and two["blas_env"]["OPENBLAS_NUM_THREADS"] == "1"
     assert "match" in proc.stdout and "efficiency" in proc.stdout
 
