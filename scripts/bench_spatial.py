@@ -20,11 +20,11 @@ float32 sample of ``--size``^3 voxels, forward + backward, one warm-up step then
   (forward exchange + adjoint), next to ``partition.bytes_sent`` of the same
   halo plans (forward + adjoint): they must be equal, exactly;
 - strong-scaling efficiency ``t1 / (P * tP)`` of the step time (slowest rank),
-  with each rank's CPU time of the step next to it (on a shared machine the wall
-  time includes time spent descheduled, the CPU time does not),
   reported only where P ranks fit on the cores (one BLAS thread per rank): with
   more ranks than cores the ranks time-share the cores and their times say
-  nothing about scaling (memory and bytes stay exact).
+  nothing about scaling (memory and bytes stay exact).  Each rank's CPU time of
+  the step goes next to it: on a shared machine the wall time includes time
+  spent descheduled, the CPU time does not.
 
 A checksum ``sum(y * dy)`` (allreduced, float64) must agree across P up to
 float32 rounding: every P computes the same function.
@@ -58,7 +58,7 @@ import tracemalloc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FULL_CHANNELS = (4, 32, 64, 128, 256)         # CosmoFlow's conv trunk
-DEFAULT_CHANNELS = (4, 16, 32, 64, 128)       # half width: the default run stays within minutes
+DEFAULT_CHANNELS = (4, 16, 32, 64, 128)       # half width: ranks 1,2,4,8 at 128^3 in about a minute
 QUICK = dict(size=64, channels=(4, 8, 16, 32, 64), ranks="1,2,4,8", repeats=3)
 NEGATIVE_SLOPE = 0.3
 BLAS_ENV = dict(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -70,7 +70,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default=None, metavar="P,P,...",
                     help="driver mode: run mpiexec -n P for each P and print one row per P")
-    ap.add_argument("--size", type=int, default=None, help="sample extent D=H=W (default 128; quick 32)")
+    ap.add_argument("--size", type=int, default=None, help=f"sample extent D=H=W (default 128; quick {QUICK['size']})")
     ap.add_argument("--channels", default=None, metavar="C0,C1,...",
                     help=f"channels of the stack, one conv block per step (default "
                          f"{','.join(map(str, DEFAULT_CHANNELS))})")
@@ -108,6 +108,8 @@ def parse_args(argv=None):
         args.ranks = _ints(ap, args.ranks, "--ranks")
         if min(args.ranks) < 1:
             ap.error("--ranks must be positive integers")
+    if args.grid is not None and args.ranks is not None:
+        ap.error("--grid is for a single-P run under mpiexec; with --ranks use --split")
     if args.grid is not None:
         args.grid = _ints(ap, args.grid, "--grid")
         if len(args.grid) != 3 or min(args.grid) < 1:
