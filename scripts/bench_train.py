@@ -1,0 +1,454 @@
+#!/usr/bin/env python
+"""Training throughput: refimpl on process grids vs. the same CosmoFlow in PyTorch (CPU, DDP).
+
+One training step is what ``refimpl train`` does per batch: forward, loss,
+backward with the bucketed gradient allreduce (``GradientSynchronizer``), SGD
+with momentum 0.9.  The data are synthetic and in memory (one fixed global
+batch drawn once, each rank holding its block), so the numbers are compute +
+communication, not I/O.  float32; ``--warmup`` untimed steps, then ``--steps``
+timed steps.  Measured per run:
+
+- samples/s = global batch x timed steps / the slowest rank's timed wall time;
+- step s, cpu s: the slowest rank's wall time per step and its CPU time
+  (on a shared machine the wall time includes time spent descheduled);
+- numpy peak: tracemalloc's peak of the bytes NumPy held during the first
+  warm-up step (parameters, optimiser state, the local batch, activations and
+  temporaries), the largest over the ranks; ru_maxrss: the process's peak
+  resident set (interpreter, MPI / torch libraries included), largest rank.
+
+Baseline: the same CosmoFlow written with torch.nn (Conv3d / LeakyReLU /
+MaxPool3d / Linear / Dropout, MSELoss, torch.optim.SGD momentum 0.9), same layer
+sizes, same global batch, same threads per process (torch.set_num_threads):
+1 process, and DistributedDataParallel over gloo with 2 processes
+(init_method tcp://127.0.0.1:<free port>, one subprocess per rank).  ratio =
+refimpl samples/s / torch samples/s for matching configs: 1 rank (1,1,1,1) vs
+1 process (same threads), (2,1,1,1) vs DDP-2.  torch is optional: n/a without it.
+tracemalloc does not see torch's allocator: torch rows report ru_maxrss only.
+
+Threads: one BLAS thread per process when P > 1 (OMP/OPENBLAS/MKL_NUM_THREADS=1);
+the 1-rank grid runs with 1 thread and, for a fair comparison with 2 ranks on a
+2-core machine, with ``cores`` threads too.  Grids with more ranks than cores
+oversubscribe: the ranks time-share the cores (marked in the table).
+
+    python scripts/bench_train.py [--grids 1,1,1,1 2,1,1,1 1,2,1,1 2,2,1,1 1,2,2,1]
+                                  [--models cosmoflow unet3d] [--quick] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DEFAULT_GRIDS = ("1,1,1,1", "2,1,1,1", "1,2,1,1", "2,2,1,1", "1,2,2,1")
+# size: D=H=W; width: CosmoFlow conv_size / U-Net base_width; layers: conv blocks / U-Net levels
+DEFAULT = dict(size=64, width=16, layers=4, unet_width=4, unet_layers=2, fc1=128, fc2=64,
+               batch=4, warmup=1, steps=3)
+QUICK = dict(size=16, width=4, layers=2, unet_width=4, unet_layers=2, fc1=32, fc2=16,
+             batch=2, warmup=1, steps=2)
+LR, MOMENTUM = 1e-3, 0.9
+ROOT_ENV = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def blas_env(threads: int) -> dict:
+    n = str(threads)
+    return dict(OMP_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n, MKL_NUM_THREADS=n)
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def model_config(args, name: str) -> dict:
+    if name == "cosmoflow":
+        return {"input_shape": (4,) + (args.size,) * 3, "conv_size": args.width,
+                "n_conv_layers": args.layers, "fc1_size": args.fc1, "fc2_size": args.fc2, "dropout": 0.5}
+    return {"input_shape": (1,) + (args.size,) * 3, "levels": args.unet_layers,
+            "base_width": args.unet_width, "num_classes": 3, "loss": "ce"}
+
+
+def synthetic_batch(name: str, config: dict, batch: int, seed: int):
+    """One fixed global batch: inputs N(0, 1); CosmoFlow targets U(-1, 1)^4, U-Net labels in [0, 3)."""
+    import numpy
+    rng = numpy.random.default_rng(seed)
+    x = rng.standard_normal((batch,) + tuple(config["input_shape"]), dtype=numpy.float32)  # (B, C, S, S, S)
+    if name == "cosmoflow":
+        y = rng.uniform(-1, 1, (batch, 4)).astype(numpy.float32)                           # (B, 4)
+    else:
+        y = rng.integers(0, config["num_classes"], (batch,) + tuple(config["input_shape"][1:]))  # (B, S, S, S)
+    return x, y
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------- refimpl worker (under mpiexec)
+
+def refimpl_worker(args) -> dict | None:
+    """Collective over COMM_WORLD; the report on rank 0 (None elsewhere)."""
+    import numpy
+    from mpi4py import MPI
+
+    from refimpl.models import build_model
+    from refimpl.optim import SGD
+    from refimpl.parallel.grad_sync import GradientSynchronizer
+    from refimpl.parallel.grid import ProcessGrid, parse_grid
+
+    comm = MPI.COMM_WORLD
+    dims = parse_grid(args.grid)
+    grid = ProcessGrid(comm, dims)          # raises on every rank if dims do not match the size
+    name, config = args.model, model_config(args, args.model)
+    tracemalloc.start()
+    model = build_model(name, config, grid, seed=args.seed, dtype="float32", global_batch=args.batch)
+    x_global, y_global = synthetic_batch(name, config, args.batch, args.seed + 1)
+    x = numpy.ascontiguousarray(model.local_input(x_global))      # (B/Pn, C, local block)
+    y = numpy.ascontiguousarray(model.local_target(y_global))
+    del x_global, y_global
+    sync = GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm)
+    optimizer = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model.train()
+
+    def step():
+        model.zero_grad()
+        loss, dout, _ = model.loss(model.forward(x), y)
+        model.backward(dout)
+        sync.finish()
+        optimizer.step()
+        return loss
+
+    comm.Barrier()
+    tracemalloc.reset_peak()
+    loss = step()                                     # warm-up 1, traced
+    numpy_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    for _ in range(args.warmup - 1):
+        step()
+    comm.Barrier()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        loss = step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    rows = comm.gather({"rank": comm.rank, "wall_s": wall, "cpu_s": cpu, "numpy_peak_bytes": numpy_peak,
+                        "maxrss_bytes": peak_rss()}, root=0)
+    if comm.rank != 0:
+        return None
+    slowest = max(r["wall_s"] for r in rows)
+    return {"impl": "refimpl", "model": name, "grid": list(dims), "ranks": comm.size,
+            "params": sum(int(p.data.size) for p in model.parameters()), "loss": float(loss),
+            "samples_per_s": args.batch * args.steps / slowest, "step_s": slowest / args.steps,
+            "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
+            "numpy_peak_bytes": max(r["numpy_peak_bytes"] for r in rows),
+            "maxrss_bytes": max(r["maxrss_bytes"] for r in rows), "per_rank": rows}
+
+
+# ---------------------------------------------------------------------------- torch worker (one process per rank)
+
+def torch_cosmoflow(config: dict):
+    """The same network as refimpl.models.CosmoFlow, in torch.nn."""
+    import torch
+    from torch import nn
+    c_in, layers = config["input_shape"][0], []
+    for i in range(config["n_conv_layers"]):
+        c_out = config["conv_size"] * 2 ** i
+        layers += [nn.Conv3d(c_in, c_out, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2)]
+        c_in = c_out
+    final = config["input_shape"][1] // 2 ** config["n_conv_layers"]
+    p = config["dropout"]
+
+    class ScaledTanh(nn.Module):
+        def forward(self, t):
+            return 1.2 * torch.tanh(t)
+
+    return nn.Sequential(*layers, nn.Flatten(),
+                         nn.Linear(c_in * final ** 3, config["fc1_size"]), nn.LeakyReLU(0.3), nn.Dropout(p),
+                         nn.Linear(config["fc1_size"], config["fc2_size"]), nn.LeakyReLU(0.3), nn.Dropout(p),
+                         nn.Linear(config["fc2_size"], 4), ScaledTanh())
+
+
+def torch_worker(args) -> dict:
+    import torch
+    torch.set_num_threads(args.threads)
+    world, rank = args.world, args.rank
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                                world_size=world)
+    torch.manual_seed(args.seed)
+    config = model_config(args, "cosmoflow")
+    model = torch_cosmoflow(config)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    x_global, y_global = synthetic_batch("cosmoflow", config, args.batch, args.seed + 1)
+    n = args.batch // world
+    x = torch.from_numpy(x_global[rank * n:(rank + 1) * n].copy())      # (B/world, C, S, S, S)
+    y = torch.from_numpy(y_global[rank * n:(rank + 1) * n].copy())
+    del x_global, y_global
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = torch.nn.MSELoss()
+    model.train()
+
+    def step():
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()                 # DDP: bucketed gloo allreduce overlapped with backward
+        optimizer.step()
+        return float(loss)
+
+    for _ in range(args.warmup):
+        step()
+    if world > 1:
+        dist.barrier()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        loss = step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if world > 1:
+        wall = _max_over_ranks(dist, wall)
+        dist.destroy_process_group()
+    return {"impl": "torch", "model": "cosmoflow", "world": world, "rank": rank, "loss": loss,
+            "params": sum(p.numel() for p in model.parameters()), "wall_s": wall, "cpu_s": cpu,
+            "maxrss_bytes": peak_rss(), "torch": torch.__version__}
+
+
+def _max_over_ranks(dist, value: float) -> float:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return max(out)
+
+
+# ---------------------------------------------------------------------------- driver
+
+def size_args(args) -> list:
+    return ["--size", str(args.size), "--width", str(args.width), "--layers", str(args.layers),
+            "--unet-width", str(args.unet_width), "--unet-layers", str(args.unet_layers),
+            "--fc1", str(args.fc1), "--fc2", str(args.fc2), "--batch", str(args.batch),
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+
+
+def run_checked(cmd, env, timeout, what):
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_train: {what} failed (rc={proc.returncode})\n"
+                         f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def launch_refimpl(args, model, grid, threads, tmp) -> dict:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SystemExit("bench_train: mpiexec not found (pip install 'refimpl[mpi]')")
+    dims = [int(t) for t in grid.split(",")]
+    p = dims[0] * dims[1] * dims[2] * dims[3]
+    out = os.path.join(tmp, f"{model}_{grid.replace(',', '')}_{threads}.json")
+    cmd = [mpiexec, "--oversubscribe", "-n", str(p), sys.executable, os.path.abspath(__file__),
+           "--worker", "refimpl", "--model", model, "--grid", grid, "--json", out] + size_args(args)
+    t0 = time.perf_counter()
+    run_checked(cmd, dict(os.environ, **blas_env(threads), **ROOT_ENV), args.timeout,
+                f"mpiexec -n {p} {model} grid {grid}")
+    with open(out) as fh:
+        report = json.load(fh)
+    report.update(threads=threads, oversubscribed=p * threads > cpu_cores(), wall_total_s=time.perf_counter() - t0)
+    return report
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_torch(args, world, threads, tmp) -> dict:
+    port, outs, procs = free_port(), [], []
+    env = dict(os.environ, **blas_env(threads))
+    t0 = time.perf_counter()
+    for rank in range(world):
+        outs.append(os.path.join(tmp, f"torch_{world}_{threads}_{rank}.json"))
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "torch", "--world", str(world),
+               "--rank", str(rank), "--port", str(port), "--threads", str(threads),
+               "--json", outs[-1]] + size_args(args)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, proc in enumerate(procs):
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+        if proc.returncode != 0:
+            for other in procs:
+                if other.poll() is None:
+                    other.kill()
+            raise SystemExit(f"bench_train: torch rank {rank}/{world} failed (rc={proc.returncode})\n"
+                             f"{stdout[-4000:]}\n{stderr[-4000:]}")
+    rows = [json.load(open(path)) for path in outs]
+    slowest = max(r["wall_s"] for r in rows)
+    return {"impl": "torch", "model": "cosmoflow", "grid": None, "ranks": world, "threads": threads,
+            "label": "1 process" if world == 1 else f"DDP gloo x{world}", "params": rows[0]["params"],
+            "loss": rows[0]["loss"], "samples_per_s": args.batch * args.steps / slowest,
+            "step_s": slowest / args.steps, "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
+            "numpy_peak_bytes": None, "maxrss_bytes": max(r["maxrss_bytes"] for r in rows),
+            "oversubscribed": world * threads > cpu_cores(), "torch": rows[0]["torch"],
+            "per_rank": rows, "wall_total_s": time.perf_counter() - t0}
+
+
+def torch_available() -> bool:
+    try:
+        import importlib.util
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def add_ratios(reports) -> None:
+    """ratio = refimpl samples/s / torch samples/s: 1 rank vs 1 process (same threads), (2,1,1,1) vs DDP-2."""
+    torch_rows = {(r["ranks"], r["threads"]): r for r in reports if r["impl"] == "torch"}
+    for r in reports:
+        r["ratio_vs_torch"] = None
+        if r["impl"] != "refimpl" or r["model"] != "cosmoflow":
+            continue
+        if r["grid"] in ([1, 1, 1, 1], [2, 1, 1, 1]) and (r["ranks"], r["threads"]) in torch_rows:
+            match = torch_rows[(r["ranks"], r["threads"])]
+            r["ratio_vs_torch"] = r["samples_per_s"] / match["samples_per_s"]
+            r["torch_match"] = match["label"]
+
+
+def mib(nbytes) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def print_table(reports, torch_note) -> None:
+    head = (f"{'impl':>7} {'model':>9} {'grid / config':>15} {'P':>2} {'thr':>3} {'samples/s':>9} {'step s':>7} "
+            f"{'cpu s':>6} {'numpy peak MiB':>14} {'maxrss MiB':>10} {'refimpl/torch':>13}  note")
+    print(head)
+    print("-" * len(head))
+    for r in reports:
+        config = ",".join(map(str, r["grid"])) if r["grid"] else r["label"]
+        ratio = f"{r['ratio_vs_torch']:.2f}" if r.get("ratio_vs_torch") is not None else ""
+        note = "oversubscribed" if r["oversubscribed"] else ""
+        print(f"{r['impl']:>7} {r['model']:>9} {config:>15} {r['ranks']:>2} {r['threads']:>3} "
+              f"{r['samples_per_s']:9.2f} {r['step_s']:7.3f} {r['cpu_s']:6.2f} {mib(r['numpy_peak_bytes']):>14} "
+              f"{mib(r['maxrss_bytes']):>10} {ratio:>13}  {note}")
+    if torch_note:
+        print(f"{'torch':>7} {'cosmoflow':>9} {'n/a':>15}  ({torch_note})")
+
+
+def driver(args) -> int:
+    cores, load_start = cpu_cores(), os.getloadavg()
+    use_torch = not args.no_torch and torch_available()
+    torch_note = None if use_torch else ("--no-torch" if args.no_torch else "PyTorch not installed")
+    print(f"# bench_train: models {' '.join(args.models)}, {args.size}^3, CosmoFlow conv_size {args.width} x "
+          f"{args.layers} blocks, fc {args.fc1}/{args.fc2}; U-Net base_width {args.unet_width} x "
+          f"{args.unet_layers} levels; global batch {args.batch}; float32; synthetic in-memory data; "
+          f"{args.warmup} warm-up + {args.steps} timed steps; {cores} cores; "
+          f"load average {' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
+    plan = []      # (what, callable)
+    for model in args.models:
+        for grid in args.grids:
+            p = eval_product(grid)
+            plan.append((f"refimpl {model} {grid} threads 1",
+                         lambda m=model, g=grid: launch_refimpl(args, m, g, 1, tmp)))
+            if p == 1 and cores > 1 and not args.no_threads_run:
+                plan.append((f"refimpl {model} {grid} threads {cores}",
+                             lambda m=model, g=grid: launch_refimpl(args, m, g, cores, tmp)))
+    if use_torch and "cosmoflow" in args.models:
+        plan.append(("torch 1 process threads 1", lambda: launch_torch(args, 1, 1, tmp)))
+        if cores > 1 and not args.no_threads_run:
+            plan.append((f"torch 1 process threads {cores}", lambda: launch_torch(args, 1, cores, tmp)))
+        if any(g == "2,1,1,1" for g in args.grids):
+            plan.append(("torch DDP-2 threads 1", lambda: launch_torch(args, 2, 1, tmp)))
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for what, run in plan:
+            reports.append(run())
+            print(f"#   {what}: {reports[-1]['samples_per_s']:.2f} samples/s "
+                  f"({reports[-1]['wall_total_s']:.0f} s)", flush=True)
+    add_ratios(reports)
+    print_table(reports, torch_note)
+    load_end = os.getloadavg()
+    print(f"# samples/s: global batch x timed steps / slowest rank's wall time; thr: BLAS/torch threads per "
+          f"process; oversubscribed: processes x threads > {cores} cores (they time-share the cores); numpy "
+          f"peak: tracemalloc peak in a step (torch: n/a); refimpl/torch: samples/s ratio vs the torch run "
+          f"with the same processes and threads; load average at the end "
+          f"{' '.join(f'{v:.2f}' for v in load_end)} (above {cores}: other jobs share the cores)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"settings": {k: getattr(args, k) for k in
+                                    ("models", "grids", "size", "width", "layers", "unet_width", "unet_layers",
+                                     "fc1", "fc2", "batch", "warmup", "steps", "seed")},
+                       "cores": cores, "load_average": {"start": list(load_start), "end": list(load_end)},
+                       "torch": "ok" if use_torch else torch_note, "rows": reports}, fh, indent=1)
+    return 0
+
+
+def eval_product(grid: str) -> int:
+    dims = [int(t) for t in grid.split(",")]
+    return dims[0] * dims[1] * dims[2] * dims[3]
+
+
+# ---------------------------------------------------------------------------- arguments
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", nargs="+", default=None, metavar="Pn,Pd,Ph,Pw",
+                    help=f"driver: grids to run (default {' '.join(DEFAULT_GRIDS)}; quick 1,1,1,1 2,1,1,1)")
+    ap.add_argument("--models", nargs="+", choices=("cosmoflow", "unet3d"), default=["cosmoflow", "unet3d"])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run: " +
+                    ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    for key, help_text in (("size", "sample extent D=H=W"), ("width", "CosmoFlow conv_size"),
+                           ("layers", "CosmoFlow conv blocks"), ("unet_width", "U-Net base_width"),
+                           ("unet_layers", "U-Net levels"), ("fc1", "CosmoFlow fc1_size"),
+                           ("fc2", "CosmoFlow fc2_size"), ("batch", "global batch"),
+                           ("warmup", "untimed warm-up steps (>= 1)"), ("steps", "timed steps")):
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None,
+                        help=f"{help_text} (default {DEFAULT[key]}; quick {QUICK[key]})")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--no-threads-run", action="store_true",
+                    help="skip the 1-process runs with one thread per core")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
+    ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
+    # internal: one run, launched by the driver
+    ap.add_argument("--worker", choices=("refimpl", "torch"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="cosmoflow", help=argparse.SUPPRESS)
+    ap.add_argument("--grid", default="1,1,1,1", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULT
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+        if getattr(args, key) < 1:
+            ap.error(f"--{key.replace('_', '-')} must be a positive integer")
+    if args.grids is None:
+        args.grids = ["1,1,1,1", "2,1,1,1"] if args.quick else list(DEFAULT_GRIDS)
+    from refimpl.parallel.grid import parse_grid
+    try:
+        args.grids = [",".join(map(str, parse_grid(g))) for g in args.grids]
+    except ValueError as err:
+        ap.error(f"--grids: {err}")
+    if any(args.batch % int(g.split(",")[0]) for g in args.grids):
+        ap.error(f"--batch {args.batch} must be divisible by every grid's Pn")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is None:
+        return driver(args)
+    report = refimpl_worker(args) if args.worker == "refimpl" else torch_worker(args)
+    if report is not None and args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
