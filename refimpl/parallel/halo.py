@@ -55,6 +55,10 @@ class HaloExchange:
         self.needed = plan.needed(self.coords)
         self.frame = tuple(_hull(o, n) for o, n in zip(self.owned, self.needed))
         self.bytes_sent = 0  # cumulative, forward and adjoint
+        # nothing to exchange and nothing to reshape (one rank, or a window that reads
+        # exactly the owned block): forward and adjoint are the identity, skip the copies
+        self.identity = self.needed == self.owned and not any(
+            plan.sends(self.coords, a) or plan.recvs(self.coords, a) for a in range(3))
 
     def _at(self, region):
         """Index of the global ``region`` (three ranges) in the work array."""
@@ -67,6 +71,8 @@ class HaloExchange:
     def forward(self, local_block):
         """(..., d, h, w) owned block -> (..., nd, nh, nw) needed input range with ghosts filled."""
         _check_extent("local_block", local_block, self.owned)
+        if self.identity:
+            return local_block
         work = self._work(local_block, local_block.shape[:-3])
         work[self._at(self.owned)] = local_block
         for axis in range(3):
@@ -75,6 +81,9 @@ class HaloExchange:
 
     def adjoint(self, extended_grad):
         """(..., nd, nh, nw) gradient of the extended array -> (..., d, h, w) gradient of the block."""
+        if self.identity:
+            _check_extent("extended_grad", extended_grad, self.needed)
+            return extended_grad
         return self.adjoint_frame(extended_grad)[self._at(self.owned)]
 
     def adjoint_frame(self, extended_grad):
