@@ -1,0 +1,309 @@
+"""Bounded-memory im2col + GEMM: the one piece of math behind conv3d and conv_transpose3d.
+
+Notation, per spatial axis: input extent ``n``, kernel ``k``, stride ``s``,
+padding ``p``, dilation ``dl``, output extent ``o``.  Output position ``j``
+reads input position ``i = j*s + t*dl - p`` through kernel tap ``t``; an ``i``
+outside ``[0, n)`` is zero padding (it is never materialised: no padded copy
+of the input is made, each tap copies only its in-range box and zeroes the
+border of the column tile).
+
+For a tile of ``M`` output positions (of ``nb`` whole samples, or of part of
+one sample), with ``K = C*kd*kh*kw``::
+
+    col   (K, M)  : col[(c, a, b, e), m] = x[c, i_d(m, a), i_h(m, b), i_w(m, e)]   (im2col)
+    y     (F, M)  = W (F, K) @ col                                              forward
+    dW^T  (K, F) += col @ dy^T (M, F)                                           weight grad
+    dcol  (K, M)  = W^T (K, F) @ dy;   dx += col2im(dcol)                       input grad
+
+``W`` is the weight ``(F, C, kd, kh, kw)`` reshaped to ``(F, K)``.  For a
+one-sample tile the ``(F, M)`` tile of ``y`` / ``dy`` is the NCDHW array itself
+(the GEMM writes straight into ``y``); a tile of several samples (small
+volumes: one bigger GEMM instead of several small ones) stages ``(F, nb, M)``
+through a buffer.  col2im adds the ``K`` rows back tap by tap with strided
+slices (no ``numpy.add.at``): within one tap the slice has no repeated input
+position.  (Splitting the copies over Python threads was tried and gave
+nothing on the 2-core test machine; only the GEMMs are threaded, by BLAS.)
+
+Tiles and the memory bound: the outputs are cut into tiles of whole samples,
+else of whole depth planes of one sample, else of whole rows ``(h, :)`` of one
+plane.  A tile holds about ``TARGET_TILE_BYTES`` (8 MiB: cache-sized) of
+columns but at least ``MIN_TILE_POSITIONS`` positions, and never more than
+``max_temp_bytes`` allows.  The temporary buffers of one call (column tile,
+plus an ``(F, M)`` GEMM-output / staging tile) are allocated once and reused,
+and their size is at most
+
+    max(max_temp_bytes, bytes of one output row's tile)
+
+where one output row's tile is ``(K + F) * Wo * itemsize`` bytes.  Besides
+that the functions allocate only their result (and a ``(K, F)`` weight-grad
+accumulator and a contiguous copy of ``W^T`` in the backward).  Default:
+``MAX_TEMP_BYTES`` = 64 MiB, read at call time.
+
+Transposed convolution is the input-adjoint of convolution (Chainer's
+convolution_nd / deconvolution_nd): ``conv_transpose3d`` calls
+``input_grad`` here, and its backward is ``forward(dy, w, g=x)`` (the conv of
+``dy`` and the weight grad with the roles of ``x`` and ``dy`` swapped, sharing
+one pass over the columns of ``dy``).  Everything is xp-generic
+(NumPy or CuPy).
+"""
+from __future__ import annotations
+
+from itertools import product
+
+from ..backend import array_module
+
+#: Default bound, in bytes, on the temporary column (+ GEMM output) buffers.
+MAX_TEMP_BYTES = 64 * 2**20
+#: Preferred column-tile size (cache-sized tiles run faster than huge ones) ...
+TARGET_TILE_BYTES = 8 * 2**20
+#: ... but never fewer output positions than this per tile (small GEMMs run slowly).
+MIN_TILE_POSITIONS = 2048
+
+
+def budget_or_default(max_temp_bytes):
+    """The byte budget to use: the argument, or the module default read now."""
+    b = MAX_TEMP_BYTES if max_temp_bytes is None else max_temp_bytes
+    if isinstance(b, bool) or int(b) != b or b < 1:
+        raise ValueError(f"max_temp_bytes must be a positive integer, got {max_temp_bytes!r}")
+    return int(b)
+
+
+# --------------------------------------------------------------------------- tiles
+
+def tile_positions(out, k_rows, f_rows, itemsize, budget):
+    """Output positions per tile: near ``TARGET_TILE_BYTES`` of columns (cache-sized),
+    at least ``MIN_TILE_POSITIONS`` (GEMM-sized), at most what ``budget`` allows for
+    the column tile plus an ``(F, M)`` GEMM-output tile, and never less than one row."""
+    target = max(MIN_TILE_POSITIONS, TARGET_TILE_BYTES // (k_rows * itemsize))
+    allowed = budget // ((k_rows + f_rows) * itemsize)
+    return max(out[2], min(target, allowed))
+
+
+def tiles(n_batch, out, positions):
+    """Cut the output ``(N, Do, Ho, Wo)`` into tiles ``(n0, n1, d0, d1, h0, h1)`` of at
+    most ``positions`` output positions (but at least one row): blocks of whole
+    samples, else of whole depth planes of one sample, else of whole rows of one
+    plane.  Every tile's ``(d, h, w)`` block of one (n, channel) is contiguous in an
+    NCDHW array, so it reshapes to a GEMM operand without a copy.
+    Returns (tiles, the largest tile's position count)."""
+    do, ho, wo = out
+    plane = ho * wo
+    sample = do * plane
+    if sample <= positions:
+        nb = min(n_batch, positions // sample)
+        t = [(n0, min(n0 + nb, n_batch), 0, do, 0, ho) for n0 in range(0, n_batch, nb)]
+        return t, nb * sample
+    if plane <= positions:
+        nd = positions // plane
+        t = [(n, n + 1, d0, min(d0 + nd, do), 0, ho)
+             for n in range(n_batch) for d0 in range(0, do, nd)]
+        return t, nd * plane
+    nh = max(1, positions // wo)
+    t = [(n, n + 1, d, d + 1, h0, min(h0 + nh, ho))
+         for n in range(n_batch) for d in range(do) for h0 in range(0, ho, nh)]
+    return t, nh * wo
+
+
+def _valid(o0, o1, t, s, p, dl, n):
+    """Outputs ``[lo, hi)`` within ``[o0, o1)`` whose tap-``t`` input lies in ``[0, n)``,
+    and the input slice they read (``lo*s + t*dl - p`` on, step ``s``)."""
+    off = t * dl - p                              # input index of output 0 through tap t
+    lo = max(o0, -(off // s) if off < 0 else 0)   # ceil(-off / s) for off < 0
+    hi = min(o1, (n - 1 - off) // s + 1 if n - 1 - off >= 0 else 0)
+    if hi <= lo:
+        return None
+    start = lo * s + off
+    return lo - o0, hi - o0, o1 - o0, slice(start, start + (hi - lo - 1) * s + 1, s)
+
+
+def _taps(tile, k, s, p, dl, in_spatial, wo):
+    """For every kernel tap of a tile: ``(tap, ranges, input slices)``; ``ranges`` holds
+    per axis ``(lo, hi, extent)`` of the tile's outputs that read real input through
+    this tap (the rest read zero padding); ``None`` when the tap reads padding only."""
+    _, _, d0, d1, h0, h1 = tile
+    per_axis = [[_valid(o0, o1, t, ss, pp, dd, n) for t in range(kk)]
+                for (o0, o1), kk, ss, pp, dd, n
+                in zip(((d0, d1), (h0, h1), (0, wo)), k, s, p, dl, in_spatial)]
+    for a, b, e in product(range(k[0]), range(k[1]), range(k[2])):
+        r = (per_axis[0][a], per_axis[1][b], per_axis[2][e])
+        if None in r:
+            yield (a, b, e), None, None
+        else:
+            yield (a, b, e), tuple(v[:3] for v in r), tuple(v[3] for v in r)
+
+
+# ------------------------------------------------------------------ im2col / col2im
+#
+# A tile's column buffer is viewed as  col[c, a, b, e, n, d, h, w]  (rows (c, a, b, e),
+# columns (n, d, h, w)): the GEMM sees it as (K, nb*M) with no copy.
+
+def im2col(x, col, tile, k, s, p, dl):
+    """Fill ``col`` (C, kd, kh, kw, nb, dch, hch, Wo) with the tile's columns of ``x``."""
+    n0, n1 = tile[:2]
+    for tap, ranges, src in _taps(tile, k, s, p, dl, x.shape[2:], col.shape[-1]):
+        dst = col[(slice(None),) + tap]                    # (C, nb, dch, hch, Wo)
+        if ranges is None:
+            dst[...] = 0
+            continue
+        # zero the padding border of this tap (the buffer is reused between tiles)
+        for ax, (lo, hi, ext) in enumerate(ranges):
+            lead = (slice(None),) * (2 + ax)
+            if lo > 0:
+                dst[lead + (slice(0, lo),)] = 0
+            if hi < ext:
+                dst[lead + (slice(hi, ext),)] = 0
+        box = tuple(slice(lo, hi) for lo, hi, _ in ranges)
+        dst[(slice(None), slice(None)) + box] = \
+            x[(slice(n0, n1), slice(None)) + src].transpose(1, 0, 2, 3, 4)
+
+
+def col2im(dx, col, tile, k, s, p, dl):
+    """``dx[the tile's inputs] +=`` the tile's columns ``col`` (C, kd, kh, kw, nb, dch, hch, Wo).
+
+    Taps are added one after another: their input slices overlap."""
+    n0, n1 = tile[:2]
+    for tap, ranges, src in _taps(tile, k, s, p, dl, dx.shape[2:], col.shape[-1]):
+        if ranges is None:
+            continue
+        box = tuple(slice(lo, hi) for lo, hi, _ in ranges)
+        dx[(slice(n0, n1), slice(None)) + src] += \
+            col[(slice(None),) + tap + (slice(None),) + box].transpose(1, 0, 2, 3, 4)
+
+
+# ------------------------------------------------------------------------- GEMMs
+
+class _Plan:
+    """Tiles and reusable buffers for one call."""
+
+    def __init__(self, xp, dtype, n_batch, c, f, k, out, budget):
+        self.c, self.f, self.k = c, f, tuple(k)
+        self.kk = c * k[0] * k[1] * k[2]
+        self.out = tuple(out)
+        pos = tile_positions(out, self.kk, f, dtype.itemsize, budget)
+        self.tiles, tpos = tiles(n_batch, out, pos)
+        self.col_buf = xp.empty(tpos * self.kk, dtype=dtype)
+        # (F, nb*M) staging for tiles of several samples (one sample: the array itself)
+        multi = any(t[1] - t[0] > 1 for t in self.tiles)
+        self.f_buf = xp.empty(tpos * f, dtype=dtype) if multi else None
+
+    def col(self, tile):
+        n0, n1, d0, d1, h0, h1 = tile
+        shape = (self.c,) + self.k + (n1 - n0, d1 - d0, h1 - h0, self.out[2])
+        size = self.kk * (n1 - n0) * (d1 - d0) * (h1 - h0) * self.out[2]
+        return self.col_buf[:size].reshape(shape)
+
+    def staging(self, tile, m):
+        nb = tile[1] - tile[0]
+        return self.f_buf[:self.f * nb * m].reshape(self.f, nb, m)
+
+
+def _block(a, tile):
+    n0, n1, d0, d1, h0, h1 = tile
+    return a[n0:n1, :, d0:d1, h0:h1, :]
+
+
+def _fm_view(a, tile):
+    """The one-sample tile of NCDHW ``a`` as an (F, M) view (see ``tiles``)."""
+    n0, n1, d0, d1, h0, h1 = tile
+    return a[n0, :, d0:d1, h0:h1, :].reshape(a.shape[1], -1)
+
+
+def _fm_read(a, tile, plan, m):
+    """The tile of ``a`` as (F, nb*M): a view for one sample, a staged copy for several."""
+    if tile[1] - tile[0] == 1:
+        return _fm_view(a, tile)
+    st = plan.staging(tile, m)
+    st[...] = _block(a, tile).reshape(tile[1] - tile[0], a.shape[1], m).transpose(1, 0, 2)
+    return st.reshape(a.shape[1], -1)
+
+
+def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
+    """``y = conv3d(x, w)`` without bias, for the outputs ``out_spatial`` (the first
+    ``out_spatial`` positions per axis; all of them in an ordinary conv).
+
+    With ``g`` (an output gradient of shape ``(N, F) + out_spatial``) also
+    returns ``dW = weight_grad(g, x)``, sharing the column tiles: ``(y, dW)``.
+    conv_transpose3d's backward is exactly this pair.
+    """
+    xp = array_module(x, w)
+    n_b, c = x.shape[:2]
+    f, k = w.shape[0], tuple(w.shape[2:])
+    y = xp.zeros((n_b, f) + tuple(out_spatial), dtype=x.dtype)
+    kk = c * k[0] * k[1] * k[2]
+    dwt = None if g is None else xp.zeros((kk, f), dtype=x.dtype)   # dW^T: col @ g^T
+    if y.size and x.size:
+        w2 = xp.ascontiguousarray(w).reshape(f, kk)
+        plan = _Plan(xp, x.dtype, n_b, c, f, k, out_spatial, budget)
+        for tile in plan.tiles:
+            col = plan.col(tile)
+            im2col(x, col, tile, k, stride, padding, dilation)
+            nb = tile[1] - tile[0]
+            col2 = col.reshape(kk, -1)
+            m = col2.shape[1] // nb
+            if g is not None:                       # reads the staging buffer first ...
+                dwt += xp.matmul(col2, _fm_read(g, tile, plan, m).T)
+            if nb == 1:
+                xp.matmul(w2, col2, out=_fm_view(y, tile))
+            else:                                   # ... which then takes the GEMM output
+                st = plan.staging(tile, m)
+                xp.matmul(w2, col2, out=st.reshape(f, -1))
+                blk = _block(y, tile)
+                blk[...] = st.transpose(1, 0, 2).reshape(blk.shape)
+    return y if g is None else (y, xp.ascontiguousarray(dwt.T).reshape(w.shape))
+
+
+def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True):
+    """``(dx, dW)`` of ``y = conv3d(x, w)`` for the outputs ``dy`` covers.
+
+    Shares the column tiles: ``dW += dy @ col^T``, then the same buffer takes
+    ``dcol = W^T @ dy`` and is added back into ``dx`` (col2im).  Either result
+    may be skipped (``None``): ``need_dx=False`` is ``weight_grad`` (``w`` is
+    then only a shape), ``need_dw=False`` is ``input_grad`` (``x`` is then only
+    a shape and dtype: it is not read).
+    """
+    xp = array_module(dy, x, w)
+    n_b, c = x.shape[:2]
+    f, k = w.shape[0], tuple(w.shape[2:])
+    kk = c * k[0] * k[1] * k[2]
+    out_spatial = tuple(dy.shape[2:])
+    dx = xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None
+    dwt = xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None    # dW^T = sum col @ dy^T
+    if dy.size and (need_dw or dx.size) and (not need_dw or x.size):
+        # W^T as a C-ordered (K, F) matrix
+        w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T) if need_dx else None
+        plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget)
+        for tile in plan.tiles:
+            col = plan.col(tile)
+            col2 = col.reshape(kk, -1)
+            m = col2.shape[1] // (tile[1] - tile[0])
+            dyt = _fm_read(dy, tile, plan, m)
+            if need_dw:
+                im2col(x, col, tile, k, stride, padding, dilation)
+                dwt += xp.matmul(col2, dyt.T)
+            if need_dx:
+                xp.matmul(w2t, dyt, out=col2)
+                col2im(dx, col, tile, k, stride, padding, dilation)
+    dw = xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None
+    return dx, dw
+
+
+class _Shape:
+    """Stands in for an array of which only ``shape`` and ``dtype`` are read."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+
+def input_grad(dy, w, input_shape, stride, padding, dilation, budget):
+    """``dx`` of ``y = conv3d(x, w)``, ``x`` of shape ``input_shape``."""
+    dx, _ = backward(dy, _Shape(input_shape, dy.dtype), w, stride, padding, dilation,
+                     budget, need_dx=True, need_dw=False)
+    return dx
+
+
+def weight_grad(dy, x, weight_shape, stride, padding, dilation, budget):
+    """``dW`` (of shape ``weight_shape``) of ``y = conv3d(x, w)``."""
+    _, dw = backward(dy, x, _Shape(weight_shape, dy.dtype), stride, padding, dilation,
+                     budget, need_dx=False, need_dw=True)
+    return dw

@@ -1,0 +1,171 @@
+"""3D convolution, forward and backward (PyTorch semantics, NCDHW, no groups).
+
+    y[n, f, o] = b[f] + sum_{c, t} w[f, c, t] * x[n, c, o*s + t*dl - p]
+
+with zero padding ``p``, stride ``s`` and dilation ``dl`` per axis (each an int
+or a ``(d, h, w)`` tuple).  Output extent per axis:
+``floor((n + 2p - dl(k-1) - 1)/s) + 1``.
+
+The math lives in ``_im2col``: column tiles of a bounded size and one GEMM per
+tile (``y = W @ col``, ``dW += dy @ col^T``, ``dx += col2im(W^T @ dy)``).  The
+temporary buffers of a call stay below ``max(max_temp_bytes, one output row's
+column tile)`` bytes, default ``_im2col.MAX_TEMP_BYTES`` = 64 MiB; the input
+is not padded (no padded copy).
+
+Building blocks reused by the distributed layers and by conv_transpose3d:
+
+- ``conv3d_input_grad(dy, w, input_shape, ...)``: ``dx``, the adjoint of conv3d in ``x``;
+- ``conv3d_weight_grad(dy, x, weight_shape, ...)``: ``dW``.
+
+Both accept a ``dy`` whose spatial extent is *at most* the conv output extent
+of the input (the first outputs per axis; inputs past the last window get zero
+gradient / contribute nothing), which is what transposed convolution with
+``output_padding`` needs.
+"""
+from __future__ import annotations
+
+from ..backend import check_same_dtype
+from . import _im2col
+from ._args import check_float, check_ndim, triple, window_out_size
+
+AXES = ("depth", "height", "width")
+
+
+def conv_params(stride, padding, dilation):
+    """Validated ``(stride, padding, dilation)`` triples."""
+    return (triple(stride, "stride", 1), triple(padding, "padding", 0),
+            triple(dilation, "dilation", 1))
+
+
+def conv_out_spatial(in_spatial, k, s, p, dl, x_name="x", w_name="w"):
+    """Output extents; ValueError naming the kernel when a window does not fit."""
+    out = tuple(window_out_size(n, kk, ss, pp, dd)
+                for n, kk, ss, pp, dd in zip(in_spatial, k, s, p, dl))
+    for ax, (o, n, kk, pp, dd) in enumerate(zip(out, in_spatial, k, p, dl)):
+        if o < 1:
+            raise ValueError(
+                f"kernel of {w_name} is larger than the padded input of {x_name} on the "
+                f"{AXES[ax]} axis: dilated kernel extent {dd * (kk - 1) + 1} > padded input "
+                f"extent {n + 2 * pp} (output extent would be {o}, must be >= 1)")
+    return out
+
+
+def _check_x_w(x, w, x_name="x", w_name="w"):
+    check_ndim(x, 5, x_name, "N, C, D, H, W")
+    check_ndim(w, 5, w_name, "F, C, kd, kh, kw")
+    check_float(x_name, x)
+    check_float(w_name, w)
+    if min(w.shape[2:]) < 1:
+        raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but "
+                         f"{w_name} expects {w.shape[1]} (w.shape[1]); weights are (F, C, kd, kh, kw)")
+
+
+def check_bias(b, n_out, name="b"):
+    if b is None:
+        return
+    if getattr(b, "ndim", None) != 1 or b.shape[0] != n_out:
+        raise ValueError(f"{name} must have shape ({n_out},) (one value per output channel), "
+                         f"got {getattr(b, 'shape', None)}")
+
+
+def check_dy_extent(dy, expected, name="dy"):
+    """``dy``'s spatial extent must be >= 1 and <= ``expected`` per axis."""
+    for ax, (o, e) in enumerate(zip(dy.shape[2:], expected)):
+        if not 1 <= o <= e:
+            raise ValueError(f"{name} has spatial shape {tuple(dy.shape[2:])}: on the {AXES[ax]} "
+                             f"axis it must be between 1 and the conv output extent {e}")
+
+
+def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+    """3D convolution ``(N, C, D, H, W) * (F, C, kd, kh, kw) -> (N, F, Do, Ho, Wo)``."""
+    _check_x_w(x, w)
+    check_same_dtype(x=x, w=w, b=b)
+    check_bias(b, w.shape[0])
+    s, p, dl = conv_params(stride, padding, dilation)
+    out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
+    budget = _im2col.budget_or_default(max_temp_bytes)
+    y = _im2col.forward(x, w, s, p, dl, out, budget)
+    if b is not None:
+        y += b.reshape(1, -1, 1, 1, 1)
+    return y
+
+
+def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+    """``(dx, dw, db)`` of ``y = conv3d(x, w, b)`` given ``dy = dL/dy``.
+
+    ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
+    """
+    _check_x_w(x, w)
+    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
+    check_same_dtype(dy=dy, x=x, w=w)
+    s, p, dl = conv_params(stride, padding, dilation)
+    out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
+    expected = (x.shape[0], w.shape[0]) + out
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy must have the conv output shape {expected}, got {tuple(dy.shape)}")
+    budget = _im2col.budget_or_default(max_temp_bytes)
+    dx, dw = _im2col.backward(dy, x, w, s, p, dl, budget)
+    return dx, dw, dy.sum(axis=(0, 2, 3, 4))
+
+
+def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+    """``dx`` (of shape ``input_shape``) of ``y = conv3d(x, w)`` given ``dy``.
+
+    ``dy``'s spatial extent may be smaller than the conv output extent of
+    ``input_shape`` (the first outputs per axis; the rest count as zero).
+    """
+    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
+    check_ndim(w, 5, "w", "F, C, kd, kh, kw")
+    check_float("dy", dy)
+    check_same_dtype(dy=dy, w=w)
+    try:
+        input_shape = tuple(int(v) for v in input_shape)
+    except TypeError:
+        raise ValueError(f"input_shape must be a 5-tuple (N, C, D, H, W), got {input_shape!r}") from None
+    if len(input_shape) != 5 or min(input_shape) < 1:
+        raise ValueError(f"input_shape must be a 5-tuple (N, C, D, H, W) of positive ints, "
+                         f"got {input_shape!r}")
+    if input_shape[1] != w.shape[1]:
+        raise ValueError(f"channel mismatch: input_shape has {input_shape[1]} channels but w expects "
+                         f"{w.shape[1]} (w.shape[1])")
+    if dy.shape[:2] != (input_shape[0], w.shape[0]):
+        raise ValueError(f"dy must have shape (N, F, ...) = ({input_shape[0]}, {w.shape[0]}, ...), "
+                         f"got {tuple(dy.shape)}")
+    s, p, dl = conv_params(stride, padding, dilation)
+    out = conv_out_spatial(input_shape[2:], w.shape[2:], s, p, dl, x_name="input_shape")
+    check_dy_extent(dy, out)
+    return _im2col.input_grad(dy, w, input_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes))
+
+
+def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+    """``dW`` (of shape ``weight_shape`` = (F, C, kd, kh, kw)) of ``y = conv3d(x, w)`` given ``dy``.
+
+    ``dy``'s spatial extent may be smaller than the conv output extent of ``x``
+    (the first outputs per axis).
+    """
+    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
+    check_ndim(x, 5, "x", "N, C, D, H, W")
+    check_float("x", x)
+    check_same_dtype(dy=dy, x=x)
+    try:
+        weight_shape = tuple(int(v) for v in weight_shape)
+    except TypeError:
+        raise ValueError(f"weight_shape must be a 5-tuple (F, C, kd, kh, kw), got {weight_shape!r}") from None
+    if len(weight_shape) != 5 or min(weight_shape) < 1:
+        raise ValueError(f"weight_shape must be a 5-tuple (F, C, kd, kh, kw) of positive ints, "
+                         f"got {weight_shape!r}")
+    if x.shape[1] != weight_shape[1]:
+        raise ValueError(f"channel mismatch: x has {x.shape[1]} channels but weight_shape expects "
+                         f"{weight_shape[1]}")
+    if dy.shape[:2] != (x.shape[0], weight_shape[0]):
+        raise ValueError(f"dy must have shape (N, F, ...) = ({x.shape[0]}, {weight_shape[0]}, ...), "
+                         f"got {tuple(dy.shape)}")
+    s, p, dl = conv_params(stride, padding, dilation)
+    out = conv_out_spatial(x.shape[2:], weight_shape[2:], s, p, dl, w_name="weight_shape")
+    check_dy_extent(dy, out)
+    return _im2col.weight_grad(dy, x, weight_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes))
+
+
+__all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad"]

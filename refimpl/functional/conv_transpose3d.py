@@ -1,0 +1,83 @@
+"""3D transposed convolution ("deconvolution"), forward and backward (PyTorch semantics).
+
+Transposed convolution is the input-adjoint of convolution (Chainer's
+convolution_nd / deconvolution_nd): with the weight ``(C_in, C_out, kd, kh, kw)``
+read as a conv weight ``(F=C_in, C=C_out, ...)``,
+
+    conv_transpose3d(x, w)          = conv3d_input_grad(dy=x, w, output shape)
+    d/dx of conv_transpose3d  (dx)  = conv3d(dy, w)            (first D_in outputs per axis)
+    d/dw of conv_transpose3d  (dw)  = conv3d_weight_grad(dy=x, x=dy, w.shape)
+
+so the math is written once, in ``_im2col``.  Output extent per axis:
+``(n-1)s - 2p + dl(k-1) + output_padding + 1``; ``output_padding`` must be
+smaller than ``max(stride, dilation)`` (PyTorch's rule).  The temporary
+buffers obey the same bound as conv3d (``max_temp_bytes``, default
+``_im2col.MAX_TEMP_BYTES`` = 64 MiB, or one output row's column tile if larger).
+"""
+from __future__ import annotations
+
+from ..backend import check_same_dtype
+from . import _im2col
+from ._args import check_float, check_ndim, transposed_out_size, triple
+from .conv3d import AXES, check_bias, conv_params
+
+
+def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
+    check_ndim(x, 5, x_name, "N, C_in, D, H, W")
+    check_ndim(w, 5, "w", "C_in, C_out, kd, kh, kw")
+    check_float(x_name, x)
+    check_float("w", w)
+    if min(w.shape[2:]) < 1:
+        raise ValueError(f"w must have a kernel extent >= 1 on every axis, got shape {w.shape}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but w "
+                         f"expects {w.shape[0]} (w.shape[0]); weights are (C_in, C_out, kd, kh, kw)")
+    s, p, dl = conv_params(stride, padding, dilation)
+    op = triple(output_padding, "output_padding", 0)
+    for ax in range(3):
+        if op[ax] >= max(s[ax], dl[ax]):
+            raise ValueError(f"output_padding must be smaller than max(stride, dilation) on every "
+                             f"axis, got output_padding={op}, stride={s}, dilation={dl}")
+    out = tuple(transposed_out_size(n, k, ss, pp, dd, oo)
+                for n, k, ss, pp, dd, oo in zip(x.shape[2:], w.shape[2:], s, p, dl, op))
+    for ax, o in enumerate(out):
+        if o < 1:
+            raise ValueError(f"padding {p} is too large for the transposed conv on the {AXES[ax]} "
+                             f"axis: output extent would be {o}, must be >= 1")
+    return s, p, dl, out
+
+
+def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, *,
+                     max_temp_bytes=None):
+    """``(N, C_in, D, H, W) -> (N, C_out, Do, Ho, Wo)`` with ``w`` of shape (C_in, C_out, kd, kh, kw)."""
+    s, p, dl, out = _check(x, w, stride, padding, output_padding, dilation)
+    check_same_dtype(x=x, w=w, b=b)
+    check_bias(b, w.shape[1])
+    budget = _im2col.budget_or_default(max_temp_bytes)
+    y = _im2col.input_grad(x, w, (x.shape[0], w.shape[1]) + out, s, p, dl, budget)
+    if b is not None:
+        y += b.reshape(1, -1, 1, 1, 1)
+    return y
+
+
+def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, *,
+                              max_temp_bytes=None):
+    """``(dx, dw, db)`` of ``y = conv_transpose3d(x, w, b)`` given ``dy = dL/dy``.
+
+    ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
+    """
+    s, p, dl, out = _check(x, w, stride, padding, output_padding, dilation)
+    check_ndim(dy, 5, "dy", "N, C_out, Do, Ho, Wo")
+    check_same_dtype(dy=dy, x=x, w=w)
+    expected = (x.shape[0], w.shape[1]) + out
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy must have the transposed conv output shape {expected}, "
+                         f"got {tuple(dy.shape)}")
+    budget = _im2col.budget_or_default(max_temp_bytes)
+    # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
+    # (one pass over the column tiles of dy gives both)
+    dx, dw = _im2col.forward(dy, w, s, p, dl, tuple(x.shape[2:]), budget, g=x)
+    return dx, dw, dy.sum(axis=(0, 2, 3, 4))
+
+
+__all__ = ["conv_transpose3d", "conv_transpose3d_backward"]

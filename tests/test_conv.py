@@ -1,0 +1,396 @@
+"""conv3d / conv_transpose3d forward and backward.
+
+- PyTorch CPU float64 as oracle (forward; dx, dw, db by autograd), relative error <= 1e-10,
+  over Hypothesis-drawn shapes, kernels (odd and even, per axis), strides, paddings,
+  dilations and output paddings;
+- finite differences and the adjoint identity, without torch;
+- every argument check;
+- the temporary-memory bound: tiny budgets give the same result, with many tiles.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from refimpl.functional import _im2col
+from refimpl.functional._args import transposed_out_size, window_out_size
+from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
+                                       conv3d_weight_grad)
+from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is an optional test dependency
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch oracle not installed "
+                                 "(pip install 'refimpl[oracle]')")
+RTOL = 1e-10
+# budgets (bytes) from "one output row per tile" to "everything at once"
+BUDGETS = st.sampled_from([1, 512, 4096, 64 * 2**20])
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = max(np.abs(b).max(initial=0.0), 1e-300)
+    return np.abs(a - b).max(initial=0.0) / scale
+
+
+triples = lambda lo, hi: st.tuples(*(st.integers(lo, hi),) * 3)  # noqa: E731
+
+
+@st.composite
+def conv_case(draw, transposed=False):
+    n, c, f = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    k, s, d = draw(triples(1, 5)), draw(triples(1, 3)), draw(triples(1, 2))
+    p = tuple(draw(st.integers(0, ki)) for ki in k)
+    if transposed:
+        size = draw(triples(1, 5))
+        op = tuple(draw(st.integers(0, max(si, di) - 1)) for si, di in zip(s, d))
+        out = tuple(transposed_out_size(*a) for a in zip(size, k, s, p, d, op))
+        assume(min(out) >= 1)
+        return dict(n=n, c=c, f=f, size=size, k=k, s=s, p=p, d=d, op=op, out=out)
+    size = draw(triples(1, 9))
+    out = tuple(window_out_size(*a) for a in zip(size, k, s, p, d))
+    assume(min(out) >= 1)
+    return dict(n=n, c=c, f=f, size=size, k=k, s=s, p=p, d=d, out=out)
+
+
+def torch_conv(x, w, b, dy, s, p, d):
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    y = torch.nn.functional.conv3d(xt, wt, bt, s, p, d)
+    y.backward(torch.tensor(dy))
+    return y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy()
+
+
+def torch_conv_t(x, w, b, dy, s, p, op, d):
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    y = torch.nn.functional.conv_transpose3d(xt, wt, bt, s, p, op, 1, d)
+    y.backward(torch.tensor(dy))
+    return y.detach().numpy(), xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy()
+
+
+# ------------------------------------------------------------------ PyTorch oracle
+
+@needs_torch
+@given(case=conv_case(), budget=BUDGETS, seed=st.integers(0, 2**16))
+def test_conv3d_matches_torch(case, budget, seed):
+    rng = np.random.default_rng(seed)
+    c = case
+    x = rng.standard_normal((c["n"], c["c"]) + c["size"])
+    w = rng.standard_normal((c["f"], c["c"]) + c["k"])
+    b = rng.standard_normal(c["f"])
+    dy = rng.standard_normal((c["n"], c["f"]) + c["out"])
+    y_ref, dx_ref, dw_ref, db_ref = torch_conv(x, w, b, dy, c["s"], c["p"], c["d"])
+
+    y = conv3d(x, w, b, c["s"], c["p"], c["d"], max_temp_bytes=budget)
+    dx, dw, db = conv3d_backward(dy, x, w, c["s"], c["p"], c["d"], max_temp_bytes=budget)
+    assert y.dtype == dx.dtype == dw.dtype == np.float64
+    assert rel_err(y, y_ref) <= RTOL
+    assert rel_err(dx, dx_ref) <= RTOL
+    assert rel_err(dw, dw_ref) <= RTOL
+    assert rel_err(db, db_ref) <= RTOL
+    # the building blocks alone give the same
+    assert rel_err(conv3d_input_grad(dy, w, x.shape, c["s"], c["p"], c["d"]), dx_ref) <= RTOL
+    assert rel_err(conv3d_weight_grad(dy, x, w.shape, c["s"], c["p"], c["d"]), dw_ref) <= RTOL
+
+
+@needs_torch
+@given(case=conv_case(transposed=True), budget=BUDGETS, seed=st.integers(0, 2**16))
+def test_conv_transpose3d_matches_torch(case, budget, seed):
+    rng = np.random.default_rng(seed)
+    c = case
+    # x: (N, C_in, ...), w: (C_in, C_out, k)
+    x = rng.standard_normal((c["n"], c["c"]) + c["size"])
+    w = rng.standard_normal((c["c"], c["f"]) + c["k"])
+    b = rng.standard_normal(c["f"])
+    dy = rng.standard_normal((c["n"], c["f"]) + c["out"])
+    y_ref, dx_ref, dw_ref, db_ref = torch_conv_t(x, w, b, dy, c["s"], c["p"], c["op"], c["d"])
+
+    y = conv_transpose3d(x, w, b, c["s"], c["p"], c["op"], c["d"], max_temp_bytes=budget)
+    dx, dw, db = conv_transpose3d_backward(dy, x, w, c["s"], c["p"], c["op"], c["d"],
+                                           max_temp_bytes=budget)
+    assert rel_err(y, y_ref) <= RTOL
+    assert rel_err(dx, dx_ref) <= RTOL
+    assert rel_err(dw, dw_ref) <= RTOL
+    assert rel_err(db, db_ref) <= RTOL
+
+
+@needs_torch
+@given(case=conv_case(), seed=st.integers(0, 2**16), data=st.data())
+def test_building_blocks_accept_a_shorter_dy(case, seed, data):
+    """dy covering only the first outputs per axis == the full dy with zeros elsewhere."""
+    rng = np.random.default_rng(seed)
+    c = case
+    short = tuple(data.draw(st.integers(1, o)) for o in c["out"])
+    x = rng.standard_normal((c["n"], c["c"]) + c["size"])
+    w = rng.standard_normal((c["f"], c["c"]) + c["k"])
+    dy = rng.standard_normal((c["n"], c["f"]) + short)
+    full = np.zeros((c["n"], c["f"]) + c["out"])
+    full[:, :, :short[0], :short[1], :short[2]] = dy
+    _, dx_ref, dw_ref, _ = torch_conv(x, w, np.zeros(c["f"]), full, c["s"], c["p"], c["d"])
+    dx = conv3d_input_grad(dy, w, x.shape, c["s"], c["p"], c["d"])
+    dw = conv3d_weight_grad(dy, x, w.shape, c["s"], c["p"], c["d"])
+    assert rel_err(dx, dx_ref) <= RTOL
+    assert rel_err(dw, dw_ref) <= RTOL
+
+
+@needs_torch
+def test_float32_and_noncontiguous_inputs():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 7, 6, 3)).astype(np.float32).transpose(0, 1, 4, 3, 2)
+    w = rng.standard_normal((4, 5, 3, 2, 3)).astype(np.float32)[:, :, ::-1]
+    b = rng.standard_normal(4).astype(np.float32)
+    y = conv3d(x, w, b, (1, 2, 1), (1, 0, 2), (2, 1, 1))
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw, db = conv3d_backward(dy, x, w, (1, 2, 1), (1, 0, 2), (2, 1, 1))
+    assert y.dtype == dx.dtype == dw.dtype == db.dtype == np.float32
+    ref = torch_conv(*(a.astype(np.float64) for a in (x, w, b, dy)), (1, 2, 1), (1, 0, 2), (2, 1, 1))
+    for ours, theirs in zip((y, dx, dw, db), ref):
+        assert rel_err(ours, theirs) <= 1e-5
+
+
+# ------------------------------------------------------- without torch: FD and adjoint
+
+def _dir_deriv(f, a, v, h=1e-3):
+    """Central difference of the scalar f at a along v (exact up to rounding: f is linear)."""
+    return (f(a + h * v) - f(a - h * v)) / (2 * h)
+
+
+CASES = [  # (N, C, F, size, k, s, p, d, op)
+    (2, 2, 3, (5, 6, 4), (3, 2, 1), (1, 2, 1), (1, 0, 1), (1, 1, 2), (0, 1, 1)),
+    (1, 3, 2, (4, 3, 5), (2, 3, 4), (2, 1, 3), (2, 1, 0), (2, 1, 1), (1, 0, 2)),
+]
+
+
+@pytest.mark.parametrize("n, c, f, size, k, s, p, d, op", CASES)
+def test_conv3d_finite_differences(n, c, f, size, k, s, p, d, op):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    b = rng.standard_normal(f)
+    y = conv3d(x, w, b, s, p, d)
+    g = rng.standard_normal(y.shape)                      # L = <conv3d(x, w, b), g>
+    dx, dw, db = conv3d_backward(g, x, w, s, p, d)
+    vx, vw, vb = (rng.standard_normal(a.shape) for a in (x, w, b))
+    loss = lambda x_, w_, b_: float(np.sum(conv3d(x_, w_, b_, s, p, d) * g))  # noqa: E731
+    for got, fd in ((np.sum(dx * vx), _dir_deriv(lambda a: loss(a, w, b), x, vx)),
+                    (np.sum(dw * vw), _dir_deriv(lambda a: loss(x, a, b), w, vw)),
+                    (np.sum(db * vb), _dir_deriv(lambda a: loss(x, w, a), b, vb))):
+        assert abs(got - fd) <= 1e-8 * max(1.0, abs(fd))
+
+
+@pytest.mark.parametrize("n, c, f, size, k, s, p, d, op", CASES)
+def test_conv_transpose3d_finite_differences(n, c, f, size, k, s, p, d, op):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((c, f) + k)
+    b = rng.standard_normal(f)
+    y = conv_transpose3d(x, w, b, s, p, op, d)
+    assert y.shape[2:] == tuple(transposed_out_size(*a) for a in zip(size, k, s, p, d, op))
+    g = rng.standard_normal(y.shape)
+    dx, dw, db = conv_transpose3d_backward(g, x, w, s, p, op, d)
+    vx, vw, vb = (rng.standard_normal(a.shape) for a in (x, w, b))
+    loss = lambda x_, w_, b_: float(np.sum(conv_transpose3d(x_, w_, b_, s, p, op, d) * g))  # noqa: E731
+    for got, fd in ((np.sum(dx * vx), _dir_deriv(lambda a: loss(a, w, b), x, vx)),
+                    (np.sum(dw * vw), _dir_deriv(lambda a: loss(x, a, b), w, vw)),
+                    (np.sum(db * vb), _dir_deriv(lambda a: loss(x, w, a), b, vb))):
+        assert abs(got - fd) <= 1e-8 * max(1.0, abs(fd))
+
+
+@given(case=conv_case(), seed=st.integers(0, 2**16))
+def test_adjoint_identities(case, seed):
+    """<conv3d(x, w), g> == <x, input_grad(g, w)> == <w, weight_grad(g, x)>, and the
+    transposed conv is the input-adjoint of conv."""
+    rng = np.random.default_rng(seed)
+    c = case
+    x = rng.standard_normal((c["n"], c["c"]) + c["size"])
+    w = rng.standard_normal((c["f"], c["c"]) + c["k"])
+    g = rng.standard_normal((c["n"], c["f"]) + c["out"])
+    lhs = np.sum(conv3d(x, w, None, c["s"], c["p"], c["d"]) * g)
+    rhs_x = np.sum(x * conv3d_input_grad(g, w, x.shape, c["s"], c["p"], c["d"]))
+    rhs_w = np.sum(w * conv3d_weight_grad(g, x, w.shape, c["s"], c["p"], c["d"]))
+    scale = np.sqrt(np.sum(x * x) * np.sum(w * w) * np.sum(g * g)) + 1e-300
+    assert abs(lhs - rhs_x) <= 1e-12 * scale
+    assert abs(lhs - rhs_w) <= 1e-12 * scale
+    # conv_transpose3d(g, w) with output_padding making it land on x's shape
+    op = tuple(n - transposed_out_size(o, k, s, p, d, 0)
+               for n, o, k, s, p, d in zip(c["size"], c["out"], c["k"], c["s"], c["p"], c["d"]))
+    if all(o < max(s, d) for o, s, d in zip(op, c["s"], c["d"])):
+        xt = conv_transpose3d(g, w, None, c["s"], c["p"], op, c["d"])
+        assert rel_err(xt, conv3d_input_grad(g, w, x.shape, c["s"], c["p"], c["d"])) <= 1e-13
+
+
+# ------------------------------------------------------------------ argument checks
+
+def _xw(dtype=np.float64):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((1, 2, 5, 5, 5)).astype(dtype),
+            rng.standard_normal((3, 2, 3, 3, 3)).astype(dtype))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w: conv3d(x[0], w), r"\bx must be 5-D"),
+    (lambda x, w: conv3d(x, w[0]), r"\bw must be 5-D"),
+    (lambda x, w: conv3d(x[:, :1], w), r"channel mismatch: x .* w"),
+    (lambda x, w: conv3d(x, w, padding=-1), r"\bpadding\b"),
+    (lambda x, w: conv3d(x, w, padding=(1, -1, 0)), r"\bpadding\b"),
+    (lambda x, w: conv3d(x, w, stride=0), r"\bstride\b"),
+    (lambda x, w: conv3d(x, w, stride=(1, 1)), r"\bstride\b"),
+    (lambda x, w: conv3d(x, w, dilation=0), r"\bdilation\b"),
+    (lambda x, w: conv3d(x, w, dilation=3), r"kernel of w .* padded input of x"),
+    (lambda x, w: conv3d(x[:, :, :2], w), r"kernel of w .* depth"),
+    (lambda x, w: conv3d(x, w.astype(np.float32)), r"dtype mismatch: w"),
+    (lambda x, w: conv3d(x, w, np.zeros(3, np.float32)), r"dtype mismatch: b"),
+    (lambda x, w: conv3d(x, w, np.zeros(4)), r"\bb must have shape \(3,\)"),
+    (lambda x, w: conv3d(x, w, np.zeros((3, 1))), r"\bb must have shape"),
+    (lambda x, w: conv3d(x.astype(np.int64), w), r"\bx must be a floating-point"),
+    (lambda x, w: conv3d(x, w, max_temp_bytes=0), r"\bmax_temp_bytes\b"),
+    (lambda x, w: conv3d_backward(np.zeros((1, 3, 3, 3, 3), np.float32), x, w), r"dtype mismatch: x"),
+    (lambda x, w: conv3d_backward(np.zeros((1, 3, 3, 3, 2)), x, w), r"\bdy must have the conv output"),
+    (lambda x, w: conv3d_backward(np.zeros((3, 3, 3, 3)), x, w), r"\bdy must be 5-D"),
+    (lambda x, w: conv3d_backward(np.zeros((1, 3, 3, 3, 3)), x, w, padding=-2), r"\bpadding\b"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 3, 3, 3)), w, (1, 2, 5, 5)), r"\binput_shape\b"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 3, 3, 3)), w, (1, 1, 5, 5, 5)),
+     r"channel mismatch: input_shape"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 4, 3, 3)), w, x.shape), r"\bdy has spatial shape"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 2, 3, 3, 3)), w, x.shape), r"\bdy must have shape"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 3, 3, 3), np.float32), w, x.shape),
+     r"dtype mismatch: w"),
+    (lambda x, w: conv3d_weight_grad(np.zeros((1, 3, 3, 3, 3)), x, (3, 2, 3, 3)), r"\bweight_shape\b"),
+    (lambda x, w: conv3d_weight_grad(np.zeros((1, 3, 3, 3, 3)), x, (3, 1, 3, 3, 3)),
+     r"channel mismatch: x .* weight_shape"),
+    (lambda x, w: conv3d_weight_grad(np.zeros((1, 3, 3, 3, 3)), x, (3, 2, 7, 3, 3)),
+     r"kernel of weight_shape"),
+    (lambda x, w: conv3d_weight_grad(np.zeros((1, 3, 3, 3, 3)), x, w.shape, stride=(1, 0, 1)),
+     r"\bstride\b"),
+])
+def test_conv3d_bad_arguments(call, match):
+    x, w = _xw()
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w: conv_transpose3d(x[0], w), r"\bx must be 5-D"),
+    (lambda x, w: conv_transpose3d(x, w[0]), r"\bw must be 5-D"),
+    (lambda x, w: conv_transpose3d(x, w[:1]), r"channel mismatch: x .* w"),
+    (lambda x, w: conv_transpose3d(x, w, padding=-1), r"\bpadding\b"),
+    (lambda x, w: conv_transpose3d(x, w, padding=9), r"\bpadding\b .* output extent"),
+    (lambda x, w: conv_transpose3d(x, w, stride=0), r"\bstride\b"),
+    (lambda x, w: conv_transpose3d(x, w, dilation=(1, 0, 1)), r"\bdilation\b"),
+    (lambda x, w: conv_transpose3d(x, w, stride=2, output_padding=2), r"\boutput_padding\b"),
+    (lambda x, w: conv_transpose3d(x, w, output_padding=1), r"\boutput_padding\b"),
+    (lambda x, w: conv_transpose3d(x, w, output_padding=-1), r"\boutput_padding\b"),
+    (lambda x, w: conv_transpose3d(x, w.astype(np.float32)), r"dtype mismatch: w"),
+    (lambda x, w: conv_transpose3d(x, w, np.zeros(2, np.float32)), r"dtype mismatch: b"),
+    (lambda x, w: conv_transpose3d(x, w, np.zeros(3)), r"\bb must have shape \(2,\)"),
+    (lambda x, w: conv_transpose3d_backward(np.zeros((1, 2, 7, 7, 7), np.float32), x, w),
+     r"dtype mismatch: x"),
+    (lambda x, w: conv_transpose3d_backward(np.zeros((1, 2, 7, 7, 6)), x, w), r"\bdy must have"),
+    (lambda x, w: conv_transpose3d_backward(np.zeros((1, 2, 7, 7, 7)), x, w, output_padding=(0, 0, 1)),
+     r"\boutput_padding\b"),
+])
+def test_conv_transpose3d_bad_arguments(call, match):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 5, 5, 5))
+    w = rng.standard_normal((3, 2, 3, 3, 3))
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+def test_output_padding_below_dilation_is_allowed():
+    """PyTorch's rule is output_padding < max(stride, dilation), not < stride."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, 3, 3, 3))
+    w = rng.standard_normal((1, 1, 2, 2, 2))
+    y = conv_transpose3d(x, w, None, 1, 0, (2, 0, 1), 3)
+    assert y.shape[2:] == (3 + 3 + 2, 6, 7)
+    dx, dw, db = conv_transpose3d_backward(np.ones(y.shape), x, w, 1, 0, (2, 0, 1), 3)
+    assert dx.shape == x.shape and dw.shape == w.shape and db.shape == (1,)
+
+
+# ------------------------------------------------------------- memory bound, tiles
+
+def _traced(fn):
+    """(result, peak traced bytes during fn minus the bytes of the result)."""
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    out = fn()
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    outs = out if isinstance(out, tuple) else (out,)
+    return out, peak - sum(o.nbytes for o in outs)
+
+
+@pytest.mark.parametrize("budget", [1, 4096, 40_000])
+def test_small_budget_same_result_and_bounded_memory(budget, monkeypatch):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 12, 10, 9))
+    w = rng.standard_normal((4, 3, 3, 2, 3))
+    s, p, d = (1, 2, 1), (1, 1, 2), (2, 1, 1)
+    y0 = conv3d(x, w, None, s, p, d, max_temp_bytes=2**30)
+    g = rng.standard_normal(y0.shape)
+    dx0, dw0, _ = conv3d_backward(g, x, w, s, p, d, max_temp_bytes=2**30)
+    t0 = conv_transpose3d(g, w, None, s, p, 0, d, max_temp_bytes=2**30)
+    tb0 = conv_transpose3d_backward(t0, g, w, s, p, 0, d, max_temp_bytes=2**30)
+
+    counts = []
+    real_tiles = _im2col.tiles
+
+    def counting(*a):
+        out = real_tiles(*a)
+        counts.append(len(out[0]))
+        return out
+    monkeypatch.setattr(_im2col, "tiles", counting)
+
+    y, tmp_fwd = _traced(lambda: conv3d(x, w, None, s, p, d, max_temp_bytes=budget))
+    (dx, dw, _), tmp_bwd = _traced(lambda: conv3d_backward(g, x, w, s, p, d, max_temp_bytes=budget))
+    t, tmp_t = _traced(lambda: conv_transpose3d(g, w, None, s, p, 0, d, max_temp_bytes=budget))
+    tb = conv_transpose3d_backward(t0, g, w, s, p, 0, d, max_temp_bytes=budget)
+
+    assert min(counts) > 1, "a small budget must cut the work into several tiles"
+    for a, b in ((y, y0), (dx, dx0), (dw, dw0), (t, t0)) + tuple(zip(tb, tb0)):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13 * np.abs(b).max())
+    # column (+ GEMM-output) tile <= max(budget, one output row's); the rest is small and
+    # fixed: weight copies and Python objects (tile list, slices)
+    kk, f, wo = 3 * 3 * 2 * 3, 4, y0.shape[-1]
+    row = (kk + f) * wo * 8
+    bound = max(budget, row) + 6 * w.nbytes + 32 * 1024
+    full = kk * y0[0, 0].size * y0.shape[0] * 8          # the unchunked column matrix
+    assert 2 * bound < full
+    for tmp in (tmp_fwd, tmp_bwd, tmp_t):
+        assert tmp <= bound, (tmp, bound)
+
+
+def test_tiles_cover_the_output_once():
+    for n, out, pos in [(3, (4, 5, 6), 1), (3, (4, 5, 6), 13), (3, (4, 5, 6), 31),
+                        (3, (4, 5, 6), 121), (3, (4, 5, 6), 300), (3, (4, 5, 6), 10**6)]:
+        tl, tpos = _im2col.tiles(n, out, pos)
+        hit = np.zeros((n,) + out, int)
+        for n0, n1, d0, d1, h0, h1 in tl:
+            hit[n0:n1, d0:d1, h0:h1, :] += 1
+            size = (n1 - n0) * (d1 - d0) * (h1 - h0) * out[2]
+            assert size <= max(pos, out[2]) and size <= tpos
+            assert h1 - h0 == out[1] or d1 - d0 == 1          # (d, h, w) block contiguous
+            assert d1 - d0 == out[0] or n1 - n0 == 1
+        assert (hit == 1).all()
+
+
+def test_default_budget_is_a_module_constant(monkeypatch):
+    """MAX_TEMP_BYTES is read at call time."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 6, 6, 6))
+    w = rng.standard_normal((2, 2, 3, 3, 3))
+    ref = conv3d(x, w, padding=1)
+    counts = []
+    real_tiles = _im2col.tiles
+    monkeypatch.setattr(_im2col, "tiles", lambda *a: counts.append(1) or real_tiles(*a))
+    monkeypatch.setattr(_im2col, "MAX_TEMP_BYTES", 64)
+    monkeypatch.setattr(_im2col, "MIN_TILE_POSITIONS", 1)
+    _, tmp = _traced(lambda: conv3d(x, w, padding=1))
+    np.testing.assert_allclose(conv3d(x, w, padding=1), ref, rtol=1e-13)
+    assert tmp < (2 * 27 + 2) * 6 * 8 + 6 * w.nbytes + 32 * 1024     # one row's tile
