@@ -345,25 +345,25 @@ def driver(args) -> int:
           f"{args.unet_layers} levels; global batch {args.batch}; float32; synthetic in-memory data; "
           f"{args.warmup} warm-up + {args.steps} timed steps; {cores} cores; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
-    plan = []      # (what, callable)
+    plan = []      # (what, run(tmp) -> report)
     for model in args.models:
         for grid in args.grids:
-            p = eval_product(grid)
+            p = ranks_of(grid)
             plan.append((f"refimpl {model} {grid} threads 1",
-                         lambda m=model, g=grid: launch_refimpl(args, m, g, 1, tmp)))
+                         lambda tmp, m=model, g=grid: launch_refimpl(args, m, g, 1, tmp)))
             if p == 1 and cores > 1 and not args.no_threads_run:
                 plan.append((f"refimpl {model} {grid} threads {cores}",
-                             lambda m=model, g=grid: launch_refimpl(args, m, g, cores, tmp)))
+                             lambda tmp, m=model, g=grid: launch_refimpl(args, m, g, cores, tmp)))
     if use_torch and "cosmoflow" in args.models:
-        plan.append(("torch 1 process threads 1", lambda: launch_torch(args, 1, 1, tmp)))
+        plan.append(("torch 1 process threads 1", lambda tmp: launch_torch(args, 1, 1, tmp)))
         if cores > 1 and not args.no_threads_run:
-            plan.append((f"torch 1 process threads {cores}", lambda: launch_torch(args, 1, cores, tmp)))
+            plan.append((f"torch 1 process threads {cores}", lambda tmp: launch_torch(args, 1, cores, tmp)))
         if any(g == "2,1,1,1" for g in args.grids):
-            plan.append(("torch DDP-2 threads 1", lambda: launch_torch(args, 2, 1, tmp)))
+            plan.append(("torch DDP-2 threads 1", lambda tmp: launch_torch(args, 2, 1, tmp)))
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         for what, run in plan:
-            reports.append(run())
+            reports.append(run(tmp))
             print(f"#   {what}: {reports[-1]['samples_per_s']:.2f} samples/s "
                   f"({reports[-1]['wall_total_s']:.0f} s)", flush=True)
     add_ratios(reports)
@@ -384,7 +384,7 @@ def driver(args) -> int:
     return 0
 
 
-def eval_product(grid: str) -> int:
+def ranks_of(grid: str) -> int:
     dims = [int(t) for t in grid.split(",")]
     return dims[0] * dims[1] * dims[2] * dims[3]
 

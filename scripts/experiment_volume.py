@@ -28,7 +28,7 @@ The table gives the final and the best validation MAE per size next to the MAE
 of the constant predictor (the training targets' median), which a network that
 learned nothing matches.
 
-    python scripts/experiment_volume.py [--sizes 16,32,64] [--samples 128] [--epochs 6] \
+    python scripts/experiment_volume.py [--sizes 16,32,64] [--samples 256] [--epochs 15] \
         [--out runs/volume] [--json FILE]
 """
 from __future__ import annotations
@@ -50,9 +50,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,32,64", help="sample extents S (powers of 2, >= 8)")
-    ap.add_argument("--samples", type=int, default=128, help="training samples (same at every size)")
-    ap.add_argument("--val-samples", type=int, default=32, help="validation samples")
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--samples", type=int, default=256, help="training samples (same at every size)")
+    ap.add_argument("--val-samples", type=int, default=64, help="validation samples")
+    ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--width", type=int, default=4, help="conv_size: channels of the first block")
     ap.add_argument("--fc1", type=int, default=64)
