@@ -124,3 +124,21 @@ def test_bad_arguments_raise(call, match):
     x = np.random.default_rng(5).standard_normal((1, 1, 4, 4, 4))
     with pytest.raises(ValueError, match=match):
         call(x)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation", [
+    (2, 2, 0, 1), (3, 1, 1, 1), ((2, 3, 2), (1, 2, 2), (1, 1, 0), (1, 1, 2)), (3, 2, 1, 2)])
+def test_max_pool_ties_go_to_first_max_like_torch(kernel, stride, padding, dilation):
+    """Integer-valued input: most windows hold tied maxima; the gradient must pick the
+    same (first in d, h, w scan order) element as PyTorch."""
+    torch = pytest.importorskip("torch", reason="PyTorch absent: pip install 'refimpl[oracle]'")
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 3, (2, 3, 7, 8, 9)).astype(np.float64)
+    y = max_pool3d(x, kernel, stride, padding, dilation)
+    dy = rng.uniform(0.5, 1.5, y.shape)
+    xt = torch.from_numpy(x).requires_grad_()
+    yt = torch.nn.functional.max_pool3d(xt, kernel, stride, padding, dilation)
+    yt.backward(torch.from_numpy(dy))
+    assert np.array_equal(y, yt.detach().numpy())
+    assert np.allclose(max_pool3d_backward(dy, x, kernel, stride, padding, dilation), xt.grad.numpy(),
+                       rtol=1e-12, atol=0)

@@ -1,14 +1,16 @@
 """3D max and average pooling, forward and backward (PyTorch semantics, NCDHW).
 
-Both ops are written as a loop over the kernel taps: tap ``(a, b, c)`` of
-every window is the strided slice
+Both are separable: a 3-D window max (or sum) is a 1-D max (sum) along W, then
+along H, then along D.  Each 1-D stage is a loop over the ``k`` taps of its
+axis, tap ``t`` being the strided slice ``t*d : t*d + s*(o-1) + 1 : s`` -- so a
+window costs kw + kh + kd passes instead of kd*kh*kw, and nothing needs
+``numpy.add.at``: the backward adds each tap back into its slice (within one tap
+the slice has no repeats), axes in reverse order (D, H, W): the adjoint.
 
-    x_pad[:, :, a*dd : a*dd + sd*(Do-1) + 1 : sd,  (same for h, w)]
-
-of the padded input, an array of the output's shape.  The forward combines the
-taps (max or mean); the backward adds ``dy`` back into the same slices.  That
-keeps the backward xp-generic (no ``numpy.add.at``): overlapping windows are
-accumulated one tap at a time, and within one tap the slice has no repeats.
+Max pooling's gradient goes to the first maximum of the window in (d, h, w) scan
+order, as PyTorch's: each stage marks the first tap holding its maximum, and the
+lexicographically first maximum of a window is the first along D of the firsts
+along H of the firsts along W.
 
 Output extent per axis: ``floor((n + 2p - d(k-1) - 1)/s) + 1``.  Padding must
 be ``<= kernel // 2`` (PyTorch's rule), so every window holds at least one
@@ -17,10 +19,10 @@ zeros and divides by the full kernel volume (``count_include_pad=True``).
 """
 from __future__ import annotations
 
-from itertools import product
-
 from ..backend import array_module, check_same_dtype
 from ._args import check_float, check_ndim, triple, window_out_size
+
+AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
 
 
 def _pool_args(x, kernel_size, stride, padding, dilation):
@@ -43,13 +45,19 @@ def _pool_args(x, kernel_size, stride, padding, dilation):
     return k, s, p, d, out
 
 
-def _tap_slice(tap, s, d, out):
-    """Index of the padded input read by kernel tap ``tap`` for every output element."""
-    return (slice(None), slice(None)) + tuple(
-        slice(t * di, t * di + si * (oi - 1) + 1, si) for t, si, di, oi in zip(tap, s, d, out))
+def _taps(axis, k, s, d, out):
+    """(tap, index) for the 1-D window of ``axis``: tap t reads t*d, t*d + s, ... (``out`` values)."""
+    lead = (slice(None),) * axis
+    return [(t, lead + (slice(t * d, t * d + s * (out - 1) + 1, s),)) for t in range(k)]
+
+
+def _stage_shape(x_shape, axis, n):
+    return x_shape[:axis] + (n,) + x_shape[axis + 1:]
 
 
 def _pad(x, p, value):
+    if p == (0, 0, 0):
+        return x
     xp = array_module(x)
     return xp.pad(x, ((0, 0), (0, 0)) + tuple((pi, pi) for pi in p),
                   mode="constant", constant_values=value)
@@ -60,70 +68,110 @@ def _unpad(dx_pad, p, shape):
         slice(pi, pi + n) for pi, n in zip(p, shape[2:]))]
 
 
-def _max_and_argmax(x, k, s, p, d, out):
-    """Window maxima and the tap (flat index in d, h, w scan order) that holds each.
+def _max_along(x, axis, k, s, d, out, with_arg):
+    """1-D max pooling along ``axis`` -> (y, per-tap masks of the first maximum, or None).
 
-    Ties go to the first tap in scan order (strict ``>`` update), as PyTorch does.
+    ``first[t]`` is True where tap ``t`` is the first tap (in scan order) equal to the
+    maximum: the masks are disjoint and say where the gradient goes.
     """
     xp = array_module(x)
-    x_pad = _pad(x, p, -xp.inf)
-    taps = list(product(*(range(ki) for ki in k)))
-    y = x_pad[_tap_slice(taps[0], s, d, out)].copy()             # (N, C, Do, Ho, Wo)
-    arg = xp.zeros(y.shape, dtype=xp.int32)
-    for t, tap in enumerate(taps[1:], start=1):
-        v = x_pad[_tap_slice(tap, s, d, out)]
-        better = v > y
-        y = xp.where(better, v, y)
-        arg = xp.where(better, t, arg)
-    return y, arg, taps
+    taps = _taps(axis, k, s, d, out)
+    y = x[taps[0][1]].copy()
+    for _, index in taps[1:]:
+        xp.maximum(y, x[index], out=y)
+    if not with_arg:
+        return y, None
+    first, unclaimed = [], None
+    for _, index in taps:
+        hit = x[index] == y
+        if unclaimed is None:
+            unclaimed = ~hit
+        else:
+            hit &= unclaimed
+            unclaimed &= ~hit
+        first.append(hit)
+    return y, first
+def _max_stages(x, k, s, p, d, out, with_arg):
+    """Separable max over W, H, D of the -inf padded input -> (y, [(first-max masks, input extent)])."""
+    xp = array_module(x)
+    y, stages = _pad(x, p, -xp.inf), []
+    for axis in AXES:
+        a = axis - 2
+        n_in = y.shape[axis]
+        y, first = _max_along(y, axis, k[a], s[a], d[a], out[a], with_arg)
+        stages.append((first, n_in))
+    return y, stages
+
+
+def _spread_along(g, axis, k, s, d, n_in, first=None):
+    """Adjoint of one 1-D stage: tap t adds g (where it held the first max, for max pooling)
+    into its slice.  When windows do not overlap along the axis (s > d(k-1)) every input
+    position is written by at most one tap, so the taps write without reading back."""
+    xp = array_module(g)
+    dx = xp.zeros(_stage_shape(g.shape, axis, n_in), dtype=g.dtype)
+    disjoint = s > d * (k - 1)
+    for t, index in _taps(axis, k, s, d, g.shape[axis]):
+        target = dx[index]                               # a view: writes land in dx
+        if first is None:
+            if disjoint:
+                target[...] = g
+            else:
+                target += g
+        elif disjoint:
+            xp.multiply(g, first[t], out=target)
+        else:
+            target += g * first[t]
+    return dx
+
+
+def _check_dy(dy, x, out):
+    check_same_dtype(x=x, dy=dy)
+    if tuple(dy.shape) != tuple(x.shape[:2]) + out:
+        raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
 
 
 def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1):
     """y[n, c, o] = max over the window of o (stride defaults to kernel_size)."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-    y, _, _ = _max_and_argmax(x, k, s, p, d, out)
-    return y
+    return _max_stages(x, k, s, p, d, out, with_arg=False)[0]
 
 
 def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1):
     """dx: each dy goes to the (first) maximum of its window; overlapping windows add."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-    check_same_dtype(x=x, dy=dy)
-    if tuple(dy.shape) != tuple(x.shape[:2]) + out:
-        raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
-    xp = array_module(x, dy)
-    _, arg, taps = _max_and_argmax(x, k, s, p, d, out)
-    dx_pad = xp.zeros(x.shape[:2] + tuple(n + 2 * pi for n, pi in zip(x.shape[2:], p)),
-                      dtype=x.dtype)
-    for t, tap in enumerate(taps):
-        dx_pad[_tap_slice(tap, s, d, out)] += xp.where(arg == t, dy, 0)
-    return _unpad(dx_pad, p, x.shape)
+    _check_dy(dy, x, out)
+    _, stages = _max_stages(x, k, s, p, d, out, with_arg=True)
+    g = dy
+    for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
+        a = axis - 2
+        g = _spread_along(g, axis, k[a], s[a], d[a], n_in, first)
+    return _unpad(g, p, x.shape)
 
 
 def avg_pool3d(x, kernel_size, stride=None, padding=0):
     """y[n, c, o] = sum over the window of o / prod(kernel_size) (zero padding counted)."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
-    x_pad = _pad(x, p, 0)
-    y = None
-    for tap in product(*(range(ki) for ki in k)):
-        v = x_pad[_tap_slice(tap, s, d, out)]
-        y = v.copy() if y is None else y + v
+    y = _pad(x, p, 0)
+    for axis in AXES:
+        a = axis - 2
+        taps = _taps(axis, k[a], s[a], d[a], out[a])
+        total = y[taps[0][1]].copy()
+        for _, index in taps[1:]:
+            total += y[index]
+        y = total
     return y / (k[0] * k[1] * k[2])
 
 
 def avg_pool3d_backward(dy, x, kernel_size, stride=None, padding=0):
     """dx: every element of a window receives dy / prod(kernel_size)."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
-    check_same_dtype(x=x, dy=dy)
-    if tuple(dy.shape) != tuple(x.shape[:2]) + out:
-        raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
-    xp = array_module(x, dy)
-    share = dy / (k[0] * k[1] * k[2])
-    dx_pad = xp.zeros(x.shape[:2] + tuple(n + 2 * pi for n, pi in zip(x.shape[2:], p)),
-                      dtype=x.dtype)
-    for tap in product(*(range(ki) for ki in k)):
-        dx_pad[_tap_slice(tap, s, d, out)] += share
-    return _unpad(dx_pad, p, x.shape)
+    _check_dy(dy, x, out)
+    g = dy / (k[0] * k[1] * k[2])
+    padded = tuple(n + 2 * pi for n, pi in zip(x.shape[2:], p))
+    for axis in reversed(AXES):
+        a = axis - 2
+        g = _spread_along(g, axis, k[a], s[a], d[a], padded[a])
+    return _unpad(g, p, x.shape)
 
 
 __all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward"]
