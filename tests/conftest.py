@@ -15,7 +15,7 @@ settings.register_profile(
     "default", max_examples=int(os.environ.get("REFIMPL_EXAMPLES", "25")),
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
-    "mpi", max_examples=int(os.environ.get("REFIMPL_MPI_EXAMPLES", "12")),
+    "mpi", max_examples=int(os.environ.get("REFIMPL_MPI_EXAMPLES", "25")),
     deadline=None, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck), print_blob=False)
 settings.load_profile("default")
