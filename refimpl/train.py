@@ -33,7 +33,7 @@ import sys
 import time
 
 from . import checkpoint
-from .backend import asarray, resolve_dtype, set_backend, to_host
+from .backend import asarray, resolve_dtype, set_backend
 from .config import DEFAULT_LR
 from .optim import MLPERF_COSMOFLOW, Schedule, make_optimizer, parse_decay, scaled_lr
 

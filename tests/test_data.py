@@ -9,7 +9,7 @@ import pytest
 h5py = pytest.importorskip("h5py", reason="h5py is not installed: pip install 'refimpl[test]'")
 
 from refimpl.data import cosmo  # noqa: E402
-from refimpl.data.layout import DATA_KEY, LABEL_KEY, TARGET_KEY, write_split  # noqa: E402
+from refimpl.data.layout import write_split  # noqa: E402
 from refimpl.data.loader import Loader  # noqa: E402
 from refimpl.data.reader import HDF5Reader, block_slices  # noqa: E402
 from refimpl.data.segmentation import class_means, generate_segmentation, paint_ellipsoid  # noqa: E402

@@ -19,42 +19,14 @@ loss: ``(1/Pn) sum_n Pn dL/dW|_n = dL/dW``.
 """
 from __future__ import annotations
 
-from ..backend import TRAIN_DTYPE, array_module, resolve_dtype
-from ..functional.linear import flatten, flatten_backward
+from ..backend import array_module, resolve_dtype
 from ..nn import spatial
 from ..nn.batch_norm import BatchNorm3d
 from ..nn.conv import Conv3d, ConvTranspose3d
 from ..nn.init import check_rng
-from ..nn.linear import Linear
+from ..nn.linear import FlattenLinear, Linear
 from ..nn.module import Module
 from ..nn.pooling import MaxPool3d
-
-
-class FlattenLinear(Linear):
-    """Flatten (C, D, H, W) + dense in one layer: the unpartitioned SpatialFlattenLinear.
-
-    One module (not Flatten then Linear) so that parameter names are those of the
-    partitioned model and a checkpoint moves between grids unchanged.
-    """
-
-    def __init__(self, in_channels, in_features, out_features, *, rng, dtype=TRAIN_DTYPE):
-        super().__init__(in_features, out_features, rng=rng, dtype=dtype)
-        self.in_channels = int(in_channels)
-        self.bias.spatial_replicated = True
-
-    def setup(self, global_in_shape):
-        d, h, w = global_in_shape
-        if self.in_channels * d * h * w != self.in_features:
-            raise ValueError(f"in_features {self.in_features} != channels {self.in_channels} x "
-                             f"global extent {tuple(global_in_shape)}")
-        return (self.out_features,)
-
-    def forward(self, x):
-        self.x_shape = x.shape                         # (N, C, D, H, W)
-        return super().forward(flatten(x))             # (N, out)
-
-    def backward(self, dy):
-        return flatten_backward(super().backward(dy), self.x_shape)
 
 
 class Layers:
@@ -216,4 +188,4 @@ def check_global_batch(global_batch, data_parallel: int) -> int:
     return int(global_batch) // data_parallel
 
 
-__all__ = ["FlattenLinear", "Layers", "Model", "check_global_batch", "merge_config"]
+__all__ = ["Layers", "Model", "check_global_batch", "merge_config"]

@@ -10,7 +10,7 @@ from .activation import LeakyReLU, ReLU, ScaledTanh, Tanh
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d
 from .dropout import Dropout
-from .linear import Flatten, Linear
+from .linear import Flatten, FlattenLinear, Linear
 from .module import Module, Sequential
 from .parameter import Parameter
 from .pooling import AvgPool3d, MaxPool3d

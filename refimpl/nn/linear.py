@@ -38,6 +38,36 @@ class Linear(Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class FlattenLinear(Linear):
+    """Flatten (C, D, H, W) + dense in one layer: the first dense layer after the conv stack.
+
+    One module (not Flatten then Linear) so that its parameter names are those of its
+    spatially partitioned twin (``nn.spatial.SpatialFlattenLinear``) and a checkpoint
+    moves between grids unchanged.  The bias is ``spatial_replicated``: on a grid it is
+    computed once per spatial group, like the rest of the dense head.
+    """
+
+    def __init__(self, in_channels, in_features, out_features, bias=True, *, rng, dtype=TRAIN_DTYPE):
+        super().__init__(in_features, out_features, bias, rng=rng, dtype=dtype)
+        self.in_channels = int(in_channels)
+        if self.bias is not None:
+            self.bias.spatial_replicated = True
+
+    def setup(self, global_in_shape):
+        d, h, w = global_in_shape
+        if self.in_channels * d * h * w != self.in_features:
+            raise ValueError(f"in_features {self.in_features} != channels {self.in_channels} x "
+                             f"global extent {tuple(global_in_shape)}")
+        return (self.out_features,)
+
+    def forward(self, x):
+        self.x_shape = x.shape                         # (N, C, D, H, W)
+        return super().forward(flatten(x))             # (N, out)
+
+    def backward(self, dy):
+        return flatten_backward(super().backward(dy), self.x_shape)
+
+
 class Flatten(Module):
     """(N, ...) -> (N, prod(...)), as torch.nn.Flatten()."""
 
@@ -50,4 +80,4 @@ class Flatten(Module):
         return flatten_backward(dy, shape)
 
 
-__all__ = ["Linear", "Flatten"]
+__all__ = ["Linear", "FlattenLinear", "Flatten"]

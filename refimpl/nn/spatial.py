@@ -30,7 +30,7 @@ from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d
 from .dropout import Dropout
-from .linear import Linear
+from .linear import FlattenLinear
 from .pooling import AvgPool3d, MaxPool3d
 
 NO_PADDING = (0, 0, 0)
@@ -265,7 +265,7 @@ class SpatialDropout(Dropout):
         return self.global_shape, [(a, a + n) for a, n in zip(self.offset, x.shape)]
 
 
-class SpatialFlattenLinear(Linear):
+class SpatialFlattenLinear(FlattenLinear):
     """Flatten the spatial blocks + the first dense layer: the transition to a dense head.
 
     The unpartitioned layer computes ``y = W flatten(x) + b`` with flatten in
@@ -284,21 +284,17 @@ class SpatialFlattenLinear(Linear):
     """
 
     def __init__(self, in_channels, in_features, out_features, *, grid, rng, **kwargs):
-        super().__init__(in_features, out_features, rng=rng, **kwargs)
-        self.in_channels, self.grid, self.columns = int(in_channels), grid, None
-        if self.bias is not None:
-            self.bias.spatial_replicated = True
+        super().__init__(in_channels, in_features, out_features, rng=rng, **kwargs)
+        self.grid, self.columns = grid, None
 
     def setup(self, global_in_shape):
+        out = super().setup(global_in_shape)            # checks C x D x H x W == in_features
         d, h, w = global_in_shape
-        if self.in_channels * d * h * w != self.in_features:
-            raise ValueError(f"in_features {self.in_features} != channels {self.in_channels} x "
-                             f"global extent {tuple(global_in_shape)}")
         xp = array_module(self.weight.data)
         block = self.grid.local_block(global_in_shape)
         flat = xp.arange(self.in_features).reshape(self.in_channels, d, h, w)
         self.columns = flat[(slice(None),) + tuple(block)].reshape(-1)  # global flat index of local features
-        return (self.out_features,)
+        return out
 
     def forward(self, x):
         if self.columns is None:

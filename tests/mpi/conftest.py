@@ -32,3 +32,13 @@ def all_ranks_agree(comm):
             bad = [r for r, f in enumerate(flags) if not f]
             raise AssertionError(f"failed on ranks {bad}: {message}")
     return check
+
+
+@pytest.fixture(scope="module")
+def grids():
+    """A ProcessGrid for every (Pn, Pd, Ph, Pw) whose product is the world size."""
+    from refimpl.parallel.grid import ProcessGrid, all_grids
+    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in all_grids(MPI.COMM_WORLD.Get_size())]
+    yield made
+    for grid in made:
+        grid.free()

@@ -12,22 +12,12 @@ empty at 8 ranks):
 import itertools
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.halo import HaloExchange
 from refimpl.parallel.partition import bytes_sent, conv_halo_plan, window_output_extent
-
-
-@pytest.fixture(scope="module")
-def grids():
-    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in all_grids(MPI.COMM_WORLD.Get_size())]
-    yield made
-    for grid in made:
-        grid.free()
 
 
 @st.composite

@@ -8,17 +8,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from refimpl.parallel import buffers, fake_device
-from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.redistribute import (allgather_spatial, broadcast, gather_spatial,
                                            reduce_scatter_spatial, scatter_spatial, sum_reduce)
-
-
-@pytest.fixture(scope="module")
-def grids():
-    made = [ProcessGrid(MPI.COMM_WORLD, dims) for dims in all_grids(MPI.COMM_WORLD.Get_size())]
-    yield made
-    for grid in made:
-        grid.free()
 
 
 def agree(comm, all_ranks_agree, checks, context):
