@@ -21,25 +21,34 @@ def _check_channels(in_channels, out_channels):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+def _set_window(layer, in_channels, out_channels, kernel_size, stride, padding, dilation):
+    """Channels and window hyper-parameters, validated (ValueError naming the argument)."""
+    _check_channels(in_channels, out_channels)
+    layer.in_channels, layer.out_channels = int(in_channels), int(out_channels)
+    layer.kernel_size = triple(kernel_size, "kernel_size", 1)
+    layer.stride = triple(stride, "stride", 1)
+    layer.padding = triple(padding, "padding", 0)
+    layer.dilation = triple(dilation, "dilation", 1)
+
+
+def _add_weight_and_bias(layer, channel_dims, fan_in_channels, bias, rng, dtype):
+    """weight (channel_dims + kernel) and bias ~ U(+-1/sqrt(fan_in)), fan_in = channels x kernel volume."""
+    check_rng(rng)
+    k = layer.kernel_size
+    fan_in = fan_in_channels * k[0] * k[1] * k[2]
+    layer.weight = layer.add_parameter("weight", uniform_fan_in(rng, tuple(channel_dims) + k, fan_in, dtype))
+    layer.bias = layer.add_parameter(
+        "bias", uniform_fan_in(rng, (layer.out_channels,), fan_in, dtype)) if bias else None
+
+
 class Conv3d(Module):
     """y = conv3d(x, weight, bias); weight (out, in, kd, kh, kw), fan_in = in * kd * kh * kw."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  bias=True, *, rng, dtype=TRAIN_DTYPE):
         super().__init__()
-        _check_channels(in_channels, out_channels)
-        check_rng(rng)
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size = triple(kernel_size, "kernel_size", 1)
-        self.stride = triple(stride, "stride", 1)
-        self.padding = triple(padding, "padding", 0)
-        self.dilation = triple(dilation, "dilation", 1)
-        k = self.kernel_size
-        fan_in = self.in_channels * k[0] * k[1] * k[2]
-        self.weight = self.add_parameter(
-            "weight", uniform_fan_in(rng, (self.out_channels, self.in_channels) + k, fan_in, dtype))
-        self.bias = self.add_parameter(
-            "bias", uniform_fan_in(rng, (self.out_channels,), fan_in, dtype)) if bias else None
+        _set_window(self, in_channels, out_channels, kernel_size, stride, padding, dilation)
+        _add_weight_and_bias(self, (self.out_channels, self.in_channels), self.in_channels, bias, rng, dtype)
 
     def local_forward(self, x, padding):
         b = None if self.bias is None else self.bias.data
@@ -80,20 +89,9 @@ class ConvTranspose3d(Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  output_padding=0, dilation=1, bias=True, *, rng, dtype=TRAIN_DTYPE):
         super().__init__()
-        _check_channels(in_channels, out_channels)
-        check_rng(rng)
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size = triple(kernel_size, "kernel_size", 1)
-        self.stride = triple(stride, "stride", 1)
-        self.padding = triple(padding, "padding", 0)
+        _set_window(self, in_channels, out_channels, kernel_size, stride, padding, dilation)
         self.output_padding = triple(output_padding, "output_padding", 0)
-        self.dilation = triple(dilation, "dilation", 1)
-        k = self.kernel_size
-        fan_in = self.out_channels * k[0] * k[1] * k[2]
-        self.weight = self.add_parameter(
-            "weight", uniform_fan_in(rng, (self.in_channels, self.out_channels) + k, fan_in, dtype))
-        self.bias = self.add_parameter(
-            "bias", uniform_fan_in(rng, (self.out_channels,), fan_in, dtype)) if bias else None
+        _add_weight_and_bias(self, (self.in_channels, self.out_channels), self.out_channels, bias, rng, dtype)
 
     def local_forward(self, x, padding, output_padding):
         b = None if self.bias is None else self.bias.data

@@ -11,13 +11,32 @@ from ..functional.pooling import avg_pool3d, avg_pool3d_backward, max_pool3d, ma
 from .module import Module
 
 
-class MaxPool3d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
+class _Pool3d(Module):
+    """What both pools share: hyper-parameters, output extent, forward/backward around local_*."""
+
+    def __init__(self, kernel_size, stride, padding, dilation):
         super().__init__()
         self.kernel_size = triple(kernel_size, "kernel_size", 1)
         self.stride = self.kernel_size if stride is None else triple(stride, "stride", 1)
         self.padding = triple(padding, "padding", 0)
         self.dilation = triple(dilation, "dilation", 1)
+
+    def setup(self, global_in_shape):
+        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
+            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation))
+
+    def forward(self, x):
+        self._save(x)
+        return self.local_forward(x, self.padding)
+
+    def backward(self, dy):
+        (x,) = self._saved()
+        return self.local_backward(dy, x, self.padding)
+
+
+class MaxPool3d(_Pool3d):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
+        super().__init__(kernel_size, stride, padding, dilation)
 
     def local_forward(self, x, padding):
         return max_pool3d(x, self.kernel_size, self.stride, padding, self.dilation)
@@ -25,51 +44,22 @@ class MaxPool3d(Module):
     def local_backward(self, dy, x, padding):
         return max_pool3d_backward(dy, x, self.kernel_size, self.stride, padding, self.dilation)
 
-    def setup(self, global_in_shape):
-        dilation = getattr(self, "dilation", (1, 1, 1))
-        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
-            global_in_shape, self.kernel_size, self.stride, self.padding, dilation))
-
-    def forward(self, x):
-        self._save(x)
-        return self.local_forward(x, self.padding)
-
-    def backward(self, dy):
-        (x,) = self._saved()
-        return self.local_backward(dy, x, self.padding)
-
     def extra_repr(self):
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
                 f"dilation={self.dilation}")
 
 
-class AvgPool3d(Module):
-    """Average pooling with count_include_pad=True (divisor = kernel volume)."""
+class AvgPool3d(_Pool3d):
+    """Average pooling with count_include_pad=True (divisor = kernel volume); no dilation."""
 
     def __init__(self, kernel_size, stride=None, padding=0):
-        super().__init__()
-        self.kernel_size = triple(kernel_size, "kernel_size", 1)
-        self.stride = self.kernel_size if stride is None else triple(stride, "stride", 1)
-        self.padding = triple(padding, "padding", 0)
+        super().__init__(kernel_size, stride, padding, 1)
 
     def local_forward(self, x, padding):
         return avg_pool3d(x, self.kernel_size, self.stride, padding)
 
     def local_backward(self, dy, x, padding):
         return avg_pool3d_backward(dy, x, self.kernel_size, self.stride, padding)
-
-    def setup(self, global_in_shape):
-        dilation = getattr(self, "dilation", (1, 1, 1))
-        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
-            global_in_shape, self.kernel_size, self.stride, self.padding, dilation))
-
-    def forward(self, x):
-        self._save(x)
-        return self.local_forward(x, self.padding)
-
-    def backward(self, dy):
-        (x,) = self._saved()
-        return self.local_backward(dy, x, self.padding)
 
     def extra_repr(self):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"

@@ -119,9 +119,8 @@ class _SpatialPool(_Halo):
         self.grid, self.halo = grid, None
 
     def setup(self, global_in_shape):
-        dilation = getattr(self, "dilation", 1)
         return self._plan(conv_halo_plan(global_in_shape, self.grid.spatial_dims, self.kernel_size,
-                                         self.stride, self.padding, dilation))
+                                         self.stride, self.padding, self.dilation))
 
     def forward(self, x):
         x_pad = pad_block(self._exchange(x), self.edge_padding, self.PAD_VALUE)
