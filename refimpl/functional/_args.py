@@ -51,5 +51,15 @@ def transposed_out_size(n: int, k: int, s: int, p: int, d: int, op: int) -> int:
     return (n - 1) * s - 2 * p + d * (k - 1) + op + 1
 
 
+def window_out_shape(spatial, k, s, p, d) -> tuple[int, ...]:
+    """``window_out_size`` on every spatial axis (per-axis k, s, p, d)."""
+    return tuple(window_out_size(*args) for args in zip(spatial, k, s, p, d))
+
+
+def transposed_out_shape(spatial, k, s, p, d, op) -> tuple[int, ...]:
+    """``transposed_out_size`` on every spatial axis (per-axis k, s, p, d, output_padding)."""
+    return tuple(transposed_out_size(*args) for args in zip(spatial, k, s, p, d, op))
+
+
 __all__ = ["triple", "check_ndim", "check_float", "check_same_dtype",
-           "window_out_size", "transposed_out_size"]
+           "window_out_size", "transposed_out_size", "window_out_shape", "transposed_out_shape"]

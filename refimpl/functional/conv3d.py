@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..backend import check_same_dtype
 from . import _im2col
-from ._args import check_float, check_ndim, triple, window_out_size
+from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = ("depth", "height", "width")
 
@@ -39,8 +39,7 @@ def conv_params(stride, padding, dilation):
 
 def conv_out_spatial(in_spatial, k, s, p, dl, x_name="x", w_name="w"):
     """Output extents; ValueError naming the kernel when a window does not fit."""
-    out = tuple(window_out_size(n, kk, ss, pp, dd)
-                for n, kk, ss, pp, dd in zip(in_spatial, k, s, p, dl))
+    out = window_out_shape(in_spatial, k, s, p, dl)
     for ax, (o, n, kk, pp, dd) in enumerate(zip(out, in_spatial, k, p, dl)):
         if o < 1:
             raise ValueError(

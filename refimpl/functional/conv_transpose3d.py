@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..backend import check_same_dtype
 from . import _im2col
-from ._args import check_float, check_ndim, transposed_out_size, triple
+from ._args import check_float, check_ndim, transposed_out_shape, triple
 from .conv3d import AXES, check_bias, conv_params
 
 
@@ -38,8 +38,7 @@ def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
         if op[ax] >= max(s[ax], dl[ax]):
             raise ValueError(f"output_padding must be smaller than max(stride, dilation) on every "
                              f"axis, got output_padding={op}, stride={s}, dilation={dl}")
-    out = tuple(transposed_out_size(n, k, ss, pp, dd, oo)
-                for n, k, ss, pp, dd, oo in zip(x.shape[2:], w.shape[2:], s, p, dl, op))
+    out = transposed_out_shape(x.shape[2:], w.shape[2:], s, p, dl, op)
     for ax, o in enumerate(out):
         if o < 1:
             raise ValueError(f"padding {p} is too large for the transposed conv on the {AXES[ax]} "

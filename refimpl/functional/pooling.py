@@ -20,7 +20,7 @@ zeros and divides by the full kernel volume (``count_include_pad=True``).
 from __future__ import annotations
 
 from ..backend import array_module, check_same_dtype
-from ._args import check_float, check_ndim, triple, window_out_size
+from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
 
@@ -37,8 +37,7 @@ def _pool_args(x, kernel_size, stride, padding, dilation):
         if pi > ki // 2:
             raise ValueError(f"padding must be <= kernel_size // 2 on every axis "
                              f"(PyTorch's rule), got padding={p} for kernel_size={k}")
-    out = tuple(window_out_size(n, ki, si, pi, di)
-                for n, ki, si, pi, di in zip(x.shape[2:], k, s, p, d))
+    out = window_out_shape(x.shape[2:], k, s, p, d)
     if min(out) < 1:
         raise ValueError(f"input spatial shape {tuple(x.shape[2:])} is too small for "
                          f"kernel_size={k}, dilation={d}, padding={p}: output would be {out}")

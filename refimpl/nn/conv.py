@@ -8,7 +8,7 @@ gradient bookkeeping in ``backward``.
 from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
-from ..functional._args import transposed_out_size, triple, window_out_size
+from ..functional._args import transposed_out_shape, triple, window_out_shape
 from ..functional.conv3d import conv3d, conv3d_backward
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from .init import check_rng, uniform_fan_in
@@ -41,7 +41,16 @@ def _add_weight_and_bias(layer, channel_dims, fan_in_channels, bias, rng, dtype)
         "bias", uniform_fan_in(rng, (layer.out_channels,), fan_in, dtype)) if bias else None
 
 
-class Conv3d(Module):
+class _ConvLayer(Module):
+    """What both conv layers share: the gradient bookkeeping of their weight and bias."""
+
+    def accumulate_weight_and_bias(self, dw, db):
+        self.weight.accumulate_grad(dw)
+        if self.bias is not None:
+            self.bias.accumulate_grad(db)
+
+
+class Conv3d(_ConvLayer):
     """y = conv3d(x, weight, bias); weight (out, in, kd, kh, kw), fan_in = in * kd * kh * kw."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
@@ -59,8 +68,7 @@ class Conv3d(Module):
         return conv3d_backward(dy, x, self.weight.data, self.stride, padding, self.dilation)
 
     def setup(self, global_in_shape):
-        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
-            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation))
+        return window_out_shape(global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation)
 
     def forward(self, x):
         self._save(x)
@@ -69,9 +77,7 @@ class Conv3d(Module):
     def backward(self, dy):
         (x,) = self._saved()
         dx, dw, db = self.local_backward(dy, x, self.padding)
-        self.weight.accumulate_grad(dw)
-        if self.bias is not None:
-            self.bias.accumulate_grad(db)
+        self.accumulate_weight_and_bias(dw, db)
         return dx
 
     def extra_repr(self):
@@ -80,7 +86,7 @@ class Conv3d(Module):
                 f"bias={self.bias is not None}")
 
 
-class ConvTranspose3d(Module):
+class ConvTranspose3d(_ConvLayer):
     """y = conv_transpose3d(x, weight, bias); weight (in, out, kd, kh, kw).
 
     PyTorch computes fan_in from the weight's dim 1, i.e. out * kd * kh * kw here.
@@ -104,9 +110,8 @@ class ConvTranspose3d(Module):
                                          output_padding, self.dilation)
 
     def setup(self, global_in_shape):
-        return tuple(transposed_out_size(n, k, s, p, d, op) for n, k, s, p, d, op in zip(
-            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation,
-            self.output_padding))
+        return transposed_out_shape(global_in_shape, self.kernel_size, self.stride, self.padding,
+                                    self.dilation, self.output_padding)
 
     def forward(self, x):
         self._save(x)
@@ -115,9 +120,7 @@ class ConvTranspose3d(Module):
     def backward(self, dy):
         (x,) = self._saved()
         dx, dw, db = self.local_backward(dy, x, self.padding, self.output_padding)
-        self.weight.accumulate_grad(dw)
-        if self.bias is not None:
-            self.bias.accumulate_grad(db)
+        self.accumulate_weight_and_bias(dw, db)
         return dx
 
     def extra_repr(self):

@@ -6,7 +6,7 @@ has already extended with halos (and -inf / zero padding at the domain edge).
 """
 from __future__ import annotations
 
-from ..functional._args import triple, window_out_size
+from ..functional._args import triple, window_out_shape
 from ..functional.pooling import avg_pool3d, avg_pool3d_backward, max_pool3d, max_pool3d_backward
 from .module import Module
 
@@ -22,8 +22,7 @@ class _Pool3d(Module):
         self.dilation = triple(dilation, "dilation", 1)
 
     def setup(self, global_in_shape):
-        return tuple(window_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
-            global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation))
+        return window_out_shape(global_in_shape, self.kernel_size, self.stride, self.padding, self.dilation)
 
     def forward(self, x):
         self._save(x)

@@ -59,6 +59,10 @@ def _extent(ranges):
 class _Halo:
     """What every windowed spatial layer shares: the plan, the exchange and the edge padding."""
 
+    def __init__(self, *args, grid, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grid, self.halo = grid, None
+
     def _plan(self, plan):
         self.halo = HaloExchange(plan, self.grid)
         coords = self.grid.spatial_coords
@@ -68,7 +72,7 @@ class _Halo:
         return tuple(ax.outputs[-1][1] for ax in plan.axes)  # global output (D, H, W)
 
     def _exchange(self, x):
-        if getattr(self, "halo", None) is None:
+        if self.halo is None:
             raise RuntimeError(f"{type(self).__name__}.setup(global_in_shape) must be called before "
                                "forward (the model's setup does it)")
         return self.halo.forward(x)
@@ -78,19 +82,27 @@ class _Halo:
         return any(b == a for a, b in self.out_block)
 
 
-class SpatialConv3d(_Halo, Conv3d):
-    """Conv3d on this rank's output block; halo exchange gathers the input it needs."""
-
-    def __init__(self, *args, grid, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.grid, self.halo = grid, None
+class _WindowHalo(_Halo):
+    """Conv and pooling: plan from the window, pad the exchanged block at the domain edge."""
 
     def setup(self, global_in_shape):
         return self._plan(conv_halo_plan(global_in_shape, self.grid.spatial_dims, self.kernel_size,
                                          self.stride, self.padding, self.dilation))
 
+    def _gather_padded(self, x, pad_value):
+        """(N, C, owned block) -> (N, C, needed range + edge padding): halo exchange, then pad."""
+        return pad_block(self._exchange(x), self.edge_padding, pad_value)
+
+    def _return_to_owners(self, dx_pad):
+        """Adjoint of ``_gather_padded``: crop the edge padding, then the adjoint exchange."""
+        return self.halo.adjoint(dx_pad[crop_index(_extent(self.in_needed), self.edge_padding)])
+
+
+class SpatialConv3d(_WindowHalo, Conv3d):
+    """Conv3d on this rank's output block; halo exchange gathers the input it needs."""
+
     def forward(self, x):
-        x_pad = pad_block(self._exchange(x), self.edge_padding, 0)  # (N, C, needed + edge padding)
+        x_pad = self._gather_padded(x, 0)                # (N, C, needed + edge padding)
         self._save(x_pad)
         if self.empty_output:
             xp = array_module(x)
@@ -105,25 +117,15 @@ class SpatialConv3d(_Halo, Conv3d):
             db = xp.zeros((self.out_channels,), dtype=dy.dtype)
         else:
             dx_pad, dw, db = self.local_backward(dy, x_pad, NO_PADDING)
-        self.weight.accumulate_grad(dw)
-        if self.bias is not None:
-            self.bias.accumulate_grad(db)
-        return self.halo.adjoint(dx_pad[crop_index(_extent(self.in_needed), self.edge_padding)])
+        self.accumulate_weight_and_bias(dw, db)
+        return self._return_to_owners(dx_pad)
 
 
-class _SpatialPool(_Halo):
+class _SpatialPool(_WindowHalo):
     PAD_VALUE = 0.0
 
-    def __init__(self, *args, grid, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.grid, self.halo = grid, None
-
-    def setup(self, global_in_shape):
-        return self._plan(conv_halo_plan(global_in_shape, self.grid.spatial_dims, self.kernel_size,
-                                         self.stride, self.padding, self.dilation))
-
     def forward(self, x):
-        x_pad = pad_block(self._exchange(x), self.edge_padding, self.PAD_VALUE)
+        x_pad = self._gather_padded(x, self.PAD_VALUE)
         self._save(x_pad)
         if self.empty_output:
             return array_module(x).zeros(x.shape[:2] + _extent(self.out_block), dtype=x.dtype)
@@ -135,7 +137,7 @@ class _SpatialPool(_Halo):
             dx_pad = array_module(dy).zeros_like(x_pad)
         else:
             dx_pad = self.local_backward(dy, x_pad, NO_PADDING)
-        return self.halo.adjoint(dx_pad[crop_index(_extent(self.in_needed), self.edge_padding)])
+        return self._return_to_owners(dx_pad)
 
 
 class SpatialMaxPool3d(_SpatialPool, MaxPool3d):
@@ -156,10 +158,6 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
     ``i*s - p + j*d == o``); the owned block ``[o0, o1)`` is cut from that.  Owned outputs
     no local input reaches (possible with stride > kernel) receive no tap: only the bias.
     """
-
-    def __init__(self, *args, grid, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.grid, self.halo = grid, None
 
     def setup(self, global_in_shape):
         return self._plan(transposed_conv_halo_plan(
@@ -209,9 +207,7 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
                 dy_local[where[0]] = dy[where[1]]
                 dx_ext, dw, _ = conv_transpose3d_backward(dy_local, x_ext, self.weight.data,
                                                           self.stride, 0, 0, self.dilation)
-        self.weight.accumulate_grad(dw)
-        if self.bias is not None:
-            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))
+        self.accumulate_weight_and_bias(dw, dy.sum(axis=(0, 2, 3, 4)))
         return self.halo.adjoint(dx_ext)
 
 
