@@ -109,6 +109,17 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 
+def _shape5(value, name, layout):
+    """A 5-tuple of positive ints, or ValueError naming the argument."""
+    try:
+        shape = tuple(int(v) for v in value)
+    except TypeError:
+        raise ValueError(f"{name} must be a 5-tuple ({layout}), got {value!r}") from None
+    if len(shape) != 5 or min(shape) < 1:
+        raise ValueError(f"{name} must be a 5-tuple ({layout}) of positive ints, got {value!r}")
+    return shape
+
+
 def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
     """``dx`` (of shape ``input_shape``) of ``y = conv3d(x, w)`` given ``dy``.
 
@@ -119,13 +130,7 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
     check_ndim(w, 5, "w", "F, C, kd, kh, kw")
     check_float("dy", dy)
     check_same_dtype(dy=dy, w=w)
-    try:
-        input_shape = tuple(int(v) for v in input_shape)
-    except TypeError:
-        raise ValueError(f"input_shape must be a 5-tuple (N, C, D, H, W), got {input_shape!r}") from None
-    if len(input_shape) != 5 or min(input_shape) < 1:
-        raise ValueError(f"input_shape must be a 5-tuple (N, C, D, H, W) of positive ints, "
-                         f"got {input_shape!r}")
+    input_shape = _shape5(input_shape, "input_shape", "N, C, D, H, W")
     if input_shape[1] != w.shape[1]:
         raise ValueError(f"channel mismatch: input_shape has {input_shape[1]} channels but w expects "
                          f"{w.shape[1]} (w.shape[1])")
@@ -148,13 +153,7 @@ def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, 
     check_ndim(x, 5, "x", "N, C, D, H, W")
     check_float("x", x)
     check_same_dtype(dy=dy, x=x)
-    try:
-        weight_shape = tuple(int(v) for v in weight_shape)
-    except TypeError:
-        raise ValueError(f"weight_shape must be a 5-tuple (F, C, kd, kh, kw), got {weight_shape!r}") from None
-    if len(weight_shape) != 5 or min(weight_shape) < 1:
-        raise ValueError(f"weight_shape must be a 5-tuple (F, C, kd, kh, kw) of positive ints, "
-                         f"got {weight_shape!r}")
+    weight_shape = _shape5(weight_shape, "weight_shape", "F, C, kd, kh, kw")
     if x.shape[1] != weight_shape[1]:
         raise ValueError(f"channel mismatch: x has {x.shape[1]} channels but weight_shape expects "
                          f"{weight_shape[1]}")
