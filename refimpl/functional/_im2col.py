@@ -285,25 +285,3 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
                 col2im(dx, col, tile, k, stride, padding, dilation)
     dw = xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None
     return dx, dw
-
-
-class _Shape:
-    """Stands in for an array of which only ``shape`` and ``dtype`` are read."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-
-
-def input_grad(dy, w, input_shape, stride, padding, dilation, budget):
-    """``dx`` of ``y = conv3d(x, w)``, ``x`` of shape ``input_shape``."""
-    dx, _ = backward(dy, _Shape(input_shape, dy.dtype), w, stride, padding, dilation,
-                     budget, need_dx=True, need_dw=False)
-    return dx
-
-
-def weight_grad(dy, x, weight_shape, stride, padding, dilation, budget):
-    """``dW`` (of shape ``weight_shape``) of ``y = conv3d(x, w)``."""
-    _, dw = backward(dy, x, _Shape(weight_shape, dy.dtype), stride, padding, dilation,
-                     budget, need_dx=False, need_dw=True)
-    return dw

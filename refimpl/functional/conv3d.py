@@ -6,11 +6,24 @@ with zero padding ``p``, stride ``s`` and dilation ``dl`` per axis (each an int
 or a ``(d, h, w)`` tuple).  Output extent per axis:
 ``floor((n + 2p - dl(k-1) - 1)/s) + 1``.
 
-The math lives in ``_im2col``: column tiles of a bounded size and one GEMM per
-tile (``y = W @ col``, ``dW += dy @ col^T``, ``dx += col2im(W^T @ dy)``).  The
-temporary buffers of a call stay below ``max(max_temp_bytes, one output row's
-column tile)`` bytes, default ``_im2col.MAX_TEMP_BYTES`` = 64 MiB; the input
-is not padded (no padded copy).
+Two algorithms, picked per call by ``algorithm=``:
+
+- ``"im2col"`` (``_im2col``): column tiles of a bounded size and one GEMM per
+  tile (``y = W @ col``, ``dW += dy @ col^T``, ``dx += col2im(W^T @ dy)``); any
+  kernel, stride, padding and dilation.  The temporary buffers of a call stay
+  below ``max(max_temp_bytes, one output row's column tile)`` bytes, default
+  ``_im2col.MAX_TEMP_BYTES`` = 64 MiB; the input is not padded (no padded copy).
+- ``"winograd"`` (``winograd``): F(4x4x4, 3x3x3), 3x3x3 kernels with stride 1
+  and dilation 1 only: 3.4x fewer multiplications per output than the 27 of
+  im2col, exact in float64, within ``winograd.FLOAT32_BOUND`` in float32.  Its
+  chunked work buffers obey ``max_temp_bytes``; it also copies the input and
+  output once in channels-last order.
+- ``"auto"`` (the default): Winograd where it applies and saves at least half of
+  the multiplications (``winograd.worthwhile``), else im2col.
+
+``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
+anything else is refused), default ``"auto"``: the layers and the training CLI
+call with ``None``, so the variable switches a whole run to the plain im2col.
 
 Building blocks reused by the distributed layers and by conv_transpose3d:
 
@@ -24,11 +37,37 @@ gradient / contribute nothing), which is what transposed convolution with
 """
 from __future__ import annotations
 
+import os
+
 from ..backend import check_same_dtype
-from . import _im2col
+from . import _im2col, winograd
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = ("depth", "height", "width")
+ALGORITHMS = ("auto", "im2col", "winograd")
+ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
+
+
+def resolve_algorithm(algorithm, kernel, stride, dilation, out_spatial, full_dy=True):
+    """``"im2col"`` or ``"winograd"`` for this conv: ``algorithm`` (None: the
+    ``REFIMPL_CONV_ALGORITHM`` variable, default "auto") validated against the shape.
+
+    ``full_dy=False`` when a gradient covers only the first outputs per axis (the
+    building blocks of transposed conv with output_padding): im2col only.
+    """
+    source = "algorithm"
+    if algorithm is None:
+        algorithm, source = os.environ.get(ENV_ALGORITHM, "auto"), ENV_ALGORITHM
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{source} must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    fits = winograd.applicable(kernel, stride, dilation) and full_dy
+    if algorithm == "winograd" and not fits:
+        raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
+                         f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
+                         f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
+    if algorithm == "auto":
+        return "winograd" if fits and winograd.worthwhile(out_spatial) else "im2col"
+    return algorithm
 
 
 def conv_params(stride, padding, dilation):
@@ -77,21 +116,40 @@ def check_dy_extent(dy, expected, name="dy"):
                              f"axis it must be between 1 and the conv output extent {e}")
 
 
-def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
-    """3D convolution ``(N, C, D, H, W) * (F, C, kd, kh, kw) -> (N, F, Do, Ho, Wo)``."""
+def forward_no_bias(x, w, s, p, dl, out, budget, algorithm):
+    """``conv3d(x, w)`` for validated arguments, by the algorithm ``resolve_algorithm`` picks."""
+    if resolve_algorithm(algorithm, w.shape[2:], s, dl, out) == "winograd":
+        return winograd.forward(x, w, p, out, budget)
+    return _im2col.forward(x, w, s, p, dl, out, budget)
+
+
+def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
+    """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
+    None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
+    if resolve_algorithm(algorithm, w.shape[2:], s, dl, dy.shape[2:], full_dy) == "winograd":
+        return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
+    return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
+
+
+def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):
+    """3D convolution ``(N, C, D, H, W) * (F, C, kd, kh, kw) -> (N, F, Do, Ho, Wo)``.
+
+    ``algorithm``: "auto", "im2col" or "winograd" (None: ``REFIMPL_CONV_ALGORITHM``
+    or "auto"), see the module docstring."""
     _check_x_w(x, w)
     check_same_dtype(x=x, w=w, b=b)
     check_bias(b, w.shape[0])
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
     budget = _im2col.budget_or_default(max_temp_bytes)
-    y = _im2col.forward(x, w, s, p, dl, out, budget)
+    y = forward_no_bias(x, w, s, p, dl, out, budget, algorithm)
     if b is not None:
         y += b.reshape(1, -1, 1, 1, 1)
     return y
 
 
-def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+                    algorithm=None):
     """``(dx, dw, db)`` of ``y = conv3d(x, w, b)`` given ``dy = dL/dy``.
 
     ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
@@ -105,7 +163,7 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have the conv output shape {expected}, got {tuple(dy.shape)}")
     budget = _im2col.budget_or_default(max_temp_bytes)
-    dx, dw = _im2col.backward(dy, x, w, s, p, dl, budget)
+    dx, dw = backward_no_bias(dy, x, w, s, p, dl, budget, algorithm)
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 
@@ -120,7 +178,8 @@ def _shape5(value, name, layout):
     return shape
 
 
-def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+                      algorithm=None):
     """``dx`` (of shape ``input_shape``) of ``y = conv3d(x, w)`` given ``dy``.
 
     ``dy``'s spatial extent may be smaller than the conv output extent of
@@ -140,10 +199,12 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(input_shape[2:], w.shape[2:], s, p, dl, x_name="input_shape")
     check_dy_extent(dy, out)
-    return _im2col.input_grad(dy, w, input_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes))
+    return input_grad(dy, w, input_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes),
+                      algorithm, tuple(dy.shape[2:]) == out)
 
 
-def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None):
+def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+                       algorithm=None):
     """``dW`` (of shape ``weight_shape`` = (F, C, kd, kh, kw)) of ``y = conv3d(x, w)`` given ``dy``.
 
     ``dy``'s spatial extent may be smaller than the conv output extent of ``x``
@@ -163,7 +224,30 @@ def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, 
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(x.shape[2:], weight_shape[2:], s, p, dl, w_name="weight_shape")
     check_dy_extent(dy, out)
-    return _im2col.weight_grad(dy, x, weight_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes))
+    return weight_grad(dy, x, weight_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes),
+                       algorithm, tuple(dy.shape[2:]) == out)
+
+
+class ShapeOnly:
+    """Stands in for an array of which only ``shape`` and ``dtype`` are read."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+
+def input_grad(dy, w, input_shape, s, p, dl, budget, algorithm, full_dy):
+    """``dx`` of ``conv3d(x, w)`` with ``x`` of shape ``input_shape`` (validated arguments)."""
+    dx, _ = backward_no_bias(dy, ShapeOnly(input_shape, dy.dtype), w, s, p, dl, budget,
+                             algorithm, need_dw=False, full_dy=full_dy)
+    return dx
+
+
+def weight_grad(dy, x, weight_shape, s, p, dl, budget, algorithm, full_dy):
+    """``dW`` (of shape ``weight_shape``) of ``conv3d(x, w)`` (validated arguments)."""
+    _, dw = backward_no_bias(dy, x, ShapeOnly(weight_shape, dy.dtype), s, p, dl, budget,
+                             algorithm, need_dx=False, full_dy=full_dy)
+    return dw
 
 
 __all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad"]

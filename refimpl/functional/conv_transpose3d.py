@@ -8,7 +8,8 @@ read as a conv weight ``(F=C_in, C=C_out, ...)``,
     d/dx of conv_transpose3d  (dx)  = conv3d(dy, w)            (first D_in outputs per axis)
     d/dw of conv_transpose3d  (dw)  = conv3d_weight_grad(dy=x, x=dy, w.shape)
 
-so the math is written once, in ``_im2col``.  Output extent per axis:
+so the math is written once, in conv3d's two algorithms (``algorithm=`` as in
+conv3d: "auto" takes Winograd for 3x3x3 kernels with stride 1 and dilation 1).  Output extent per axis:
 ``(n-1)s - 2p + dl(k-1) + output_padding + 1``; ``output_padding`` must be
 smaller than ``max(stride, dilation)`` (PyTorch's rule).  The temporary
 buffers obey the same bound as conv3d (``max_temp_bytes``, default
@@ -19,7 +20,8 @@ from __future__ import annotations
 from ..backend import check_same_dtype
 from . import _im2col
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import AXES, check_bias, conv_params
+from .conv3d import (AXES, check_bias, conv_params, forward_no_bias, input_grad, resolve_algorithm,
+                     weight_grad)
 
 
 def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
@@ -43,29 +45,30 @@ def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
         if o < 1:
             raise ValueError(f"padding {p} is too large for the transposed conv on the {AXES[ax]} "
                              f"axis: output extent would be {o}, must be >= 1")
-    return s, p, dl, out
+    return s, p, dl, op, out
 
 
 def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, *,
-                     max_temp_bytes=None):
+                     max_temp_bytes=None, algorithm=None):
     """``(N, C_in, D, H, W) -> (N, C_out, Do, Ho, Wo)`` with ``w`` of shape (C_in, C_out, kd, kh, kw)."""
-    s, p, dl, out = _check(x, w, stride, padding, output_padding, dilation)
+    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
     check_same_dtype(x=x, w=w, b=b)
     check_bias(b, w.shape[1])
     budget = _im2col.budget_or_default(max_temp_bytes)
-    y = _im2col.input_grad(x, w, (x.shape[0], w.shape[1]) + out, s, p, dl, budget)
+    y = input_grad(x, w, (x.shape[0], w.shape[1]) + out, s, p, dl, budget, algorithm,
+                   full_dy=not any(op))
     if b is not None:
         y += b.reshape(1, -1, 1, 1, 1)
     return y
 
 
 def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, *,
-                              max_temp_bytes=None):
+                              max_temp_bytes=None, algorithm=None):
     """``(dx, dw, db)`` of ``y = conv_transpose3d(x, w, b)`` given ``dy = dL/dy``.
 
     ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
     """
-    s, p, dl, out = _check(x, w, stride, padding, output_padding, dilation)
+    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
     check_ndim(dy, 5, "dy", "N, C_out, Do, Ho, Wo")
     check_same_dtype(dy=dy, x=x, w=w)
     expected = (x.shape[0], w.shape[1]) + out
@@ -74,8 +77,13 @@ def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, d
                          f"got {tuple(dy.shape)}")
     budget = _im2col.budget_or_default(max_temp_bytes)
     # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
-    # (one pass over the column tiles of dy gives both)
-    dx, dw = _im2col.forward(dy, w, s, p, dl, tuple(x.shape[2:]), budget, g=x)
+    n_in = tuple(x.shape[2:])
+    full = not any(op)
+    if resolve_algorithm(algorithm, w.shape[2:], s, dl, n_in, full) == "winograd":
+        dx = forward_no_bias(dy, w, s, p, dl, n_in, budget, "winograd")
+        dw = weight_grad(x, dy, w.shape, s, p, dl, budget, "winograd", full)
+    else:   # one pass over the column tiles of dy gives both
+        dx, dw = _im2col.forward(dy, w, s, p, dl, n_in, budget, g=x)
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 

@@ -1,0 +1,114 @@
+"""Chunk-parallel execution of the memory-bound passes NumPy runs on one core.
+
+Why: a NumPy copy, add or strided gather runs on one core; only BLAS calls are
+threaded.  In a conv whose GEMMs are cheap (Winograd) those passes are most of
+the time, so with two cores PyTorch (whose kernels are all threaded) is twice
+as fast while we are not.  The work of a conv is cut into independent chunks
+anyway (to bound its temporaries); here ``W`` Python threads process the
+chunks, each with its own work buffers, while BLAS is limited to one thread so
+the cores are not oversubscribed.  NumPy releases the GIL inside its copy,
+ufunc and BLAS loops, so the threads run in parallel.
+
+Determinism: worker ``w`` processes chunks ``w, w + W, w + 2W, ...`` in that
+order (a static assignment), so any per-worker accumulation (a weight gradient)
+is summed in an order that depends only on ``W``: the same thread count gives
+bit-identical results, run after run.
+
+``W`` is ``REFIMPL_THREADS`` when set (a positive integer; anything else is
+refused), else the number of threads BLAS would use (``OMP_NUM_THREADS`` /
+``OPENBLAS_NUM_THREADS``, default: the cores), and 1 for CuPy arrays (the
+device runs its kernels in parallel already) or without ``threadpoolctl``.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy
+
+ENV_THREADS = "REFIMPL_THREADS"
+
+_controller = None
+_pool = None
+
+
+def _blas_controller():
+    """threadpoolctl's controller for the loaded BLAS (None without threadpoolctl)."""
+    global _controller
+    if _controller is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:                                  # pragma: no cover - optional
+            _controller = False
+        else:
+            _controller = ThreadpoolController().select(user_api="blas")
+    return _controller or None
+
+
+def parse_thread_count(text):
+    """``REFIMPL_THREADS``'s value as a positive int, or ValueError naming the variable."""
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != str(text).strip():
+        raise ValueError(f"{ENV_THREADS} must be a positive integer (threads for the conv passes), "
+                         f"got {text!r}")
+    return n
+
+
+def thread_count(xp=numpy):
+    """Worker threads for chunked passes on ``xp`` arrays (see the module docstring)."""
+    if xp is not numpy:
+        return 1
+    env = os.environ.get(ENV_THREADS)
+    if env is not None:
+        return parse_thread_count(env)
+    ctl = _blas_controller()
+    if ctl is None:
+        return 1
+    counts = [lib.num_threads for lib in ctl.lib_controllers]
+    return max(1, min(counts)) if counts else 1
+
+
+def run(fn, tasks, workers):
+    """``fn(w, task)`` for every task, worker ``w`` taking tasks ``w, w + workers, ...``
+    in order; BLAS runs single-threaded meanwhile.  Exceptions propagate."""
+    global _pool
+    workers = max(1, min(workers, len(tasks)))
+    if workers == 1:
+        for task in tasks:
+            fn(0, task)
+        return
+    if _pool is None or _pool._max_workers < workers:
+        _pool = ThreadPoolExecutor(max_workers=max(workers, 2), thread_name_prefix="refimpl")
+
+    def serial(w):
+        for task in tasks[w::workers]:
+            fn(w, task)
+
+    def all_workers():
+        futures = [_pool.submit(serial, w) for w in range(workers)]
+        wait(futures)                       # every worker is done before anything is raised
+        for f in futures:
+            f.result()
+
+    ctl = _blas_controller()
+    if ctl is None:
+        all_workers()
+    else:
+        with ctl.limit(limits=1):
+            all_workers()
+
+
+def copy(dst, src, workers):
+    """``dst[...] = src`` (same shape, any strides), split over the two leading axes."""
+    tasks = [(i, j) for i in range(dst.shape[0]) for j in range(dst.shape[1])] \
+        if dst.ndim >= 2 else [None]
+    if workers <= 1 or len(tasks) < 2:
+        dst[...] = src
+        return
+
+    def one(_, ij):
+        dst[ij] = src[ij]
+    run(one, tasks, workers)

@@ -1,0 +1,367 @@
+"""Winograd F(4x4x4, 3x3x3): 3x3x3 stride-1 convolution with 8x fewer multiplications.
+
+Why: on the small per-rank blocks of spatial parallelism, im2col + GEMM spends
+27 multiply-adds per output and channel pair; PyTorch's oneDNN runs its direct
+convolution faster than numpy's GEMM can do those multiplications.  Winograd's
+minimal filtering algorithm computes 4 outputs of a 3-tap correlation from 6
+inputs with 6 multiplications instead of 12; nested over three axes, a 4x4x4
+block of outputs costs 6^3 = 216 products per channel pair instead of
+27 * 64 = 1728.  The products of all tiles and channels become 216 independent
+GEMMs (one per point of the 6x6x6 transform grid), batched in one ``matmul``;
+the transforms around them are memory-bound passes.
+
+The 1-D algorithm F(4, 3) (Lavin & Gray, "Fast Algorithms for Convolutional
+Neural Networks", CVPR 2016; Winograd 1980).  The correlation
+``y[i] = sum_t g[t] d[i + t]`` (i = 0..3, t = 0..2, d of length 6) is the
+coefficient extraction of the polynomial product ``g(X) d~(X)`` evaluated at
+the points 0, 1, -1, 2, -2 and infinity; with the Toom-Cook/CRT construction
+it reads
+
+    y = A^T [ (G g) * (B^T d) ]          (* elementwise, 6 products)
+
+    B^T = [[4, 0,-5, 0, 1, 0],       G = [[ 1/4,    0,    0],     A^T = [[1, 1, 1, 1, 1, 0],
+           [0,-4,-4, 1, 1, 0],            [-1/6, -1/6, -1/6],            [0, 1,-1, 2,-2, 0],
+           [0, 4,-4,-1, 1, 0],            [-1/6,  1/6, -1/6],            [0, 1, 1, 4, 4, 0],
+           [0,-2,-1, 2, 1, 0],            [1/24, 1/12,  1/6],            [0, 1,-1, 8,-8, 1]]
+           [0, 2,-1,-2, 1, 0],            [1/24,-1/12,  1/6],
+           [0, 4, 0,-5, 0, 1]]            [   0,    0,    1]]
+
+(row j of ``G g`` is g(X) at point j, up to the scale 1/(prod of point
+differences) that ``B^T`` and ``A^T`` absorb; the last row/column is the point
+at infinity: the leading coefficient).  ``test_winograd.py`` checks the identity
+exactly in float64 for random g, d.  In 3-D the transforms are Kronecker
+products, applied one axis after the other:
+
+    V = (B^T (x) B^T (x) B^T) d      input tile, 6x6x6, overlapping tiles at stride 4
+    U = (G (x) G (x) G) w            per (filter, channel), 6x6x6
+    M[xi] = V[xi] (T, C) @ U[xi] (C, F)        for each of the 216 points xi
+    y = (A^T (x) A^T (x) A^T) M      output tile, 4x4x4
+
+Backward = the adjoints of these linear maps, in reverse:
+``dM = (A (x) A (x) A) dY``; ``dU[xi] = V[xi]^T @ dM[xi]`` summed over tiles,
+``dw = (G^T (x) G^T (x) G^T) dU``; ``dV[xi] = dM[xi] @ U[xi]^T``,
+``dx = overlap-add of (B (x) B (x) B) dV`` (the adjoint of cutting
+overlapping tiles is adding them back where they overlap).
+
+Error (float32): the transforms are not orthogonal (entries up to 8 in A^T
+and 5 in B^T, 1/24 in G), so rounding errors grow by a constant factor over
+the direct sum.  Measured (``python scripts/bench_winograd_error.py``: 3x3x3
+convs with C, F in 4..256, standard-normal data, 3 seeds), the ratio
+max |y - y_exact| / max_o sum_{c,t} |w x| is 3e-6 .. 7.5e-6 for Winograd's
+forward (largest with few input channels) and 6e-7 .. 3.4e-6 for dx and dw,
+against 3e-8 .. 2.5e-7 for im2col: 20-40x the error of the direct sum, i.e.
+about 1e-4 of a typical output (outputs are ~sqrt(27 C) times smaller than
+that scale).  The documented bound, which the tests and the script check, is
+``FLOAT32_BOUND`` = 3e-5 of that scale.  In float64 the algorithm is exact to
+~1e-15 relative (tests: <= 1e-10 vs PyTorch); ``algorithm="im2col"`` (or
+``REFIMPL_CONV_ALGORITHM=im2col``) gives the plain sum where that matters.
+
+Layout: the input is copied once to channels-last ``(N, D', H', W', C)``
+(zero-padded to ``4*tiles + 2`` per axis), then every tile is cut out with one
+strided copy into ``(6, 6, 6, T, C)`` (T = tiles, C contiguous).  In that
+layout each axis of the transform is one GEMM over the leading axes:
+``B^T (6x6) @ (6, rest)`` batched over the axes before it (1, 6 and 36
+calls), i.e. a memory-bound pass with no reshuffling.  The output goes the
+other way: ``(216, T, F)`` -> ``(4, 4, 4, T, F)`` -> channels-last -> NCDHW.
+
+Memory: the tiles are processed in chunks of whole samples, else of depth
+rows of tiles of one sample, so that the three work buffers of
+``216 * T * max(C, F)`` elements stay within ``max_temp_bytes`` (the same
+bound as im2col; at least one row of tiles).  Besides those the functions
+allocate the padded channels-last copy of the input (the size of the input)
+and the transformed weights ``216 * C * F``.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+import numpy
+
+from ..backend import array_module
+from . import _threads
+
+#: Documented bound on max|y - y_exact| / max_o sum|w x| in float32 (measured <= 7.5e-6).
+FLOAT32_BOUND = 3e-5
+
+# F(4, 3), points 0, 1, -1, 2, -2, inf (see the module docstring)
+_BT = numpy.array([[4, 0, -5, 0, 1, 0],
+                   [0, -4, -4, 1, 1, 0],
+                   [0, 4, -4, -1, 1, 0],
+                   [0, -2, -1, 2, 1, 0],
+                   [0, 2, -1, -2, 1, 0],
+                   [0, 4, 0, -5, 0, 1]], dtype=numpy.float64)
+_G = numpy.array([[1 / 4, 0, 0],
+                  [-1 / 6, -1 / 6, -1 / 6],
+                  [-1 / 6, 1 / 6, -1 / 6],
+                  [1 / 24, 1 / 12, 1 / 6],
+                  [1 / 24, -1 / 12, 1 / 6],
+                  [0, 0, 1]], dtype=numpy.float64)
+_AT = numpy.array([[1, 1, 1, 1, 1, 0],
+                   [0, 1, -1, 2, -2, 0],
+                   [0, 1, 1, 4, 4, 0],
+                   [0, 1, -1, 8, -8, 1]], dtype=numpy.float64)
+
+M_OUT, R_KERNEL, ALPHA = 4, 3, 6          # outputs per tile, taps, tile extent (m + r - 1)
+
+
+def matrices(xp, dtype):
+    """``(B^T, G, A^T)`` of F(4, 3) as ``xp`` arrays of ``dtype``."""
+    return tuple(xp.asarray(m, dtype=dtype) for m in (_BT, _G, _AT))
+
+
+def applicable(kernel, stride, dilation):
+    """True when Winograd F(4,3) computes this conv: 3x3x3 kernel, stride 1, dilation 1."""
+    return tuple(kernel) == (3, 3, 3) and tuple(stride) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
+
+
+def multiplies_per_output(out_spatial):
+    """Products per output and channel pair: 216 per 4x4x4 tile, over the outputs the
+    tiles really hold (a 5-wide output needs two tiles per axis, most of one wasted)."""
+    tiles = tile_counts(out_spatial)
+    return ALPHA ** 3 * tiles[0] * tiles[1] * tiles[2] / (out_spatial[0] * out_spatial[1] * out_spatial[2])
+
+
+def worthwhile(out_spatial):
+    """"auto" takes Winograd when it needs at most half of im2col's 27 products per output."""
+    return multiplies_per_output(out_spatial) <= 27 / 2
+
+
+# ------------------------------------------------------------------- separable transforms
+
+def _transform(mat, src, dst, rest):
+    """Apply ``mat`` (r x s) to each of the three leading axes of the (s, s, s, rest)
+    array at the start of the flat work buffer ``src``.
+
+    One GEMM per axis: axis 0 is ``mat @ src.reshape(s, -1)``; axis 1 the same
+    batched over axis 0; axis 2 batched over axes 0 and 1.  ``src`` and ``dst``
+    are used in turn (dst, src, dst; both must hold 216 * rest elements), so the
+    result, (r, r, r, rest), ends at the start of ``dst``: returned as that
+    exact-size flat view.
+    """
+    xp = array_module(src)
+    r, s = mat.shape
+    a = src[:s ** 3 * rest]
+    bufs = (dst, src)
+    for axis in range(3):
+        lead = r ** axis                             # axes already transformed
+        out = bufs[axis % 2][:lead * r * s ** (2 - axis) * rest]
+        xp.matmul(mat, a.reshape(lead, s, -1), out=out.reshape(lead, r, -1))
+        a = out
+    return a
+
+
+def _weight_transform(g, w):
+    """``U = (G (x) G (x) G) w`` as (216, C, F): the GEMM operand ``U[xi]`` is (C, F)."""
+    xp = array_module(w)
+    f, c = w.shape[:2]
+    taps = xp.ascontiguousarray(w.transpose(2, 3, 4, 1, 0)).reshape(-1)    # (3, 3, 3, C, F)
+    out = xp.empty(ALPHA ** 3 * c * f, dtype=w.dtype)
+    work = xp.empty(ALPHA ** 3 * c * f, dtype=w.dtype)
+    work[:taps.size] = taps
+    return _transform(g, work, out, c * f).reshape(ALPHA ** 3, c, f)
+
+
+def _weight_transform_adjoint(g, dut):
+    """``dw = (G^T (x) G^T (x) G^T) dU``, from ``dU^T`` (216, F, C) to (F, C, 3, 3, 3)."""
+    xp = array_module(dut)
+    f, c = dut.shape[1:]
+    work = xp.empty(ALPHA ** 3 * c * f, dtype=dut.dtype)
+    d = _transform(g.T, xp.ascontiguousarray(dut).reshape(-1), work, c * f)
+    return xp.ascontiguousarray(d.reshape(R_KERNEL, R_KERNEL, R_KERNEL, f, c).transpose(3, 4, 0, 1, 2))
+
+
+# ---------------------------------------------------------------------- tiles and chunks
+
+def tile_counts(out_spatial):
+    """Tiles per axis: ceil(o / 4)."""
+    return tuple(-(-o // M_OUT) for o in out_spatial)
+
+
+#: Preferred bytes of the work buffers of one chunk: passes over cache-resident
+#: chunks run up to 2x faster than over big ones (measured, 4 MiB L2 per core) ...
+TARGET_CHUNK_BYTES = 4 * 2**20
+#: ... but at least this many tiles per chunk (the rows of the 216 GEMMs).
+MIN_CHUNK_TILES = 128
+
+
+def chunks(n_batch, tiles, per_tile_bytes, budget):
+    """Cut the ``N x td`` rows of tiles into chunks ``(n0, n1, d0, d1)`` of about
+    ``TARGET_CHUNK_BYTES`` of work buffers (but ``MIN_CHUNK_TILES`` tiles, and
+    within ``budget``): whole samples while they fit, else depth ranges of one
+    sample (at least one row of tiles)."""
+    td, th, tw = tiles
+    want = max(MIN_CHUNK_TILES, TARGET_CHUNK_BYTES // per_tile_bytes)
+    fit = max(1, min(want, budget // per_tile_bytes))            # tiles per chunk
+    sample = td * th * tw
+    if sample <= fit:
+        nb = min(n_batch, fit // sample)
+        return [(n0, min(n0 + nb, n_batch), 0, td) for n0 in range(0, n_batch, nb)]
+    rows = max(1, fit // (th * tw))
+    return [(n, n + 1, d0, min(d0 + rows, td)) for n in range(n_batch) for d0 in range(0, td, rows)]
+
+
+def _tile_view(xp, buf, chunk, tiles, extent, offset=(0, 0, 0)):
+    """The chunk's tiles of the channels-last buffer ``buf`` (N, D', H', W', C), as a
+    strided view (extent, extent, extent, nb, tdc, th, tw, C): element
+    ``[a, b, c, n, i, j, k, ch] = buf[n0 + n, 4(d0 + i) + a + o_d, 4j + b + o_h, 4k + c + o_w, ch]``.
+    ``extent`` is 6 for input tiles, 4 for output tiles; tiles overlap when 6."""
+    n0, n1, d0, d1 = chunk
+    sn, sd, sh, sw, sc = buf.strides
+    base = buf[n0:, M_OUT * d0 + offset[0]:, offset[1]:, offset[2]:]
+    ext = extent if isinstance(extent, tuple) else (extent,) * 3
+    shape = ext + (n1 - n0, d1 - d0, tiles[1], tiles[2], buf.shape[4])
+    strides = (sd, sh, sw, sn, M_OUT * sd, M_OUT * sh, M_OUT * sw, sc)
+    return xp.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+
+
+def _padded_channels_last(x, pad, tiles, extra, workers):
+    """Zero buffer (N, 4*td + extra, 4*th + extra, 4*tw + extra, C) with ``x`` at offset ``pad``."""
+    xp = array_module(x)
+    n, c = x.shape[:2]
+    shape = (n,) + tuple(M_OUT * t + extra for t in tiles) + (c,)
+    buf = xp.zeros(shape, dtype=x.dtype)
+    box = tuple(slice(p, p + e) for p, e in zip(pad, x.shape[2:]))
+    _threads.copy(buf[(slice(None),) + box], x.transpose(0, 2, 3, 4, 1), workers)
+    return buf
+
+
+#: Elements per block of the channels-last -> NCDHW transpose (cache-sized; measured best).
+TRANSPOSE_BLOCK = 8192
+
+
+def to_ncdhw(src, workers=1):
+    """``src`` (N, D, H, W, C), any strides, as a new C-ordered (N, C, D, H, W) array.
+
+    A plain ``ascontiguousarray(src.transpose(0, 4, 1, 2, 3))`` reads ``src`` with
+    stride C in its inner loop and runs 4-6x slower than a copy; copying blocks of
+    rows whose ``(rows, W, C)`` slab is cache-sized brings it to copy speed.
+    """
+    xp = array_module(src)
+    n, d, h, w, c = src.shape
+    out = xp.empty((n, c, d, h, w), dtype=src.dtype)
+    rows = max(1, TRANSPOSE_BLOCK // max(1, w * c))
+
+    def plane(_, ij):
+        i, j = ij
+        for h0 in range(0, h, rows):
+            out[i, :, j, h0:h0 + rows] = src[i, j, h0:h0 + rows].transpose(2, 0, 1)
+    _threads.run(plane, [(i, j) for i in range(n) for j in range(d)], workers)
+    return out
+
+
+class _Plan:
+    """Chunks, worker threads, and each worker's three flat work buffers
+    (216 * tiles * max(C, F) elements each); the budget is shared by the workers."""
+
+    def __init__(self, xp, dtype, n_batch, tiles, width, budget):
+        per_tile = ALPHA ** 3 * width * numpy.dtype(dtype).itemsize * 3
+        workers = _threads.thread_count(xp)
+        self.chunks = chunks(n_batch, tiles, per_tile, max(1, budget // workers))
+        self.workers = min(workers, len(self.chunks))
+        most = max(_n_tiles(ch, tiles) for ch in self.chunks)
+        self.bufs = [[xp.empty(ALPHA ** 3 * most * width, dtype=dtype) for _ in range(3)]
+                     for _ in range(self.workers)]
+
+
+def _n_tiles(chunk, tiles):
+    return (chunk[1] - chunk[0]) * (chunk[3] - chunk[2]) * tiles[1] * tiles[2]
+
+
+def _input_tiles(xcl, chunk, tiles, bt, bufs, c):
+    """``V`` (216, T, C) of the chunk: cut the 6^3 tiles, then ``B^T`` on each axis;
+    ``bufs[0]`` takes the tiles, the result ends in ``bufs[1]``."""
+    xp = array_module(xcl)
+    t = _n_tiles(chunk, tiles)
+    g = bufs[0][:ALPHA ** 3 * t * c]
+    view = _tile_view(xp, xcl, chunk, tiles, ALPHA)                  # (6, 6, 6, nb, tdc, th, tw, C)
+    g.reshape(view.shape)[...] = view
+    return _transform(bt, bufs[0], bufs[1], t * c).reshape(ALPHA ** 3, t, c)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+def forward(x, w, padding, out_spatial, budget):
+    """``y = conv3d(x, w)`` (no bias), 3x3x3, stride 1, dilation 1, any padding."""
+    xp = array_module(x, w)
+    n_b, c = x.shape[:2]
+    f = w.shape[0]
+    tiles = tile_counts(out_spatial)
+    bt, g, at = matrices(xp, x.dtype)
+    plan = _Plan(xp, x.dtype, n_b, tiles, max(c, f), budget)
+    u = _weight_transform(g, w)                                      # (216, C, F)
+    xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers)  # (N, 4td+2, .., C)
+    ycl = xp.empty((n_b,) + tuple(M_OUT * t for t in tiles) + (f,), dtype=x.dtype)
+
+    def one(worker, chunk):
+        b0, b1, b2 = plan.bufs[worker]
+        t = _n_tiles(chunk, tiles)
+        v = _input_tiles(xcl, chunk, tiles, bt, (b0, b1), c)          # (216, T, C) in b1
+        xp.matmul(v, u, out=b2[:ALPHA ** 3 * t * f].reshape(ALPHA ** 3, t, f))   # M (216, T, F)
+        yt = _transform(at, b2, b0, t * f)                            # (4, 4, 4, T, F) in b0
+        view = _tile_view(xp, ycl, chunk, tiles, M_OUT)
+        view[...] = yt.reshape(view.shape)
+    _threads.run(one, plan.chunks, plan.workers)
+    od, oh, ow = out_spatial
+    return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers)
+
+
+def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
+    """``(dx, dw)`` of ``y = conv3d(x, w)`` (3x3x3, stride 1, dilation 1), from ``dy``.
+
+    ``dM = (A (x) A (x) A) dY`` is formed once per chunk and shared: ``dU += V^T dM``
+    (``V`` recomputed from ``x``) and ``dV = dM U^T`` (added back into ``dx``).
+    Chunks next to each other along depth add into two shared planes of ``dx``, so
+    they never run at the same time: the even chunks first, then the odd ones.
+    """
+    xp = array_module(dy, x, w)
+    n_b, c = x.shape[:2]
+    f = w.shape[0]
+    out_spatial = tuple(dy.shape[2:])
+    tiles = tile_counts(out_spatial)
+    bt, g, at = matrices(xp, dy.dtype)
+    plan = _Plan(xp, dy.dtype, n_b, tiles, max(c, f), budget)
+    u = _weight_transform(g, w) if need_dx else None                 # (216, C, F)
+    dycl = _padded_channels_last(dy, (0, 0, 0), tiles, 0, plan.workers)   # (N, 4td, 4th, 4tw, F)
+    xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers) if need_dw else None
+    dxcl = (xp.zeros((n_b,) + tuple(M_OUT * t + ALPHA - M_OUT for t in tiles) + (c,),
+                     dtype=dy.dtype) if need_dx else None)
+    # dU^T (216, F, C), one accumulator per worker (summed in worker order at the end)
+    duts = [xp.zeros((ALPHA ** 3, f, c), dtype=dy.dtype) for _ in range(plan.workers)] \
+        if need_dw else None
+
+    def one(worker, chunk):
+        b0, b1, b2 = plan.bufs[worker]
+        t = _n_tiles(chunk, tiles)
+        view = _tile_view(xp, dycl, chunk, tiles, M_OUT)              # (4, 4, 4, nb, tdc, th, tw, F)
+        b0[:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
+        dm = _transform(at.T, b0, b1, t * f).reshape(ALPHA ** 3, t, f)      # (216, T, F) in b1
+        if need_dw:
+            v = _input_tiles(xcl, chunk, tiles, bt, (b0, b2), c)      # (216, T, C) in b2
+            duts[worker] += xp.matmul(dm.transpose(0, 2, 1), v)      # (216, F, C)
+        if need_dx:
+            dv = b0[:ALPHA ** 3 * t * c]
+            xp.matmul(dm, u.transpose(0, 2, 1), out=dv.reshape(ALPHA ** 3, t, c))   # dV (216, T, C)
+            dg = _transform(bt.T, b0, b2, t * c)                      # (6, 6, 6, T, C) in b2
+            dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, dxcl, chunk, tiles, ALPHA).shape[3:])
+            # overlap-add: the 6-wide tiles overlap by 2 at stride 4; within each of the
+            # 8 boxes {0..3, 4..5}^3 of tile offsets no two tiles touch the same voxel
+            for box in OVERLAP_BOXES:
+                offset = tuple(s.start for s in box)
+                ext = tuple(s.stop - s.start for s in box)
+                _tile_view(xp, dxcl, chunk, tiles, ext, offset)[...] += dg[box]
+    _threads.run(one, plan.chunks[0::2], plan.workers)
+    _threads.run(one, plan.chunks[1::2], plan.workers)
+    dx = dw = None
+    if need_dx:
+        box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
+        dx = to_ncdhw(dxcl[(slice(None),) + box], plan.workers)
+    if need_dw:
+        dut = duts[0]
+        for other in duts[1:]:
+            dut += other
+        dw = _weight_transform_adjoint(g, dut)
+    return dx, dw
+
+
+#: The 8 boxes of tile offsets within which 6-wide tiles at stride 4 do not overlap.
+OVERLAP_BOXES = tuple(product(*[(slice(0, M_OUT), slice(M_OUT, ALPHA))] * 3))

@@ -1,0 +1,275 @@
+"""Winograd F(4x4x4, 3x3x3) (refimpl/functional/winograd.py).
+
+- the 1-D F(4, 3) identity, exactly, and the transforms as Kronecker products;
+- conv3d / conv_transpose3d with ``algorithm="winograd"`` vs PyTorch float64 (<= 1e-10)
+  over Hypothesis shapes, paddings (0..3 per axis) and budgets (chunks of samples, of
+  depth rows, one row);
+- the float32 error bound ``FLOAT32_BOUND`` of the module docstring, forward and backward;
+- worker threads: any ``REFIMPL_THREADS`` gives the same numbers; the same count gives the
+  same bits; bad values refused;
+- ``algorithm=`` / ``REFIMPL_CONV_ALGORITHM``: what "auto" picks, and clear errors;
+- the temporary-memory bound.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from refimpl.functional import _threads, winograd
+from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
+                                       conv3d_weight_grad, resolve_algorithm)
+from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is an optional test dependency
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch oracle not installed "
+                                 "(pip install 'refimpl[oracle]')")
+RTOL = 1e-10
+W = "winograd"
+
+
+def rel_err(a, b):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+
+
+# ------------------------------------------------------------------------ the algebra
+
+def test_one_dimensional_identity_is_exact():
+    """y = A^T [(G g) * (B^T d)] is the 3-tap correlation of d (6 inputs -> 4 outputs)."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        g, d = rng.standard_normal(3), rng.standard_normal(6)
+        y = winograd._AT @ ((winograd._G @ g) * (winograd._BT @ d))
+        direct = np.array([g @ d[i:i + 3] for i in range(4)])
+        np.testing.assert_allclose(y, direct, rtol=1e-14, atol=1e-14)
+
+
+def test_transform_is_the_kronecker_product():
+    rng = np.random.default_rng(1)
+    rest = 5
+    src = rng.standard_normal(6 ** 3 * rest)
+    dst = np.empty_like(src)
+    got = winograd._transform(winograd._BT, src.copy(), dst, rest).reshape(216, rest)
+    kron = np.kron(np.kron(winograd._BT, winograd._BT), winograd._BT)      # (216, 216)
+    np.testing.assert_allclose(got, kron @ src.reshape(216, rest), rtol=1e-13, atol=1e-12)
+
+
+# ------------------------------------------------------------------ PyTorch oracle
+
+@st.composite
+def wino_case(draw):
+    return dict(n=draw(st.integers(1, 3)), c=draw(st.integers(1, 4)), f=draw(st.integers(1, 4)),
+                size=tuple(draw(st.integers(1, 13)) for _ in range(3)),
+                p=tuple(draw(st.integers(0, 3)) for _ in range(3)),
+                budget=draw(st.sampled_from([1, 20_000, 200_000, 64 * 2**20])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _arrays(case, dtype=np.float64):
+    rng = np.random.default_rng(case["seed"])
+    x = rng.standard_normal((case["n"], case["c"]) + case["size"]).astype(dtype)
+    w = rng.standard_normal((case["f"], case["c"], 3, 3, 3)).astype(dtype)
+    b = rng.standard_normal(case["f"]).astype(dtype)
+    return rng, x, w, b
+
+
+@needs_torch
+@given(case=wino_case())
+def test_conv3d_winograd_matches_torch(case):
+    rng, x, w, b = _arrays(case)
+    out = tuple(n + 2 * p - 2 for n, p in zip(case["size"], case["p"]))
+    if min(out) < 1:
+        with pytest.raises(ValueError, match="kernel of w is larger"):
+            conv3d(x, w, b, 1, case["p"], algorithm=W)
+        return
+    dy = rng.standard_normal((case["n"], case["f"]) + out)
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    yt = torch.nn.functional.conv3d(xt, wt, bt, 1, case["p"])
+    yt.backward(torch.tensor(dy))
+    budget = case["budget"]
+    y = conv3d(x, w, b, 1, case["p"], max_temp_bytes=budget, algorithm=W)
+    dx, dw, db = conv3d_backward(dy, x, w, 1, case["p"], max_temp_bytes=budget, algorithm=W)
+    assert rel_err(y, yt.detach().numpy()) <= RTOL
+    assert rel_err(dx, xt.grad.numpy()) <= RTOL
+    assert rel_err(dw, wt.grad.numpy()) <= RTOL
+    assert rel_err(db, bt.grad.numpy()) <= RTOL
+    # the building blocks take the same path
+    assert rel_err(conv3d_input_grad(dy, w, x.shape, 1, case["p"], algorithm=W), dx) <= 1e-13
+    assert rel_err(conv3d_weight_grad(dy, x, w.shape, 1, case["p"], algorithm=W), dw) <= 1e-13
+
+
+@needs_torch
+@given(case=wino_case())
+def test_conv_transpose3d_winograd_matches_torch(case):
+    """k=3, stride 1: the transposed conv is Winograd's input-adjoint; its backward
+    is Winograd's forward (dx) and weight gradient (dw)."""
+    rng = np.random.default_rng(case["seed"])
+    n, c_in, c_out = case["n"], case["c"], case["f"]
+    p = tuple(min(pp, 2) for pp in case["p"])
+    out = tuple(m - 2 * pp + 2 for m, pp in zip(case["size"], p))
+    if min(out) < 1:
+        return
+    x = rng.standard_normal((n, c_in) + case["size"])
+    w = rng.standard_normal((c_in, c_out, 3, 3, 3))
+    b = rng.standard_normal(c_out)
+    dy = rng.standard_normal((n, c_out) + out)
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    yt = torch.nn.functional.conv_transpose3d(xt, wt, bt, 1, p)
+    yt.backward(torch.tensor(dy))
+    y = conv_transpose3d(x, w, b, 1, p, max_temp_bytes=case["budget"], algorithm=W)
+    dx, dw, db = conv_transpose3d_backward(dy, x, w, 1, p, max_temp_bytes=case["budget"], algorithm=W)
+    for got, ref in ((y, yt), (dx, xt.grad), (dw, wt.grad), (db, bt.grad)):
+        assert rel_err(got, ref.detach().numpy()) <= RTOL
+
+
+# --------------------------------------------------------------- float32 error bound
+
+def float32_errors(n, c, f, size, seed=0):
+    """max|err| / max(sum |w x|) of y, dx, dw in float32 against float64 (module docstring)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c) + (size,) * 3)
+    w = rng.standard_normal((f, c, 3, 3, 3))
+    dy = rng.standard_normal((n, f) + (size,) * 3)
+    ref = (conv3d(x, w, padding=1, algorithm="im2col"),) + \
+        conv3d_backward(dy, x, w, padding=1, algorithm="im2col")[:2]
+    scale = (conv3d(np.abs(x), np.abs(w), padding=1, algorithm="im2col"),) + \
+        conv3d_backward(np.abs(dy), np.abs(x), np.abs(w), padding=1, algorithm="im2col")[:2]
+    x32, w32, dy32 = (a.astype(np.float32) for a in (x, w, dy))
+    out = {}
+    for algorithm in ("im2col", W):
+        got = (conv3d(x32, w32, padding=1, algorithm=algorithm),) + \
+            conv3d_backward(dy32, x32, w32, padding=1, algorithm=algorithm)[:2]
+        out[algorithm] = [float(np.abs(g - r).max() / s.max()) for g, r, s in zip(got, ref, scale)]
+    return out
+
+
+@pytest.mark.parametrize("n, c, f, size", [(2, 4, 8, 12), (1, 32, 16, 9), (1, 64, 32, 8)])
+def test_float32_error_within_the_documented_bound(n, c, f, size):
+    errs = float32_errors(n, c, f, size)
+    assert max(errs[W]) <= winograd.FLOAT32_BOUND, errs
+    # and it is a real float32 error, not zero (the bound is not vacuous)
+    assert min(errs[W]) > 1e-9, errs
+
+
+# ------------------------------------------------------------------ worker threads
+
+def test_thread_counts_agree_and_repeat_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 3, 9, 10, 11)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((3, 4, 9, 10, 11)).astype(np.float32)
+    budget = 30_000                                    # many chunks, both kinds
+    results = {}
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        runs = [(conv3d(x, w, padding=1, max_temp_bytes=budget, algorithm=W),)
+                + conv3d_backward(dy, x, w, padding=1, max_temp_bytes=budget, algorithm=W)
+                for _ in range(2)]
+        for a, b in zip(*runs):
+            assert np.array_equal(a, b)                # same thread count: same bits
+        results[threads] = runs[0]
+    for threads in ("2", "3"):
+        np.testing.assert_array_equal(results[threads][0], results["1"][0])   # forward: exact
+        np.testing.assert_array_equal(results[threads][1], results["1"][1])   # dx: exact
+        # dw: the chunks' sums are added in another order (float32 rounding)
+        assert rel_err(results[threads][2], results["1"][2]) <= 1e-5
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "", " 2x"])
+def test_bad_thread_count_is_refused(monkeypatch, value):
+    monkeypatch.setenv("REFIMPL_THREADS", value)
+    with pytest.raises(ValueError, match="REFIMPL_THREADS must be a positive integer"):
+        _threads.thread_count()
+
+
+def test_worker_exception_propagates():
+    def fail(worker, task):
+        if task == 3:
+            raise RuntimeError("chunk 3 failed")
+    with pytest.raises(RuntimeError, match="chunk 3 failed"):
+        _threads.run(fail, list(range(6)), 2)
+
+
+# --------------------------------------------------------------- choosing the algorithm
+
+def test_auto_choice():
+    k3, s1, d1 = (3, 3, 3), (1, 1, 1), (1, 1, 1)
+    assert resolve_algorithm("auto", k3, s1, d1, (16, 16, 16)) == W
+    assert resolve_algorithm("auto", k3, s1, d1, (3, 3, 3)) == W          # 216/27 = 8 per output
+    assert resolve_algorithm("auto", k3, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
+    assert resolve_algorithm("auto", k3, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", k3, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", (3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", k3, s1, d1, (16, 16, 16), full_dy=False) == "im2col"
+    assert resolve_algorithm("im2col", k3, s1, d1, (16, 16, 16)) == "im2col"
+
+
+def test_algorithm_errors(monkeypatch):
+    x, w = np.ones((1, 2, 8, 8, 8)), np.ones((3, 2, 3, 3, 3))
+    with pytest.raises(ValueError, match="algorithm must be one of auto, im2col, winograd"):
+        conv3d(x, w, algorithm="fft")
+    with pytest.raises(ValueError, match="winograd.*stride 1 and dilation 1"):
+        conv3d(x, w, stride=2, algorithm=W)
+    with pytest.raises(ValueError, match="winograd.*stride 1 and dilation 1"):
+        conv3d_backward(np.ones((1, 3, 4, 4, 4)), x, w, dilation=2, algorithm=W)
+    with pytest.raises(ValueError, match="winograd"):
+        conv_transpose3d(np.ones((1, 3, 8, 8, 8)), w, stride=1, dilation=2, algorithm=W)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "Winograd")
+    with pytest.raises(ValueError, match="REFIMPL_CONV_ALGORITHM must be one of"):
+        conv3d(x, w)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
+    assert resolve_algorithm(None, (3, 3, 3), (1, 1, 1), (1, 1, 1), (8, 8, 8)) == "im2col"
+
+
+def test_environment_picks_the_algorithm_of_the_layers(monkeypatch):
+    """The layers call with algorithm=None: the variable switches them, same numbers."""
+    from refimpl.nn import Conv3d
+    layer = Conv3d(3, 5, 3, padding=1, rng=np.random.default_rng(0), dtype=np.float64)
+    x = np.random.default_rng(1).standard_normal((2, 3, 7, 6, 5))
+    calls = []
+    real = winograd.forward
+    monkeypatch.setattr(winograd, "forward", lambda *a: calls.append(1) or real(*a))
+    y_auto = layer.forward(x)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
+    y_plain = layer.forward(x)
+    assert len(calls) == 1
+    np.testing.assert_allclose(y_auto, y_plain, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------- memory bound
+
+def test_temporaries_bounded(monkeypatch):
+    """Work buffers within the budget (at least one row of tiles), plus the channels-last
+    copies of the input and output (x, y / dy, dx) and the transformed weights."""
+    monkeypatch.setenv("REFIMPL_THREADS", "1")
+    rng = np.random.default_rng(2)
+    n, c, f, size = 2, 4, 6, 20
+    x = rng.standard_normal((n, c, size, size, size))
+    w = rng.standard_normal((f, c, 3, 3, 3))
+    dy = rng.standard_normal((n, f, size, size, size))
+    budget = 2 * 216 * 25 * 6 * 8 * 3                  # two rows of tiles (5 x 5 tiles each)
+    tiles = (size + 3) // 4
+    padded = n * (4 * tiles + 2) ** 3
+    copies = padded * (c + f) * 8 + n * (4 * tiles) ** 3 * f * 8     # x, y or dy; dx (as x)
+    bound = budget + copies + padded * c * 8 + 2 * 216 * c * f * 8 + 64 * 1024
+    unchunked = 3 * 216 * n * tiles ** 3 * max(c, f) * 8
+    assert bound < unchunked                           # the test can fail
+
+    def traced(fn):
+        fn()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        out = fn()
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        return peak - sum(o.nbytes for o in (out if isinstance(out, tuple) else (out,)))
+
+    for fn in (lambda: conv3d(x, w, padding=1, max_temp_bytes=budget, algorithm=W),
+               lambda: conv3d_backward(dy, x, w, padding=1, max_temp_bytes=budget, algorithm=W)):
+        assert traced(fn) <= bound
