@@ -32,6 +32,8 @@ def batch(model, n, seed):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_forward_backward_shapes(name):
     model = build_model(name, "tiny", None, seed=0, dtype=np.float32)
+    assert model.needs_input_grad is False            # training skips dL/dx of the data
+    model.needs_input_grad = True
     x, target = batch(model, 2, seed=1)
     out = model.forward(x.astype(np.float32))
     expected = (2, 4) if name == "cosmoflow" else (2, 3) + model.input_shape[1:]
@@ -213,6 +215,7 @@ def test_single_process_model_matches_torch(name, config):
     torch = pytest.importorskip("torch", reason="PyTorch absent: pip install 'refimpl[oracle]'")
     from refimpl.models import DEFAULTS
     model = build_model(name, config, None, seed=5, dtype=np.float64)
+    model.needs_input_grad = True
     full = {**DEFAULTS[name], **config}
     tmodel = torch_cosmoflow(torch, full) if name == "cosmoflow" else torch_unet3d(torch, full)
     missing, unexpected = tmodel.load_state_dict(

@@ -243,3 +243,19 @@ def test_dice_score():
 def test_bad_arguments_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_relu_backwards_equal_the_where_form_bit_for_bit():
+    """The mask-arithmetic backwards equal np.where(x > 0, dy, slope * dy) exactly
+    (zeros, negative zeros and ties at 0 included)."""
+    from refimpl.functional import leaky_relu_backward, relu_backward
+    rng = np.random.default_rng(7)
+    for dtype in (np.float32, np.float64):
+        x = rng.standard_normal(1000).astype(dtype)
+        x[::7], x[1::11] = 0.0, -0.0
+        dy = rng.standard_normal(1000).astype(dtype)
+        for slope in (0.01, 0.3, 1.0, 0.0):
+            got = leaky_relu_backward(dy, x, slope)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, np.where(x > 0, dy, dy * dtype(slope)))
+        np.testing.assert_array_equal(relu_backward(dy, x), np.where(x > 0, dy, 0))

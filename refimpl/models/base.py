@@ -104,8 +104,8 @@ def merge_config(defaults: dict, config: dict, model: str) -> dict:
 class Model(Module):
     """A model on a process grid: batch bookkeeping, input checks, loss reductions.
 
-    Subclasses set ``input_shape`` (C, D, H, W), ``task`` and build their layers,
-    then call ``self.setup_layers()``.
+    Subclasses set ``input_shape`` (C, D, H, W), ``task`` and build their layers
+    (``first_conv``: the layer that reads the input), then call ``self.setup_layers()``.
     """
 
     task = ""
@@ -159,6 +159,17 @@ class Model(Module):
 
     def sample_offset(self, n_local: int) -> int:
         return (0 if self.grid is None else self.grid.sample_coord) * n_local
+
+    @property
+    def needs_input_grad(self) -> bool:
+        """Whether ``backward`` returns dL/dx of the input batch.  Training never uses it, so
+        models skip it (False, as for a PyTorch input without requires_grad): the first conv
+        computes only its weight gradient and ``backward`` returns None.  Set True to get it."""
+        return self.first_conv.needs_input_grad
+
+    @needs_input_grad.setter
+    def needs_input_grad(self, value: bool):
+        self.first_conv.needs_input_grad = bool(value)
 
     def setup_layers(self, layers):
         """Chain ``setup`` through ``layers`` from the input extent (pure index math)."""

@@ -72,6 +72,8 @@ class CosmoFlow(Model):
                        make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
             c_in = c_out
         self.features = self.add_module("features", Sequential(*blocks))
+        self.first_conv = blocks[0]
+        self.needs_input_grad = False
         final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
         n_flat = c_in * final[0] * final[1] * final[2]
         self.dropouts = [make.dropout(config["dropout"]), make.dropout(config["dropout"])]

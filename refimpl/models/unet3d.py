@@ -89,6 +89,8 @@ class UNet3D(Model):
             self.pool.append(self.add_module(f"pool{i}", make.max_pool(2)))
             c_in = self.widths[i]
         self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
+        self.first_conv = self.enc[0][0]
+        self.needs_input_grad = False
         for i in reversed(range(self.levels)):
             self.up[i] = self.add_module(f"up{i}", make.conv_transpose(self.widths[i + 1],
                                                                        self.widths[i], 2, 2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
 from ..functional._args import transposed_out_shape, triple, window_out_shape
-from ..functional.conv3d import conv3d, conv3d_backward
+from ..functional.conv3d import conv3d, conv3d_backward, conv3d_weight_grad
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from .init import check_rng, uniform_fan_in
 from .module import Module
@@ -51,7 +51,14 @@ class _ConvLayer(Module):
 
 
 class Conv3d(_ConvLayer):
-    """y = conv3d(x, weight, bias); weight (out, in, kd, kh, kw), fan_in = in * kd * kh * kw."""
+    """y = conv3d(x, weight, bias); weight (out, in, kd, kh, kw), fan_in = in * kd * kh * kw.
+
+    ``needs_input_grad = False`` (a model's first layer, whose input is data) skips the
+    input gradient: ``backward`` then returns None and computes only dw and db, as
+    PyTorch does for an input that does not require grad.
+    """
+
+    needs_input_grad = True
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  bias=True, *, rng, dtype=TRAIN_DTYPE):
@@ -64,7 +71,10 @@ class Conv3d(_ConvLayer):
         return conv3d(x, self.weight.data, b, self.stride, padding, self.dilation)
 
     def local_backward(self, dy, x, padding):
-        """(dx, dw, db) of local_forward."""
+        """(dx, dw, db) of local_forward; dx is None when the input gradient is not needed."""
+        if not self.needs_input_grad:
+            dw = conv3d_weight_grad(dy, x, self.weight.shape, self.stride, padding, self.dilation)
+            return None, dw, dy.sum(axis=(0, 2, 3, 4))
         return conv3d_backward(dy, x, self.weight.data, self.stride, padding, self.dilation)
 
     def setup(self, global_in_shape):

@@ -118,6 +118,8 @@ class SpatialConv3d(_WindowHalo, Conv3d):
         else:
             dx_pad, dw, db = self.local_backward(dy, x_pad, NO_PADDING)
         self.accumulate_weight_and_bias(dw, db)
+        if not self.needs_input_grad:        # the same on every rank: no adjoint exchange at all
+            return None
         return self._return_to_owners(dx_pad)
 
 
