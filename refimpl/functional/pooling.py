@@ -129,17 +129,27 @@ def _check_dy(dy, x, out):
         raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
 
 
-def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1):
-    """y[n, c, o] = max over the window of o (stride defaults to kernel_size)."""
+def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, *, return_masks=False):
+    """y[n, c, o] = max over the window of o (stride defaults to kernel_size).
+
+    ``return_masks=True`` returns ``(y, masks)``: the first-maximum masks of every
+    separable stage (PyTorch's ``return_indices`` in another form), which
+    ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.
+    They take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).
+    """
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-    return _max_stages(x, k, s, p, d, out, with_arg=False)[0]
+    y, stages = _max_stages(x, k, s, p, d, out, with_arg=return_masks)
+    return (y, stages) if return_masks else y
 
 
-def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1):
-    """dx: each dy goes to the (first) maximum of its window; overlapping windows add."""
+def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, *, masks=None):
+    """dx: each dy goes to the (first) maximum of its window; overlapping windows add.
+
+    ``masks``: the second result of ``max_pool3d(x, ..., return_masks=True)`` for this
+    ``x`` and these arguments; without it the forward runs again to find them."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
     _check_dy(dy, x, out)
-    _, stages = _max_stages(x, k, s, p, d, out, with_arg=True)
+    stages = _max_stages(x, k, s, p, d, out, with_arg=True)[1] if masks is None else masks
     g = dy
     for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
         a = axis - 2

@@ -34,14 +34,21 @@ class _Pool3d(Module):
 
 
 class MaxPool3d(_Pool3d):
+    """Max pooling; forward keeps the first-maximum masks for backward (no recompute)."""
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
         super().__init__(kernel_size, stride, padding, dilation)
+        self._masks = None
 
     def local_forward(self, x, padding):
-        return max_pool3d(x, self.kernel_size, self.stride, padding, self.dilation)
+        y, self._masks = max_pool3d(x, self.kernel_size, self.stride, padding, self.dilation,
+                                    return_masks=True)
+        return y
 
     def local_backward(self, dy, x, padding):
-        return max_pool3d_backward(dy, x, self.kernel_size, self.stride, padding, self.dilation)
+        masks, self._masks = self._masks, None          # used once, like the saved input
+        return max_pool3d_backward(dy, x, self.kernel_size, self.stride, padding, self.dilation,
+                                   masks=masks)
 
     def extra_repr(self):
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
