@@ -1,45 +1,77 @@
 #!/usr/bin/env python
-"""Layer benchmark: refimpl's conv3d / conv_transpose3d / pooling vs PyTorch CPU and numpy GEMM.
+"""Layer benchmark: refimpl's conv3d / conv_transpose3d / pooling / batch norm / activations vs PyTorch CPU.
 
-Ops, on CosmoFlow-like layer shapes (float32, k=3, padding 1 for the convs):
-conv3d forward, backward-data (``conv3d_input_grad``), backward-weights
-(``conv3d_weight_grad``), full backward (``conv3d_backward``: dx, dw, db),
-conv_transpose3d forward, and max / avg pooling forward and backward.
+Three tables, float32, every row timed as forward and backward passes:
 
-Columns: ours GFLOP/s, torch GFLOP/s, ours/torch, ours/GEMM (the numpy float32
-GEMM rate on a square 2048^3 matmul, measured first in the same run and again
-after every row, the best kept), peak temporary
-memory of ours (tracemalloc: NumPy reports its buffers to it; the result
-array is not counted) next to the input size.  A conv counts
-``2 * N * F * C * kd*kh*kw * (output positions)`` flops per pass (the
-transposed conv: per input position); pooling counts one op per window tap
-(so its "GF/s" are Gop/s, and its ours/GEMM column means little).
+1. conv fwd+bwd: ``conv3d`` + ``conv3d_backward`` (dx, dw, db) and
+   ``conv_transpose3d`` + ``conv_transpose3d_backward`` against PyTorch's
+   ``conv3d`` / ``conv_transpose3d`` forward and its autograd backward for a
+   given ``dy`` (``torch.autograd.grad(y, (x, w, b), dy)``).  Rows: the seven
+   block shapes of issue 9 (marked ``issue9``: the per-rank blocks of spatial
+   parallelism), the CosmoFlow layers this script always had, and transposed
+   convs (U-Net up-sampling k2 s2 p0, and k3 s1 p1).  Columns: best times in
+   ms, ``torch time / our time`` for fwd, bwd and fwd+bwd (a throughput ratio:
+   > 1 means refimpl is faster; fwd+bwd = the sum of the two best times), and
+   ``ours/GEMM``: the flops of the three passes (fwd, dx, dw) over our fwd+bwd
+   time, as a share of the numpy float32 GEMM rate (a square 2048^3 matmul,
+   measured first and again after every row, the best kept).  Below the table:
+   the geometric mean of the fwd+bwd ratios over the issue's rows and over all
+   conv rows, and the slowest row.
+2. conv3d backward split: the halves of the conv3d backward on their own,
+   ``conv3d_input_grad`` (dx) and ``conv3d_weight_grad`` (dw), against the
+   autograd backward asked for dx only / dw only.
+3. pooling (max / avg, k2 s2), batch norm (``batch_norm3d`` /
+   ``batch_norm3d_backward``, training mode with running statistics, against
+   ``torch.nn.functional.batch_norm``) and activations (relu, leaky_relu with
+   slope 0.3) on CosmoFlow / U-Net-like shapes: times and ratios as above.
 
-The machine may be shared: ours and torch are timed alternately, repeat by
-repeat, and the best of the repeats is kept, so the ratios are measured under
-the same conditions.
+A conv counts ``2 * N * F * C * kd*kh*kw * (output positions)`` flops per pass
+(the transposed conv: per input position); its backward counts two passes.
+"peak tmp MiB" is the peak temporary memory of our passes (tracemalloc: NumPy
+reports its buffers to it; what a pass returns is not counted), the largest
+over the row's passes.
 
-    python scripts/bench_layers.py [--quick] [--threads N] [--json FILE]
+PyTorch runs as in training: its inputs require grad, so its forward records
+the graph; its backward is timed alone (``retain_graph``: one recorded forward,
+replayed).  Our backward functions take the forward's inputs (``x``) or cache,
+and recompute what they need from them: max pooling's backward finds the
+window maxima again, where PyTorch reuses the indices its forward saved.
+
+The machine may be shared: ours and torch are timed alternately, pass by pass
+and repeat by repeat, and the best of the repeats is kept, so the ratios are
+measured under the same conditions.
+
+    python scripts/bench_layers.py [--quick] [--threads N] [--repeats R] [--json FILE]
+                                   [--only TEXT] [--algorithm auto|im2col|winograd]
 
 ``--threads`` sets numpy's BLAS threads (threadpoolctl if available, else the
 environment, set before numpy is imported) and torch's intra-op threads.
+``--algorithm`` is passed as ``algorithm=`` to the conv functions that accept
+that keyword (checked with ``inspect.signature``); the header says which do.
 torch is optional: without it the torch columns read n/a.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import os
 import sys
 import time
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ap.add_argument("--quick", action="store_true", help="reduced set: batch 1, fewer repeats (< 1 min)")
+ap.add_argument("--quick", action="store_true",
+                help="reduced set: the issue-9 rows, no 128^3 volumes, fewer repeats")
 ap.add_argument("--threads", type=int, default=None,
                 help="BLAS / torch threads (default: all cores)")
-ap.add_argument("--repeats", type=int, default=None, help="timed repeats per op (best kept)")
+ap.add_argument("--repeats", type=int, default=None, help="timed repeats per pass (best kept)")
 ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
-ap.add_argument("--only", default=None, help="run only rows whose op or shape contains this text")
+ap.add_argument("--only", default=None,
+                help="run only rows whose op or shape contains this text "
+                     "('issue9': the issue's seven conv rows)")
+ap.add_argument("--algorithm", default="auto", choices=("auto", "im2col", "winograd"),
+                help="conv algorithm, passed to the conv functions that take an algorithm= keyword")
 args = ap.parse_args()
 
 THREADS = args.threads or os.cpu_count() or 1
@@ -51,9 +83,13 @@ import numpy  # noqa: E402  (after the thread environment)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from refimpl.functional import _im2col  # noqa: E402
+from refimpl.functional.activations import (leaky_relu, leaky_relu_backward, relu,  # noqa: E402
+                                            relu_backward)
+from refimpl.functional.batch_norm import batch_norm3d, batch_norm3d_backward  # noqa: E402
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,  # noqa: E402
                                        conv3d_weight_grad)
-from refimpl.functional.conv_transpose3d import conv_transpose3d  # noqa: E402
+from refimpl.functional.conv_transpose3d import (conv_transpose3d,  # noqa: E402
+                                                 conv_transpose3d_backward)
 
 try:
     from threadpoolctl import threadpool_limits
@@ -79,7 +115,42 @@ else:
 import tracemalloc  # noqa: E402
 
 REPEATS = args.repeats or (2 if args.quick else 4)
+LEAKY_SLOPE = 0.3
 
+
+# ---------------------------------------------------------------------------- conv algorithm
+
+def takes_algorithm(fn):
+    """Whether ``fn`` accepts an ``algorithm=`` keyword."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "algorithm" in params
+
+
+CONV_FUNCTIONS = (conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_grad,
+                  conv_transpose3d, conv_transpose3d_backward)
+ALGO_TAKERS = [fn.__name__ for fn in CONV_FUNCTIONS if takes_algorithm(fn)]
+
+
+def algo_kw(fn):
+    """``{"algorithm": --algorithm}`` if ``fn`` takes the keyword, else ``{}``."""
+    return {"algorithm": args.algorithm} if fn.__name__ in ALGO_TAKERS else {}
+
+
+def algorithm_note():
+    names = [fn.__name__ for fn in CONV_FUNCTIONS]
+    if not ALGO_TAKERS:
+        ignored = "" if args.algorithm == "auto" else f"; --algorithm {args.algorithm} ignored"
+        return ("conv algorithm: built-in im2col + GEMM (no conv function takes an algorithm= "
+                f"keyword{ignored})")
+    left = [n for n in names if n not in ALGO_TAKERS]
+    return (f"conv algorithm={args.algorithm} (passed to {', '.join(ALGO_TAKERS)}"
+            + (f"; not taken by {', '.join(left)}" if left else "") + ")")
+
+
+# ---------------------------------------------------------------------------- helpers
 
 def timed(fn):
     t0 = time.perf_counter()
@@ -95,6 +166,13 @@ def gemm_rate(n=2048, repeats=None):
     return 2 * n ** 3 / t / 1e9
 
 
+def _nbytes(out):
+    """Bytes of the arrays in ``out`` (nested tuples walked: a batch norm cache holds xhat)."""
+    if isinstance(out, (tuple, list)):
+        return sum(_nbytes(o) for o in out)
+    return getattr(out, "nbytes", 0) if isinstance(out, numpy.ndarray) else 0
+
+
 def peak_temp(fn):
     """Peak bytes traced during ``fn()`` minus the bytes of what it returns."""
     tracemalloc.start()
@@ -103,110 +181,288 @@ def peak_temp(fn):
     out = fn()
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
-    outs = out if isinstance(out, tuple) else (out,)
-    kept = sum(o.nbytes for o in outs if hasattr(o, "nbytes"))
-    return peak - kept
+    return max(peak - _nbytes(out), 0)
 
 
-def num(v, width):
-    return f"{v:{width}.1f}" if v >= 10 else f"{v:{width}.2f}"
+def fmt_ms(seconds, width):
+    if seconds is None:
+        return f"{'n/a':>{width}}"
+    v = seconds * 1e3
+    digits = 0 if v >= 100 else 1 if v >= 10 else 2 if v >= 0.1 else 3
+    return f"{v:{width}.{digits}f}"
+
+
+def fmt_ratio(r, width):
+    return f"{'n/a':>{width}}" if r is None else f"{r:{width}.2f}"
 
 
 def mib(b):
     return f"{b / 2**20:.0f}" if b >= 2**20 else f"{b / 2**20:.2f}"
 
 
+def geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def ratio(t_torch, t_ours):
+    return t_torch / t_ours if t_torch is not None and t_ours else None
+
+
+def rng_arrays(rng, *shapes):
+    return [rng.standard_normal(s, dtype=numpy.float32) for s in shapes]
+
+
+def tt(a, grad=False):
+    """numpy -> torch (shared memory), a leaf that requires grad if asked."""
+    t = torch.from_numpy(a)
+    return t.requires_grad_() if grad else t
+
+
+def torch_bwd(y, inputs, dy):
+    """Autograd backward of the recorded ``y`` for ``dy``, replayable (graph retained)."""
+    return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)
+
+
 # ---------------------------------------------------------------------------- cases
+# A case: dict(kind, op, shape (label), issue (bool), dims, flops {pass: flops} (convs),
+# build() -> (passes {name: (ours, torch or None)}, input_bytes)).  build() runs when the
+# row is timed, so only one row's arrays are alive at a time.
+
+ISSUE_CONVS = [  # (N, C, F, n, k, s, p): issue 9's per-rank blocks
+    (1, 4, 32, 64, 3, 1, 1), (2, 32, 64, 32, 3, 1, 1), (8, 32, 64, 16, 3, 1, 1),
+    (1, 64, 128, 32, 3, 1, 1), (4, 128, 256, 8, 3, 1, 1), (2, 16, 32, 32, 3, 1, 1),
+    (2, 32, 32, 33, 3, 2, 1)]
+
+
+def legacy_convs(quick):
+    """The CosmoFlow conv layers (k3 s1 p1) this script always timed."""
+    if quick:
+        return [(1, 32, 64, 64, 3, 1, 1), (1, 256, 512, 8, 3, 1, 1)]
+    return [(1, 4, 32, 128, 3, 1, 1), (2, 4, 32, 128, 3, 1, 1), (1, 32, 64, 64, 3, 1, 1),
+            (1, 64, 128, 32, 3, 1, 1), (1, 256, 512, 8, 3, 1, 1), (4, 256, 512, 8, 3, 1, 1)]
+
+
+def transposed_convs(quick):
+    """(N, C_in, C_out, n_in, k, s, p): U-Net up-sampling (k2 s2 p0) and k3 s1 p1."""
+    new = [(2, 64, 32, 16, 2, 2, 0), (1, 32, 16, 32, 2, 2, 0), (2, 32, 32, 16, 3, 1, 1)]
+    old = [(1, 128, 64, 32, 2, 2, 0)] + ([] if quick else [(1, 32, 4, 128, 3, 1, 1)])
+    return new + old
+
+
+def conv_out(n, k, s, p):
+    return (n + 2 * p - k) // s + 1
+
+
+def conv_case(nb, c, f, n, k, s, p, issue):
+    o = conv_out(n, k, s, p)
+    flops = 2 * nb * f * c * k ** 3 * o ** 3
+    label = f"N={nb} {c}->{f} @{n}^3 k{k}s{s}p{p}"
+
+    def build():
+        rng = numpy.random.default_rng(0)
+        x, w, b, dy = rng_arrays(rng, (nb, c, n, n, n), (f, c, k, k, k), (f,), (nb, f, o, o, o))
+        w *= 0.1
+        passes = {
+            "fwd": (lambda: conv3d(x, w, b, s, p, **algo_kw(conv3d)), None),
+            "bwd": (lambda: conv3d_backward(dy, x, w, s, p, 1, **algo_kw(conv3d_backward)), None),
+            "dx": (lambda: conv3d_input_grad(dy, w, x.shape, s, p, 1, **algo_kw(conv3d_input_grad)),
+                   None),
+            "dw": (lambda: conv3d_weight_grad(dy, x, w.shape, s, p, 1,
+                                              **algo_kw(conv3d_weight_grad)), None),
+        }
+        if torch is not None:
+            tx, tw, tb = (tt(a, grad=True) for a in (x, w, b))
+            tdy = tt(dy)
+            fn = torch.nn.functional.conv3d
+            y = fn(tx, tw, tb, s, p)
+            passes["fwd"] = (passes["fwd"][0], lambda: fn(tx, tw, tb, s, p))
+            passes["bwd"] = (passes["bwd"][0], torch_bwd(y, (tx, tw, tb), tdy))
+            passes["dx"] = (passes["dx"][0], torch_bwd(y, (tx,), tdy))
+            passes["dw"] = (passes["dw"][0], torch_bwd(y, (tw,), tdy))
+        return passes, x.nbytes + w.nbytes + dy.nbytes
+
+    return dict(kind="conv3d", op="conv3d", shape=label, issue=issue,
+                dims=dict(N=nb, C=c, F=f, n=n, k=k, s=s, p=p, out=o),
+                flops={"fwd": flops, "bwd": 2 * flops, "dx": flops, "dw": flops}, build=build)
+
+
+def tconv_case(nb, cin, cout, n, k, s, p):
+    o = (n - 1) * s - 2 * p + k
+    flops = 2 * nb * cin * cout * k ** 3 * n ** 3     # per input position
+    label = f"N={nb} {cin}->{cout} @{n}^3->{o}^3 k{k}s{s}p{p}"
+
+    def build():
+        rng = numpy.random.default_rng(0)
+        x, w, b, dy = rng_arrays(rng, (nb, cin, n, n, n), (cin, cout, k, k, k), (cout,),
+                                 (nb, cout, o, o, o))
+        w *= 0.1
+        ours_f = lambda: conv_transpose3d(x, w, b, s, p, **algo_kw(conv_transpose3d))  # noqa: E731
+        ours_b = lambda: conv_transpose3d_backward(  # noqa: E731
+            dy, x, w, s, p, 0, 1, **algo_kw(conv_transpose3d_backward))
+        passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
+        if torch is not None:
+            tx, tw, tb = (tt(a, grad=True) for a in (x, w, b))
+            tdy = tt(dy)
+            fn = torch.nn.functional.conv_transpose3d
+            y = fn(tx, tw, tb, s, p)
+            passes = {"fwd": (ours_f, lambda: fn(tx, tw, tb, s, p)),
+                      "bwd": (ours_b, torch_bwd(y, (tx, tw, tb), tdy))}
+        return passes, x.nbytes + w.nbytes + dy.nbytes
+
+    return dict(kind="conv_transpose3d", op="conv_transpose3d", shape=label, issue=False,
+                dims=dict(N=nb, C=cin, F=cout, n=n, k=k, s=s, p=p, out=o),
+                flops={"fwd": flops, "bwd": 2 * flops}, build=build)
+
 
 def conv_cases(quick):
-    # (name, N, C, F, n): CosmoFlow conv layers, k=3 pad 1
-    # (C, F, n, batches); --quick: the first layer on 64^3 instead of 128^3, no 64->128
-    layers = [(4, 32, 64 if quick else 128, [1] if quick else [1, 2]),
-              (32, 64, 64, [1])] + ([] if quick else [(64, 128, 32, [1])]) + [
-              (256, 512, 8, [1] if quick else [1, 4])]
-    for c, f, n, batches in layers:
-        for nb in batches:
-            yield f"N={nb} {c}->{f} @{n}^3", nb, c, f, n
+    seen = set()
+    for dims in ISSUE_CONVS + legacy_convs(quick):
+        if dims not in seen:                 # (1, 64->128, 32^3) is in both lists
+            seen.add(dims)
+            yield conv_case(*dims, issue=dims in ISSUE_CONVS)
+    for dims in transposed_convs(quick):
+        yield tconv_case(*dims)
 
 
-def make_rows(quick):
-    """(op, shape label, flops, ours(), torch() or None, input bytes)."""
-    rng = numpy.random.default_rng(0)
-    rows = []
-    for label, nb, c, f, n in conv_cases(quick):
-        x = rng.standard_normal((nb, c, n, n, n), dtype=numpy.float32)
-        w = rng.standard_normal((f, c, 3, 3, 3), dtype=numpy.float32) * 0.1
-        b = rng.standard_normal(f, dtype=numpy.float32)
-        dy = rng.standard_normal((nb, f, n, n, n), dtype=numpy.float32)
-        flops = 2 * nb * f * c * 27 * n ** 3
-        tx = tw = tb = tdy = None
-        if torch is not None:
-            tx, tw, tb, tdy = (torch.from_numpy(a) for a in (x, w, b, dy))
+def layer_shapes(quick):
+    """(N, C, n): CosmoFlow's pooled layers (N=1) and per-rank U-Net / CosmoFlow blocks."""
+    old = [] if quick else [(1, 32, 128), (1, 64, 64)]
+    return old + [(1, 128, 32), (2, 32, 32), (2, 64, 16)]
 
-        def cb(tx=tx, tw=tw, tdy=tdy, mask=None):
-            return torch.ops.aten.convolution_backward(
-                tdy, tx, tw, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1, mask)
 
-        t_ok = torch is not None
-        rows += [
-            ("conv3d fwd", label, flops, x.nbytes,
-             lambda x=x, w=w, b=b: conv3d(x, w, b, 1, 1),
-             (lambda tx=tx, tw=tw, tb=tb: torch.nn.functional.conv3d(tx, tw, tb, 1, 1)) if t_ok else None),
-            ("conv3d bwd-data", label, flops, dy.nbytes,
-             lambda dy=dy, w=w, s=x.shape: conv3d_input_grad(dy, w, s, 1, 1, 1),
-             (lambda cb=cb: cb(mask=[True, False, False])) if t_ok else None),
-            ("conv3d bwd-weight", label, flops, x.nbytes + dy.nbytes,
-             lambda dy=dy, x=x, s=w.shape: conv3d_weight_grad(dy, x, s, 1, 1, 1),
-             (lambda cb=cb: cb(mask=[False, True, False])) if t_ok else None),
-            ("conv3d bwd (dx,dw,db)", label, 2 * flops, x.nbytes + dy.nbytes,
-             lambda dy=dy, x=x, w=w: conv3d_backward(dy, x, w, 1, 1, 1),
-             (lambda cb=cb: cb(mask=[True, True, True])) if t_ok else None),
-        ]
-    # transposed conv: the adjoints of two conv layers (k3 s1 p1), and a U-Net up-sampling (k2 s2)
-    tcases = [("32->4 k3s1p1 @128^3", 32, 4, 128, 3, 1, 1),
-              ("128->64 k2s2 @32^3->64^3", 128, 64, 32, 2, 2, 0)]
-    if quick:
-        tcases = tcases[1:]
-    for label, cin, cout, n, k, s, p in tcases:
-        x = rng.standard_normal((1, cin, n, n, n), dtype=numpy.float32)
-        w = rng.standard_normal((cin, cout, k, k, k), dtype=numpy.float32) * 0.1
-        flops = 2 * cin * cout * k ** 3 * n ** 3
-        tx, tw = (torch.from_numpy(a) for a in (x, w)) if torch is not None else (None, None)
-        rows.append(("conv_transpose3d fwd", "N=1 " + label, flops, x.nbytes,
-                     lambda x=x, w=w, s=s, p=p: conv_transpose3d(x, w, None, s, p),
-                     (lambda tx=tx, tw=tw, s=s, p=p: torch.nn.functional.conv_transpose3d(
-                         tx, tw, None, s, p)) if torch is not None else None))
-    if max_pool3d is not None:
-        pcases = [("32 @128^3 k2", 32, 128), ("64 @64^3 k2", 64, 64), ("128 @32^3 k2", 128, 32)]
-        if quick:
-            pcases = pcases[2:]
-        for label, c, n in pcases:
-            x = rng.standard_normal((1, c, n, n, n), dtype=numpy.float32)
-            dy = rng.standard_normal((1, c, n // 2, n // 2, n // 2), dtype=numpy.float32)
-            ops = c * n ** 3                      # one op per window tap (k=2, s=2)
-            tx = torch.from_numpy(x) if torch is not None else None
-            tdy = torch.from_numpy(dy) if torch is not None else None
+def layer_case(op, nb, c, n):
+    pooled = op in ("max_pool3d", "avg_pool3d")
+    o = n // 2 if pooled else n
+    label = f"N={nb} {c} @{n}^3" + (" k2s2" if pooled else "")
+    if op == "leaky_relu":
+        label += f" slope {LEAKY_SLOPE}"
 
-            def tbwd(fn, tx=tx, tdy=tdy):
-                xg = tx.clone().requires_grad_()
-                fn(xg, 2).backward(tdy)
-                return xg.grad
+    def build():
+        rng = numpy.random.default_rng(0)
+        x, dy = rng_arrays(rng, (nb, c, n, n, n), (nb, c, o, o, o))
+        F = torch.nn.functional if torch is not None else None
+        theirs, extra = None, ()
+        if op == "max_pool3d":
+            ours_f, ours_b = (lambda: max_pool3d(x, 2, 2)), (lambda: max_pool3d_backward(dy, x, 2, 2))
+            theirs = (lambda t: F.max_pool3d(t, 2, 2)) if F else None
+        elif op == "avg_pool3d":
+            ours_f, ours_b = (lambda: avg_pool3d(x, 2, 2)), (lambda: avg_pool3d_backward(dy, x, 2, 2))
+            theirs = (lambda t: F.avg_pool3d(t, 2, 2)) if F else None
+        elif op == "relu":
+            ours_f, ours_b = (lambda: relu(x)), (lambda: relu_backward(dy, x))
+            theirs = F.relu if F else None
+        elif op == "leaky_relu":
+            ours_f = lambda: leaky_relu(x, LEAKY_SLOPE)  # noqa: E731
+            ours_b = lambda: leaky_relu_backward(dy, x, LEAKY_SLOPE)  # noqa: E731
+            theirs = (lambda t: F.leaky_relu(t, LEAKY_SLOPE)) if F else None
+        elif op == "batch_norm3d":
+            gamma, beta = 1 + 0.1 * rng.standard_normal((2, c), dtype=numpy.float32)
+            beta -= 1
+            r_mean, r_var = numpy.zeros(c, numpy.float32), numpy.ones(c, numpy.float32)
+            ours_f = lambda: batch_norm3d(x, gamma, beta, r_mean, r_var, training=True)  # noqa: E731
+            cache = ours_f()[1]
+            ours_b = lambda: batch_norm3d_backward(dy, cache)  # noqa: E731
+            if F:
+                tg, tbeta = tt(gamma.copy(), grad=True), tt(beta.copy(), grad=True)
+                trm, trv = tt(r_mean.copy()), tt(r_var.copy())
+                extra = (tg, tbeta)
+                theirs = lambda t: F.batch_norm(t, trm, trv, tg, tbeta, training=True,  # noqa: E731
+                                                momentum=0.1, eps=1e-5)
+        else:
+            raise ValueError(op)
+        passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
+        if theirs is not None:
+            tx = tt(x, grad=True)
+            y = theirs(tx)
+            passes = {"fwd": (ours_f, lambda: theirs(tx)),
+                      "bwd": (ours_b, torch_bwd(y, (tx,) + extra, tt(dy)))}
+        return passes, x.nbytes + dy.nbytes
 
-            t_ok = torch is not None
-            rows += [
-                ("max_pool3d fwd", "N=1 " + label, ops, x.nbytes, lambda x=x: max_pool3d(x, 2),
-                 (lambda tx=tx: torch.nn.functional.max_pool3d(tx, 2)) if t_ok else None),
-                ("max_pool3d bwd", "N=1 " + label, ops, x.nbytes + dy.nbytes,
-                 lambda x=x, dy=dy: max_pool3d_backward(dy, x, 2),
-                 (lambda: tbwd(torch.nn.functional.max_pool3d)) if t_ok else None),
-                ("avg_pool3d fwd", "N=1 " + label, ops, x.nbytes, lambda x=x: avg_pool3d(x, 2),
-                 (lambda tx=tx: torch.nn.functional.avg_pool3d(tx, 2)) if t_ok else None),
-                ("avg_pool3d bwd", "N=1 " + label, ops, x.nbytes + dy.nbytes,
-                 lambda x=x, dy=dy: avg_pool3d_backward(dy, x, 2),
-                 (lambda: tbwd(torch.nn.functional.avg_pool3d)) if t_ok else None),
-            ]
-    return rows
+    return dict(kind=op, op=op, shape=label, issue=False, dims=dict(N=nb, C=c, n=n),
+                flops=None, build=build)
 
+
+def layer_cases(quick):
+    ops = (["max_pool3d", "avg_pool3d"] if max_pool3d is not None else []) + [
+        "batch_norm3d", "relu", "leaky_relu"]
+    for nb, c, n in layer_shapes(quick):
+        for op in ops:
+            yield layer_case(op, nb, c, n)
+
+
+def selected(case):
+    if not args.only:
+        return True
+    text = f"{case['op']} {case['shape']}" + (" issue9" if case["issue"] else "")
+    return args.only in text
+
+
+# ---------------------------------------------------------------------------- timing
+
+def run_case(case):
+    """Time every pass of ``case``: ours and torch alternately, the best of REPEATS kept."""
+    passes, in_bytes = case["build"]()
+    for name, (ours, theirs) in passes.items():     # warm-up (page faults, BLAS threads)
+        ours()
+        if theirs is not None:
+            theirs()
+    t_ours = {name: [] for name in passes}
+    t_torch = {name: [] for name in passes}
+    for _ in range(REPEATS):                        # interleaved: same machine state for both
+        for name, (ours, theirs) in passes.items():
+            t_ours[name].append(timed(ours))
+            if theirs is not None:
+                t_torch[name].append(timed(theirs))
+    result = dict(kind=case["kind"], op=case["op"], shape=case["shape"], issue_row=case["issue"],
+                  dims=case["dims"], input_bytes=in_bytes, passes={})
+    for name, (ours, _) in passes.items():
+        best_o = min(t_ours[name])
+        best_t = min(t_torch[name]) if t_torch[name] else None
+        result["passes"][name] = dict(ours_s=best_o, torch_s=best_t, ours_all_s=t_ours[name],
+                                      torch_all_s=t_torch[name],
+                                      torch_over_ours=ratio(best_t, best_o),
+                                      peak_temp_bytes=peak_temp(ours))
+        if case["flops"]:
+            fl = case["flops"][name]
+            result["passes"][name].update(flops=fl, ours_gflops=fl / best_o / 1e9,
+                                          torch_gflops=fl / best_t / 1e9 if best_t else None)
+    fwd, bwd = result["passes"]["fwd"], result["passes"]["bwd"]
+    t_o = fwd["ours_s"] + bwd["ours_s"]
+    t_t = fwd["torch_s"] + bwd["torch_s"] if fwd["torch_s"] is not None else None
+    result["fwd_bwd"] = dict(ours_s=t_o, torch_s=t_t, torch_over_ours=ratio(t_t, t_o))
+    if case["flops"]:
+        result["fwd_bwd"]["flops"] = case["flops"]["fwd"] + case["flops"]["bwd"]
+    result["peak_temp_bytes"] = max(p["peak_temp_bytes"] for p in result["passes"].values())
+    return result
+
+
+def add_gemm_shares(results, gemm):
+    for r in results:
+        for name, p in r["passes"].items():
+            if "flops" in p:
+                p["ours_over_gemm"] = p["ours_gflops"] / gemm
+        fb = r["fwd_bwd"]
+        if "flops" in fb:
+            fb["ours_over_gemm"] = fb["flops"] / fb["ours_s"] / 1e9 / gemm
+
+
+def conv_summary(conv_rows):
+    def stats(rows):
+        ratios = [(r["fwd_bwd"]["torch_over_ours"], r) for r in rows
+                  if r["fwd_bwd"]["torch_over_ours"] is not None]
+        if not ratios:
+            return dict(rows=len(rows), geomean_fwd_bwd=None)
+        low, low_row = min(ratios, key=lambda t: t[0])
+        return dict(rows=len(ratios),
+                    geomean_fwd_bwd=geomean([v for v, _ in ratios]),
+                    geomean_fwd=geomean([r["passes"]["fwd"]["torch_over_ours"] for _, r in ratios]),
+                    geomean_bwd=geomean([r["passes"]["bwd"]["torch_over_ours"] for _, r in ratios]),
+                    min_fwd_bwd=low, min_row=f"{low_row['op']} {low_row['shape']}")
+    return dict(issue9=stats([r for r in conv_rows if r["issue_row"]]), all_conv=stats(conv_rows))
+
+
+# ---------------------------------------------------------------------------- output
 
 def load():
     try:
@@ -216,62 +472,117 @@ def load():
         return "load average n/a"
 
 
+def print_fwd_bwd_table(title, rows, gemm_column):
+    print(f"\n## {title}")
+    last = f"{'ours/GEMM':>9} " if gemm_column else ""
+    head = (f"{'op':<16} {'shape':<34} {'set':<6} {'fwd ours':>9} {'torch':>8} {'bwd ours':>9} "
+            f"{'torch':>8} {'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {last}{'tmp MiB':>7} {'in MiB':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        f, b, fb = r["passes"]["fwd"], r["passes"]["bwd"], r["fwd_bwd"]
+        share = f"{fb['ours_over_gemm']:9.2f} " if gemm_column else ""
+        print(f"{r['op']:<16} {r['shape']:<34} {'issue9' if r['issue_row'] else '':<6} "
+              f"{fmt_ms(f['ours_s'], 9)} {fmt_ms(f['torch_s'], 8)} {fmt_ms(b['ours_s'], 9)} "
+              f"{fmt_ms(b['torch_s'], 8)} {fmt_ratio(f['torch_over_ours'], 6)} "
+              f"{fmt_ratio(b['torch_over_ours'], 6)} {fmt_ratio(fb['torch_over_ours'], 6)} "
+              f"{share}{mib(r['peak_temp_bytes']):>7} {mib(r['input_bytes']):>6}")
+
+
+def print_summary(summary):
+    def line(name, s):
+        if s["geomean_fwd_bwd"] is None:
+            return f"# {name}: n/a ({s['rows']} rows, no torch times)"
+        return (f"# {name} ({s['rows']} rows): geomean torch/ours fwd+bwd {s['geomean_fwd_bwd']:.2f} "
+                f"(fwd {s['geomean_fwd']:.2f}, bwd {s['geomean_bwd']:.2f}); "
+                f"min {s['min_fwd_bwd']:.2f} at {s['min_row']}")
+    if summary["issue9"]["rows"]:
+        print(line("issue-9 rows", summary["issue9"]))
+    if summary["all_conv"]["rows"]:
+        print(line("all conv rows", summary["all_conv"]))
+
+
+def print_split_table(rows):
+    print("\n## conv3d backward split: conv3d_input_grad (dx) and conv3d_weight_grad (dw) alone")
+    head = (f"{'op':<16} {'shape':<34} {'set':<6} {'dx ours':>9} {'torch':>8} {'dw ours':>9} "
+            f"{'torch':>8} {'x dx':>6} {'x dw':>6} {'GF/s dx':>8} {'GF/s dw':>8} "
+            f"{'GEMM dx':>7} {'GEMM dw':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        dx, dw = r["passes"]["dx"], r["passes"]["dw"]
+        print(f"{r['op']:<16} {r['shape']:<34} {'issue9' if r['issue_row'] else '':<6} "
+              f"{fmt_ms(dx['ours_s'], 9)} {fmt_ms(dx['torch_s'], 8)} {fmt_ms(dw['ours_s'], 9)} "
+              f"{fmt_ms(dw['torch_s'], 8)} {fmt_ratio(dx['torch_over_ours'], 6)} "
+              f"{fmt_ratio(dw['torch_over_ours'], 6)} {dx['ours_gflops']:8.1f} {dw['ours_gflops']:8.1f} "
+              f"{dx['ours_over_gemm']:7.2f} {dw['ours_over_gemm']:7.2f}")
+
+
 def main():
     t_start = time.perf_counter()
+    load_start = load()
     print(f"# threads={THREADS}  numpy {numpy.__version__}  torch "
           f"{torch.__version__ if torch is not None else 'n/a'}  "
           f"MAX_TEMP_BYTES={_im2col.MAX_TEMP_BYTES >> 20} MiB  repeats={REPEATS}"
-          f"{'  (quick)' if args.quick else ''}  {load()}")
+          f"{'  (quick)' if args.quick else ''}  {load_start}")
+    print("# " + algorithm_note())
+    if args.algorithm != "auto" and not ALGO_TAKERS:
+        print(f"warning: --algorithm {args.algorithm} ignored: no conv function takes algorithm=",
+              file=sys.stderr)
     if POOL_NOTE:
         print("# " + POOL_NOTE)
+    print(f"# times: best of {REPEATS} in ms; x = torch time / our time (> 1: ours faster; f+b: "
+          "sum of the best fwd and bwd times); ours/GEMM: 3 passes' flops / our fwd+bwd time / "
+          "GEMM rate")
     # the GEMM rate: measured first, then once more after every row; the best counts
     # (on a shared machine a single measurement may land in a busy moment)
     gemm_first = gemm_rate()
     gemm_all = [gemm_first]
-    results = []
-    for op, label, flops, in_bytes, ours, theirs in make_rows(args.quick):
-        if args.only and args.only not in op and args.only not in label:
+    conv_rows, layer_rows, skipped = [], [], []
+    for case in list(conv_cases(args.quick)) + list(layer_cases(args.quick)):
+        if not selected(case):
             continue
-        ours()                                      # warm-up (page faults, BLAS threads)
-        if theirs is not None:
-            theirs()
-        t_ours, t_torch = [], []
-        for _ in range(REPEATS):                    # interleaved: same machine state for both
-            t_ours.append(timed(ours))
-            if theirs is not None:
-                t_torch.append(timed(theirs))
-        tmp = peak_temp(ours)
+        try:
+            result = run_case(case)
+        except (ValueError, NotImplementedError) as err:
+            # e.g. --algorithm winograd forced on a conv it cannot compute (k2 s2, stride 2)
+            skipped.append(dict(op=case["op"], shape=case["shape"],
+                                error=f"{type(err).__name__}: {err}"))
+            print(f"  {case['op']} {case['shape']}: skipped ({type(err).__name__}: {err})",
+                  file=sys.stderr, flush=True)
+            continue
+        (conv_rows if case["flops"] else layer_rows).append(result)
         gemm_all.append(gemm_rate(repeats=1))
-        results.append({"op": op, "shape": label, "flops": flops, "ours_s": min(t_ours),
-                        "torch_s": min(t_torch) if t_torch else None,
-                        "ours_gflops": flops / min(t_ours) / 1e9,
-                        "torch_gflops": flops / min(t_torch) / 1e9 if t_torch else None,
-                        "peak_temp_bytes": tmp, "input_bytes": in_bytes})
-        print(f"  {op} {label}: done", file=sys.stderr, flush=True)
+        print(f"  {case['op']} {case['shape']}: done", file=sys.stderr, flush=True)
     gemm = max(gemm_all)
+    add_gemm_shares(conv_rows + layer_rows, gemm)
+    summary = conv_summary(conv_rows)
     print(f"# numpy float32 GEMM 2048^3: {gemm:.1f} GFLOP/s (best of {len(gemm_all)} "
           f"measurements; first {gemm_first:.1f}, median {sorted(gemm_all)[len(gemm_all) // 2]:.1f})")
-    head = (f"{'op':<22} {'shape':<28} {'ours GF/s':>9} {'torch GF/s':>10} {'ours/torch':>10} "
-            f"{'ours/GEMM':>9} {'peak tmp MiB':>12} {'input MiB':>9}")
-    print(head)
-    print("-" * len(head))
-    na = "n/a"
-    for r in results:
-        g_ours, g_torch = r["ours_gflops"], r["torch_gflops"]
-        r["ours_over_torch"] = g_ours / g_torch if g_torch else None
-        r["ours_over_gemm"] = g_ours / gemm
-        print(f"{r['op']:<22} {r['shape']:<28} {num(g_ours, 9)} "
-              f"{(num(g_torch, 10) if g_torch else f'{na:>10}')} "
-              f"{(f'{g_ours / g_torch:10.2f}' if g_torch else f'{na:>10}')} "
-              f"{g_ours / gemm:9.2f} {mib(r['peak_temp_bytes']):>12} {mib(r['input_bytes']):>9}")
-    print(f"# total {time.perf_counter() - t_start:.0f} s; {load()}")
+    if conv_rows:
+        print_fwd_bwd_table("conv fwd+bwd (bwd = dx, dw, db)", conv_rows, gemm_column=True)
+        print_summary(summary)
+    split_rows = [r for r in conv_rows if "dx" in r["passes"]]
+    if split_rows:
+        print_split_table(split_rows)
+    if layer_rows:
+        print_fwd_bwd_table("pooling, batch norm, activations", layer_rows, gemm_column=False)
+    for s in skipped:
+        print(f"# skipped {s['op']} {s['shape']}: {s['error']}")
+    load_end = load()
+    print(f"# total {time.perf_counter() - t_start:.0f} s; {load_end}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"threads": THREADS, "numpy": numpy.__version__,
                        "torch": torch.__version__ if torch is not None else None,
                        "gemm_gflops": gemm, "gemm_gflops_all": gemm_all,
                        "max_temp_bytes": _im2col.MAX_TEMP_BYTES, "quick": args.quick,
-                       "repeats": REPEATS, "pool_note": POOL_NOTE, "rows": results}, fh, indent=1)
+                       "repeats": REPEATS, "only": args.only, "algorithm": args.algorithm,
+                       "algorithm_taken_by": ALGO_TAKERS, "algorithm_note": algorithm_note(),
+                       "leaky_relu_slope": LEAKY_SLOPE, "pool_note": POOL_NOTE,
+                       "load_start": load_start, "load_end": load_end,
+                       "conv_summary": summary, "conv_rows": conv_rows, "layer_rows": layer_rows,
+                       "skipped": skipped}, fh, indent=1)
 
 
 if __name__ == "__main__":
