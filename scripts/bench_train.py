@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training throughput: refimpl on process grids vs. the same CosmoFlow in PyTorch (CPU, DDP).
+"""Training throughput: refimpl on process grids vs. the same CosmoFlow / 3D U-Net in PyTorch (CPU, DDP).
 
 One training step is what ``refimpl train`` does per batch: forward, loss,
 backward with the bucketed gradient allreduce (``GradientSynchronizer``), SGD
@@ -16,14 +16,25 @@ timed steps.  Measured per run:
   temporaries), the largest over the ranks; ru_maxrss: the process's peak
   resident set (interpreter, MPI / torch libraries included), largest rank.
 
-Baseline: the same CosmoFlow written with torch.nn (Conv3d / LeakyReLU /
-MaxPool3d / Linear / Dropout, MSELoss, torch.optim.SGD momentum 0.9), same layer
-sizes, same global batch, same threads per process (torch.set_num_threads):
-1 process, and DistributedDataParallel over gloo with 2 processes
-(init_method tcp://127.0.0.1:<free port>, one subprocess per rank).  ratio =
-refimpl samples/s / torch samples/s for matching configs: 1 rank (1,1,1,1) vs
-1 process (same threads), (2,1,1,1) vs DDP-2.  torch is optional: n/a without it.
-tracemalloc does not see torch's allocator: torch rows report ru_maxrss only.
+Baseline: the same network written with torch.nn, torch.optim.SGD momentum 0.9,
+same layer sizes (the driver checks that both count the same parameters before
+timing anything), same global batch, same threads per process
+(torch.set_num_threads): 1 process, and DistributedDataParallel over gloo with 2
+processes (init_method tcp://127.0.0.1:<free port>, one subprocess per rank).
+
+- CosmoFlow: Conv3d / LeakyReLU(0.3) / MaxPool3d blocks, Linear / LeakyReLU /
+  Dropout, 1.2 tanh, MSELoss;
+- 3D U-Net: [Conv3d k3 p1 no bias / BatchNorm3d / ReLU] x 2 per level, MaxPool3d 2,
+  ConvTranspose3d k2 s2, concatenation (upsampled, skip), Conv3d k1 logits,
+  CrossEntropyLoss (refimpl's loss "ce": the mean over every voxel of the global
+  batch).  Batch norm: refimpl normalises with the statistics of the global batch
+  (allreduced over the grid); DDP's BatchNorm3d uses each process's own samples
+  (torch's SyncBatchNorm needs a GPU), so DDP-2 skips those small allreduces.
+
+ratio = refimpl samples/s / torch samples/s for matching configs, per model:
+1 rank (1,1,1,1) vs 1 process (same threads), (2,1,1,1) vs DDP-2.  torch is
+optional: n/a without it.  tracemalloc does not see torch's allocator: torch rows
+report ru_maxrss only.
 
 Threads: one BLAS thread per process when P > 1 (OMP/OPENBLAS/MKL_NUM_THREADS=1);
 the 1-rank grid runs with 1 thread and, for a fair comparison with 2 ranks on a
@@ -31,7 +42,7 @@ the 1-rank grid runs with 1 thread and, for a fair comparison with 2 ranks on a
 oversubscribe: the ranks time-share the cores (marked in the table).
 
     python scripts/bench_train.py [--grids 1,1,1,1 2,1,1,1 1,2,1,1 2,2,1,1 1,2,2,1]
-                                  [--models cosmoflow unet3d] [--quick] [--json FILE]
+                                  [--model cosmoflow,unet3d] [--quick] [--json FILE]
 """
 from __future__ import annotations
 
@@ -49,6 +60,7 @@ import tracemalloc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+MODELS = ("cosmoflow", "unet3d")
 DEFAULT_GRIDS = ("1,1,1,1", "2,1,1,1", "1,2,1,1", "2,2,1,1", "1,2,2,1")
 # size: D=H=W; width: CosmoFlow conv_size / U-Net base_width; layers: conv blocks / U-Net levels
 DEFAULT = dict(size=64, width=16, layers=4, unet_width=4, unet_layers=2, fc1=128, fc2=64,
@@ -107,7 +119,8 @@ def refimpl_worker(args) -> dict | None:
     comm = MPI.COMM_WORLD
     dims = parse_grid(args.grid)
     grid = ProcessGrid(comm, dims)          # raises on every rank if dims do not match the size
-    name, config = args.model, model_config(args, args.model)
+    name = args.models[0]
+    config = model_config(args, name)
     tracemalloc.start()
     model = build_model(name, config, grid, seed=args.seed, dtype="float32", global_batch=args.batch)
     x_global, y_global = synthetic_batch(name, config, args.batch, args.seed + 1)
@@ -175,6 +188,53 @@ def torch_cosmoflow(config: dict):
                          nn.Linear(config["fc2_size"], 4), ScaledTanh())
 
 
+def torch_unet3d(config: dict):
+    """The same network as refimpl.models.UNet3D, in torch.nn."""
+    import torch
+    from torch import nn
+
+    def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2
+        return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.ReLU(),
+                             nn.Conv3d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.ReLU())
+
+    levels = config["levels"]
+    widths = [config["base_width"] * 2 ** i for i in range(levels + 1)]
+
+    class UNet3D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            c_in, self.enc = config["input_shape"][0], nn.ModuleList()
+            for w in widths[:levels]:
+                self.enc.append(conv_block(c_in, w))
+                c_in = w
+            self.pool = nn.MaxPool3d(2)
+            self.bottleneck = conv_block(widths[levels - 1], widths[levels])
+            self.up = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2)
+                                    for i in range(levels))
+            self.dec = nn.ModuleList(conv_block(2 * widths[i], widths[i]) for i in range(levels))
+            self.out = nn.Conv3d(widths[0], config["num_classes"], 1)
+
+        def forward(self, x):                                         # (B, C, S, S, S)
+            skips = []
+            for enc in self.enc:
+                skips.append(enc(x))                                  # (B, w_i, S/2^i, ...)
+                x = self.pool(skips[-1])
+            x = self.bottleneck(x)                                    # (B, w_L, S/2^L, ...)
+            for i in reversed(range(levels)):
+                x = self.dec[i](torch.cat([self.up[i](x), skips[i]], dim=1))   # (B, w_i, S/2^i, ...)
+            return self.out(x)                                        # (B, K, S, S, S)
+
+    return UNet3D()
+
+
+def torch_model(name: str, config: dict):
+    """(network, loss) of the torch baseline: the same layers and loss as refimpl's ``name``."""
+    from torch import nn
+    if name == "cosmoflow":
+        return torch_cosmoflow(config), nn.MSELoss()
+    return torch_unet3d(config), nn.CrossEntropyLoss()   # model_config: loss "ce", no class weights
+
+
 def torch_worker(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
@@ -184,17 +244,17 @@ def torch_worker(args) -> dict:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                                 world_size=world)
     torch.manual_seed(args.seed)
-    config = model_config(args, "cosmoflow")
-    model = torch_cosmoflow(config)
+    name = args.models[0]
+    config = model_config(args, name)
+    model, loss_fn = torch_model(name, config)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    x_global, y_global = synthetic_batch("cosmoflow", config, args.batch, args.seed + 1)
+    x_global, y_global = synthetic_batch(name, config, args.batch, args.seed + 1)
     n = args.batch // world
     x = torch.from_numpy(x_global[rank * n:(rank + 1) * n].copy())      # (B/world, C, S, S, S)
-    y = torch.from_numpy(y_global[rank * n:(rank + 1) * n].copy())
+    y = torch.from_numpy(y_global[rank * n:(rank + 1) * n].copy())      # (B/world, 4) or (B/world, S, S, S)
     del x_global, y_global
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    loss_fn = torch.nn.MSELoss()
     model.train()
 
     def step():
@@ -202,7 +262,7 @@ def torch_worker(args) -> dict:
         loss = loss_fn(model(x), y)
         loss.backward()                 # DDP: bucketed gloo allreduce overlapped with backward
         optimizer.step()
-        return float(loss)
+        return loss.item()
 
     for _ in range(args.warmup):
         step()
@@ -215,7 +275,7 @@ def torch_worker(args) -> dict:
     if world > 1:
         wall = _max_over_ranks(dist, wall)
         dist.destroy_process_group()
-    return {"impl": "torch", "model": "cosmoflow", "world": world, "rank": rank, "loss": loss,
+    return {"impl": "torch", "model": name, "world": world, "rank": rank, "loss": loss,
             "params": sum(p.numel() for p in model.parameters()), "wall_s": wall, "cpu_s": cpu,
             "maxrss_bytes": peak_rss(), "torch": torch.__version__}
 
@@ -233,6 +293,15 @@ def size_args(args) -> list:
             "--unet-width", str(args.unet_width), "--unet-layers", str(args.unet_layers),
             "--fc1", str(args.fc1), "--fc2", str(args.fc2), "--batch", str(args.batch),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+
+
+def param_counts(args, name: str) -> tuple:
+    """(refimpl, torch) parameter counts of ``name`` at the benchmark's sizes (nothing runs)."""
+    from refimpl.models import build_model
+    config = model_config(args, name)
+    net, _ = torch_model(name, config)
+    return (sum(int(p.data.size) for p in build_model(name, config, seed=args.seed).parameters()),
+            sum(p.numel() for p in net.parameters()))
 
 
 def run_checked(cmd, env, timeout, what):
@@ -266,14 +335,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_torch(args, world, threads, tmp) -> dict:
+def launch_torch(args, model, world, threads, tmp) -> dict:
     port, outs, procs = free_port(), [], []
     env = dict(os.environ, **blas_env(threads))
     t0 = time.perf_counter()
     for rank in range(world):
-        outs.append(os.path.join(tmp, f"torch_{world}_{threads}_{rank}.json"))
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "torch", "--world", str(world),
-               "--rank", str(rank), "--port", str(port), "--threads", str(threads),
+        outs.append(os.path.join(tmp, f"torch_{model}_{world}_{threads}_{rank}.json"))
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "torch", "--model", model,
+               "--world", str(world), "--rank", str(rank), "--port", str(port), "--threads", str(threads),
                "--json", outs[-1]] + size_args(args)
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for rank, proc in enumerate(procs):
@@ -282,11 +351,11 @@ def launch_torch(args, world, threads, tmp) -> dict:
             for other in procs:
                 if other.poll() is None:
                     other.kill()
-            raise SystemExit(f"bench_train: torch rank {rank}/{world} failed (rc={proc.returncode})\n"
+            raise SystemExit(f"bench_train: torch {model} rank {rank}/{world} failed (rc={proc.returncode})\n"
                              f"{stdout[-4000:]}\n{stderr[-4000:]}")
     rows = [json.load(open(path)) for path in outs]
     slowest = max(r["wall_s"] for r in rows)
-    return {"impl": "torch", "model": "cosmoflow", "grid": None, "ranks": world, "threads": threads,
+    return {"impl": "torch", "model": model, "grid": None, "ranks": world, "threads": threads,
             "label": "1 process" if world == 1 else f"DDP gloo x{world}", "params": rows[0]["params"],
             "loss": rows[0]["loss"], "samples_per_s": args.batch * args.steps / slowest,
             "step_s": slowest / args.steps, "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
@@ -304,14 +373,14 @@ def torch_available() -> bool:
 
 
 def add_ratios(reports) -> None:
-    """ratio = refimpl samples/s / torch samples/s: 1 rank vs 1 process (same threads), (2,1,1,1) vs DDP-2."""
-    torch_rows = {(r["ranks"], r["threads"]): r for r in reports if r["impl"] == "torch"}
+    """ratio = refimpl samples/s / torch samples/s of the same model: 1 rank vs 1 process (same threads),
+    (2,1,1,1) vs DDP-2."""
+    torch_rows = {(r["model"], r["ranks"], r["threads"]): r for r in reports if r["impl"] == "torch"}
     for r in reports:
         r["ratio_vs_torch"] = None
-        if r["impl"] != "refimpl" or r["model"] != "cosmoflow":
-            continue
-        if r["grid"] in ([1, 1, 1, 1], [2, 1, 1, 1]) and (r["ranks"], r["threads"]) in torch_rows:
-            match = torch_rows[(r["ranks"], r["threads"])]
+        key = (r["model"], r["ranks"], r["threads"])
+        if r["impl"] == "refimpl" and r["grid"] in ([1, 1, 1, 1], [2, 1, 1, 1]) and key in torch_rows:
+            match = torch_rows[key]
             r["ratio_vs_torch"] = r["samples_per_s"] / match["samples_per_s"]
             r["torch_match"] = match["label"]
 
@@ -320,20 +389,22 @@ def mib(nbytes) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
-def print_table(reports, torch_note) -> None:
-    head = (f"{'impl':>7} {'model':>9} {'grid / config':>15} {'P':>2} {'thr':>3} {'samples/s':>9} {'step s':>7} "
-            f"{'cpu s':>6} {'numpy peak MiB':>14} {'maxrss MiB':>10} {'refimpl/torch':>13}  note")
+def print_table(reports, models, torch_note) -> None:
+    head = (f"{'impl':>7} {'model':>9} {'grid / config':>15} {'params':>10} {'P':>2} {'thr':>3} "
+            f"{'samples/s':>9} {'step s':>7} {'cpu s':>6} {'numpy peak MiB':>14} {'maxrss MiB':>10} "
+            f"{'refimpl/torch':>13}  note")
     print(head)
     print("-" * len(head))
     for r in reports:
         config = ",".join(map(str, r["grid"])) if r["grid"] else r["label"]
         ratio = f"{r['ratio_vs_torch']:.2f}" if r.get("ratio_vs_torch") is not None else ""
         note = "oversubscribed" if r["oversubscribed"] else ""
-        print(f"{r['impl']:>7} {r['model']:>9} {config:>15} {r['ranks']:>2} {r['threads']:>3} "
+        print(f"{r['impl']:>7} {r['model']:>9} {config:>15} {r['params']:>10,} {r['ranks']:>2} {r['threads']:>3} "
               f"{r['samples_per_s']:9.2f} {r['step_s']:7.3f} {r['cpu_s']:6.2f} {mib(r['numpy_peak_bytes']):>14} "
               f"{mib(r['maxrss_bytes']):>10} {ratio:>13}  {note}")
     if torch_note:
-        print(f"{'torch':>7} {'cosmoflow':>9} {'n/a':>15}  ({torch_note})")
+        for model in models:
+            print(f"{'torch':>7} {model:>9} {'n/a':>15}  ({torch_note})")
 
 
 def driver(args) -> int:
@@ -342,10 +413,17 @@ def driver(args) -> int:
     torch_note = None if use_torch else ("--no-torch" if args.no_torch else "PyTorch not installed")
     print(f"# bench_train: models {' '.join(args.models)}, {args.size}^3, CosmoFlow conv_size {args.width} x "
           f"{args.layers} blocks, fc {args.fc1}/{args.fc2}; U-Net base_width {args.unet_width} x "
-          f"{args.unet_layers} levels; global batch {args.batch}; float32; synthetic in-memory data; "
-          f"{args.warmup} warm-up + {args.steps} timed steps; {cores} cores; "
+          f"{args.unet_layers} levels, cross-entropy; global batch {args.batch}; float32; synthetic in-memory "
+          f"data; {args.warmup} warm-up + {args.steps} timed steps; {cores} cores; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
-    plan = []      # (what, run(tmp) -> report)
+    if use_torch:                  # the same network in both, or the ratios compare different work
+        for model in args.models:
+            ours, theirs = param_counts(args, model)
+            if ours != theirs:
+                raise SystemExit(f"bench_train: {model}: refimpl has {ours:,} parameters, the torch baseline "
+                                 f"{theirs:,}: not the same network")
+            print(f"# {model}: {ours:,} parameters in refimpl and in torch", flush=True)
+    plan = []      # (what, run(tmp) -> report), model by model: refimpl grids, then the torch baseline
     for model in args.models:
         for grid in args.grids:
             p = ranks_of(grid)
@@ -354,12 +432,14 @@ def driver(args) -> int:
             if p == 1 and cores > 1 and not args.no_threads_run:
                 plan.append((f"refimpl {model} {grid} threads {cores}",
                              lambda tmp, m=model, g=grid: launch_refimpl(args, m, g, cores, tmp)))
-    if use_torch and "cosmoflow" in args.models:
-        plan.append(("torch 1 process threads 1", lambda tmp: launch_torch(args, 1, 1, tmp)))
+        if not use_torch:
+            continue
+        plan.append((f"torch {model} 1 process threads 1", lambda tmp, m=model: launch_torch(args, m, 1, 1, tmp)))
         if cores > 1 and not args.no_threads_run:
-            plan.append((f"torch 1 process threads {cores}", lambda tmp: launch_torch(args, 1, cores, tmp)))
-        if any(g == "2,1,1,1" for g in args.grids):
-            plan.append(("torch DDP-2 threads 1", lambda tmp: launch_torch(args, 2, 1, tmp)))
+            plan.append((f"torch {model} 1 process threads {cores}",
+                         lambda tmp, m=model: launch_torch(args, m, 1, cores, tmp)))
+        if "2,1,1,1" in args.grids:
+            plan.append((f"torch {model} DDP-2 threads 1", lambda tmp, m=model: launch_torch(args, m, 2, 1, tmp)))
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         for what, run in plan:
@@ -367,12 +447,13 @@ def driver(args) -> int:
             print(f"#   {what}: {reports[-1]['samples_per_s']:.2f} samples/s "
                   f"({reports[-1]['wall_total_s']:.0f} s)", flush=True)
     add_ratios(reports)
-    print_table(reports, torch_note)
+    print_table(reports, args.models, torch_note)
     load_end = os.getloadavg()
-    print(f"# samples/s: global batch x timed steps / slowest rank's wall time; thr: BLAS/torch threads per "
-          f"process; oversubscribed: processes x threads > {cores} cores (they time-share the cores); numpy "
-          f"peak: tracemalloc peak in a step (torch: n/a); refimpl/torch: samples/s ratio vs the torch run "
-          f"with the same processes and threads; load average at the end "
+    print(f"# params: trainable parameters; samples/s: global batch x timed steps / slowest rank's wall "
+          f"time; thr: BLAS/torch threads per process; oversubscribed: processes x threads > {cores} cores "
+          f"(they time-share the cores); numpy peak: tracemalloc peak in a step (torch: n/a); refimpl/torch: "
+          f"samples/s ratio vs the torch run of the same model with the same processes and threads; load "
+          f"average at the end "
           f"{' '.join(f'{v:.2f}' for v in load_end)} (above {cores}: other jobs share the cores)")
     if args.json:
         with open(args.json, "w") as fh:
@@ -391,12 +472,24 @@ def ranks_of(grid: str) -> int:
 
 # ---------------------------------------------------------------------------- arguments
 
+def model_list(text: str) -> list:
+    """``--model`` value: comma-separated names from MODELS ("cosmoflow,unet3d")."""
+    names = text.split(",")
+    for name in names:
+        if name not in MODELS:
+            what = f"empty name in {text!r}" if not name else f"unknown model {name!r}"
+            raise argparse.ArgumentTypeError(f"{what} (choose from {', '.join(MODELS)}, comma-separated)")
+    return names
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grids", nargs="+", default=None, metavar="Pn,Pd,Ph,Pw",
                     help=f"driver: grids to run (default {' '.join(DEFAULT_GRIDS)}; quick 1,1,1,1 2,1,1,1)")
-    ap.add_argument("--models", nargs="+", choices=("cosmoflow", "unet3d"), default=["cosmoflow", "unet3d"])
+    ap.add_argument("--model", "--models", dest="models", nargs="+", type=model_list, default=None,
+                    metavar="NAME[,NAME]", help=f"models to run, comma- or space-separated, each once "
+                    f"(default {','.join(MODELS)})")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run: " +
                     ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     for key, help_text in (("size", "sample extent D=H=W"), ("width", "CosmoFlow conv_size"),
@@ -414,13 +507,18 @@ def parse_args(argv=None):
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
     # internal: one run, launched by the driver
     ap.add_argument("--worker", choices=("refimpl", "torch"), help=argparse.SUPPRESS)
-    ap.add_argument("--model", default="cosmoflow", help=argparse.SUPPRESS)
     ap.add_argument("--grid", default="1,1,1,1", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.models = [name for names in args.models for name in names] if args.models else list(MODELS)
+    for name in MODELS:
+        if args.models.count(name) > 1:
+            ap.error(f"--model: {name} is listed more than once")
+    if args.worker and len(args.models) != 1:
+        ap.error("--worker runs one --model")
     preset = QUICK if args.quick else DEFAULT
     for key, value in preset.items():
         if getattr(args, key) is None:
@@ -436,6 +534,10 @@ def parse_args(argv=None):
         ap.error(f"--grids: {err}")
     if any(args.batch % int(g.split(",")[0]) for g in args.grids):
         ap.error(f"--batch {args.batch} must be divisible by every grid's Pn")
+    for model, key in (("cosmoflow", "layers"), ("unet3d", "unet_layers")):   # each level halves the size
+        if model in args.models and args.size % 2 ** getattr(args, key):
+            ap.error(f"--size {args.size} must be divisible by 2^{getattr(args, key)} for {model} "
+                     f"(--{key.replace('_', '-')} {getattr(args, key)})")
     return args
 
 
@@ -447,6 +549,12 @@ def main(argv=None) -> int:
     if report is not None and args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
+    if args.worker == "torch" and args.world > 1:
+        # now and then gloo's threads abort the interpreter's shutdown ("terminate called without an
+        # active exception", SIGABRT) even after destroy_process_group: the report is written, skip it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

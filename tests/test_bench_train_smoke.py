@@ -1,30 +1,42 @@
 """Smoke test of scripts/bench_train.py at tiny sizes: driver mode on 1 and 2 ranks, JSON fields.
 
 With PyTorch installed the same run includes the torch baseline (1 process and
-DDP over gloo with 2 processes) and the refimpl/torch ratios of the matching rows.
+DDP over gloo with 2 processes) and the refimpl/torch ratios of the matching rows;
+the torch U-Net is checked to compute what refimpl's computes (float64, same weights).
 """
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_train.py"
 TORCH = importlib.util.find_spec("torch") is not None
-ROW_FIELDS = {"impl", "model", "grid", "ranks", "threads", "samples_per_s", "step_s", "cpu_s",
+ROW_FIELDS = {"impl", "model", "grid", "ranks", "threads", "params", "samples_per_s", "step_s", "cpu_s",
               "numpy_peak_bytes", "maxrss_bytes", "oversubscribed", "ratio_vs_torch", "per_rank"}
+TINY = {"cosmoflow": ["--layers", "1", "--width", "2"], "unet3d": ["--unet-layers", "1", "--unet-width", "2"]}
 
 
-def test_quick_run_one_and_two_ranks(tmp_path):
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model", ["cosmoflow", "unet3d"])
+def test_quick_run_one_and_two_ranks(tmp_path, model):
     out = tmp_path / "train.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "cosmoflow", "--grids", "1,1,1,1", "2,1,1,1",
-           "--size", "8", "--layers", "1", "--width", "2", "--steps", "1", "--no-threads-run",
-           "--json", str(out)] + ([] if TORCH else ["--no-torch"])
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--model", model, "--grids", "1,1,1,1", "2,1,1,1",
+           "--size", "8", "--steps", "1", "--no-threads-run", "--json", str(out)] + TINY[model] \
+        + ([] if TORCH else ["--no-torch"])
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -33,8 +45,10 @@ def test_quick_run_one_and_two_ranks(tmp_path):
     rows = {(r["impl"], r["ranks"]): r for r in report["rows"]}
     expected = {("refimpl", 1), ("refimpl", 2)} | ({("torch", 1), ("torch", 2)} if TORCH else set())
     assert set(rows) == expected, sorted(rows)
+    assert report["settings"]["models"] == [model]
     for row in report["rows"]:
         assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["model"] == model
         assert row["samples_per_s"] > 0 and row["step_s"] > 0 and row["maxrss_bytes"] > 0
         assert row["threads"] == 1 and len(row["per_rank"]) == row["ranks"]
     one, two = rows["refimpl", 1], rows["refimpl", 2]
@@ -42,13 +56,73 @@ def test_quick_run_one_and_two_ranks(tmp_path):
     assert one["numpy_peak_bytes"] > 0 and two["numpy_peak_bytes"] > 0
     if TORCH:
         torch1, ddp = rows["torch", 1], rows["torch", 2]
-        assert torch1["params"] == one["params"]            # the same network in both
+        assert torch1["params"] == one["params"] == ddp["params"]      # the same network in both
+        assert f"{model}: {one['params']:,} parameters in refimpl and in torch" in proc.stdout
         assert one["ratio_vs_torch"] == pytest.approx(one["samples_per_s"] / torch1["samples_per_s"])
         assert two["ratio_vs_torch"] == pytest.approx(two["samples_per_s"] / ddp["samples_per_s"])
         assert torch1["numpy_peak_bytes"] is None
     else:
         assert "n/a" in proc.stdout
     assert "samples/s" in proc.stdout and "load average" in proc.stdout
+
+
+def test_model_selection():
+    parse = load_script().parse_args
+    assert parse([]).models == ["cosmoflow", "unet3d"]
+    assert parse(["--model", "unet3d"]).models == ["unet3d"]
+    assert parse(["--model", "unet3d,cosmoflow"]).models == ["unet3d", "cosmoflow"]
+    assert parse(["--models", "cosmoflow", "unet3d"]).models == ["cosmoflow", "unet3d"]   # the older spelling
+
+
+@pytest.mark.parametrize("value, message", [
+    (["foo"], "unknown model 'foo'"), (["cosmoflow,"], "empty name in 'cosmoflow,'"),
+    (["cosmoflow,,unet3d"], "empty name"), (["UNet3D"], "unknown model 'UNet3D'"),
+    (["unet3d,unet3d"], "unet3d is listed more than once"), ([], "expected at least one argument")])
+def test_bad_model_is_rejected(capsys, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().parse_args(["--model"] + value)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_size_must_halve_through_every_unet_level():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "unet3d", "--size", "12", "--unet-layers", "3"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "--size 12 must be divisible by 2^3 for unet3d" in proc.stderr
+
+
+@pytest.mark.skipif(not TORCH, reason="PyTorch is not installed")
+@pytest.mark.parametrize("levels, width", [(1, 3), (2, 2)])
+def test_torch_unet_is_refimpl_unet(levels, width):
+    """Same weights in, same logits, loss and gradients out (float64): the baseline does the same work."""
+    import torch
+    from refimpl.models import build_model
+    bench = load_script()
+    args = bench.parse_args(["--quick", "--size", "8", "--unet-layers", str(levels), "--unet-width", str(width)])
+    config = bench.model_config(args, "unet3d")
+    ours = build_model("unet3d", config, seed=0, dtype="float64")
+    net, loss_fn = bench.torch_model("unet3d", config)
+    net = net.double().train()
+    theirs = dict(net.named_parameters())
+    # refimpl's enc0.1.weight is torch's enc.0.1.weight (enc / up / dec are ModuleLists there)
+    pairs = [(p, theirs[re.sub(r"^(enc|up|dec)(\d+)\.", r"\1.\2.", name)]) for name, p in ours.named_parameters()]
+    assert len(pairs) == len(theirs)
+    with torch.no_grad():
+        for p, t in pairs:
+            t.copy_(torch.from_numpy(p.data))
+    x, y = bench.synthetic_batch("unet3d", config, 2, seed=1)
+    x = x.astype(numpy.float64)
+    ours.train()
+    ours.zero_grad()
+    out = ours.forward(x)
+    loss, dout, _ = ours.loss(out, y)
+    ours.backward(dout)
+    t_out = net(torch.from_numpy(x))
+    t_loss = loss_fn(t_out, torch.from_numpy(y))
+    t_loss.backward()
+    numpy.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-10, atol=1e-12)
+    assert loss == pytest.approx(t_loss.item(), rel=1e-12)
+    for p, t in pairs:
+        numpy.testing.assert_allclose(p.grad, t.grad.numpy(), rtol=1e-9, atol=1e-12)
 
 
 def test_bad_batch_for_grid_is_rejected():
