@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .backend import tune_allocator
+    tune_allocator()
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

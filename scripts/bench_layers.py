@@ -82,6 +82,7 @@ import numpy  # noqa: E402  (after the thread environment)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from refimpl.backend import tune_allocator  # noqa: E402
 from refimpl.functional import _im2col  # noqa: E402
 from refimpl.functional.activations import (leaky_relu, leaky_relu_backward, relu,  # noqa: E402
                                             relu_backward)
@@ -114,6 +115,7 @@ else:
 
 import tracemalloc  # noqa: E402
 
+tune_allocator()       # as the refimpl command does; PyTorch shares the same malloc
 REPEATS = args.repeats or (2 if args.quick else 4)
 LEAKY_SLOPE = 0.3
 

@@ -301,6 +301,9 @@ def print_ranks(report):
 
 def worker(args) -> int:
     from mpi4py import MPI
+
+    from refimpl.backend import tune_allocator
+    tune_allocator()                       # as `refimpl train` does
     try:
         report = run_one_p(args)
     except ValueError as err:      # raised identically on every rank, before any message

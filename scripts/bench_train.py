@@ -111,11 +111,13 @@ def refimpl_worker(args) -> dict | None:
     import numpy
     from mpi4py import MPI
 
+    from refimpl.backend import tune_allocator
     from refimpl.models import build_model
     from refimpl.optim import SGD
     from refimpl.parallel.grad_sync import GradientSynchronizer
     from refimpl.parallel.grid import ProcessGrid, parse_grid
 
+    tune_allocator()                       # as `refimpl train` does (and the torch workers)
     comm = MPI.COMM_WORLD
     dims = parse_grid(args.grid)
     grid = ProcessGrid(comm, dims)          # raises on every rank if dims do not match the size
@@ -237,6 +239,9 @@ def torch_model(name: str, config: dict):
 
 def torch_worker(args) -> dict:
     import torch
+
+    from refimpl.backend import tune_allocator
+    tune_allocator()                       # the same malloc settings as the refimpl workers
     torch.set_num_threads(args.threads)
     world, rank = args.world, args.rank
     if world > 1:

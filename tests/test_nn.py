@@ -202,3 +202,32 @@ def test_train_eval_propagate_and_bad_arguments():
     with pytest.raises(ValueError, match="module '0' must be a refimpl.nn Module"):
         Sequential(torch.nn.ReLU())
     assert isinstance(model, Module) and "Conv3d(2, 3" in repr(model)
+
+
+def test_allocator_setting(monkeypatch):
+    """REFIMPL_ALLOCATOR: retain (default) tunes glibc's malloc, system leaves it, others refused."""
+    from refimpl.backend import tune_allocator
+    monkeypatch.setenv("REFIMPL_ALLOCATOR", "system")
+    assert tune_allocator() is False
+    monkeypatch.setenv("REFIMPL_ALLOCATOR", "keep")
+    with pytest.raises(ValueError, match="REFIMPL_ALLOCATOR must be one of retain, system"):
+        tune_allocator()
+    monkeypatch.setenv("REFIMPL_ALLOCATOR", "retain")
+    assert tune_allocator() in (True, False)          # False only where libc is not glibc
+    x = np.arange(3 * 2**20, dtype=np.float32)         # big allocations still work
+    assert float(x[-1]) == 3 * 2**20 - 1
+
+
+def test_first_conv_skips_the_input_gradient():
+    """needs_input_grad=False: backward returns None with the same dw, db."""
+    from refimpl.nn import Conv3d
+    rng = np.random.default_rng(0)
+    a = Conv3d(2, 3, 3, padding=1, rng=np.random.default_rng(1), dtype=np.float64)
+    b = Conv3d(2, 3, 3, padding=1, rng=np.random.default_rng(1), dtype=np.float64)
+    b.needs_input_grad = False
+    x = rng.standard_normal((2, 2, 5, 6, 7))
+    dy = rng.standard_normal((2, 3, 5, 6, 7))
+    a.forward(x), b.forward(x)
+    assert a.backward(dy).shape == x.shape and b.backward(dy) is None
+    np.testing.assert_allclose(b.weight.grad, a.weight.grad, rtol=1e-12)
+    np.testing.assert_allclose(b.bias.grad, a.bias.grad, rtol=1e-12)
