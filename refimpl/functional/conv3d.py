@@ -116,11 +116,15 @@ def check_dy_extent(dy, expected, name="dy"):
                              f"axis it must be between 1 and the conv output extent {e}")
 
 
-def forward_no_bias(x, w, s, p, dl, out, budget, algorithm):
-    """``conv3d(x, w)`` for validated arguments, by the algorithm ``resolve_algorithm`` picks."""
+def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
+    """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
+    ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
     if resolve_algorithm(algorithm, w.shape[2:], s, dl, out) == "winograd":
-        return winograd.forward(x, w, p, out, budget)
-    return _im2col.forward(x, w, s, p, dl, out, budget)
+        return winograd.forward(x, w, p, out, budget, bias)
+    y = _im2col.forward(x, w, s, p, dl, out, budget)
+    if bias is not None:
+        y += bias.reshape(1, -1, 1, 1, 1)
+    return y
 
 
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
@@ -142,10 +146,7 @@ def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
     budget = _im2col.budget_or_default(max_temp_bytes)
-    y = forward_no_bias(x, w, s, p, dl, out, budget, algorithm)
-    if b is not None:
-        y += b.reshape(1, -1, 1, 1, 1)
-    return y
+    return forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=b)
 
 
 def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..backend import check_same_dtype
 from . import _im2col
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import (AXES, check_bias, conv_params, forward_no_bias, input_grad, resolve_algorithm,
+from .conv3d import (AXES, check_bias, conv_params, forward_with_bias, input_grad, resolve_algorithm,
                      weight_grad)
 
 
@@ -80,7 +80,7 @@ def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, d
     n_in = tuple(x.shape[2:])
     full = not any(op)
     if resolve_algorithm(algorithm, w.shape[2:], s, dl, n_in, full) == "winograd":
-        dx = forward_no_bias(dy, w, s, p, dl, n_in, budget, "winograd")
+        dx = forward_with_bias(dy, w, s, p, dl, n_in, budget, "winograd")
         dw = weight_grad(x, dy, w.shape, s, p, dl, budget, "winograd", full)
     else:   # one pass over the column tiles of dy gives both
         dx, dw = _im2col.forward(dy, w, s, p, dl, n_in, budget, g=x)

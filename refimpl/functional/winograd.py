@@ -229,8 +229,9 @@ def _padded_channels_last(x, pad, tiles, extra, workers):
 TRANSPOSE_BLOCK = 8192
 
 
-def to_ncdhw(src, workers=1):
-    """``src`` (N, D, H, W, C), any strides, as a new C-ordered (N, C, D, H, W) array.
+def to_ncdhw(src, workers=1, bias=None):
+    """``src`` (N, D, H, W, C), any strides, as a new C-ordered (N, C, D, H, W) array,
+    plus ``bias`` (C,) per channel when given (in the same pass).
 
     A plain ``ascontiguousarray(src.transpose(0, 4, 1, 2, 3))`` reads ``src`` with
     stride C in its inner loop and runs 4-6x slower than a copy; copying blocks of
@@ -241,10 +242,16 @@ def to_ncdhw(src, workers=1):
     out = xp.empty((n, c, d, h, w), dtype=src.dtype)
     rows = max(1, TRANSPOSE_BLOCK // max(1, w * c))
 
+    b = None if bias is None else bias.reshape(c, 1, 1)
+
     def plane(_, ij):
         i, j = ij
         for h0 in range(0, h, rows):
-            out[i, :, j, h0:h0 + rows] = src[i, j, h0:h0 + rows].transpose(2, 0, 1)
+            block = src[i, j, h0:h0 + rows].transpose(2, 0, 1)       # (C, rows, W)
+            if b is None:
+                out[i, :, j, h0:h0 + rows] = block
+            else:
+                xp.add(block, b, out=out[i, :, j, h0:h0 + rows])
     _threads.run(plane, [(i, j) for i in range(n) for j in range(d)], workers)
     return out
 
@@ -298,8 +305,8 @@ def _input_tiles(xcl, chunk, tiles, bt, bufs, c):
 
 # ----------------------------------------------------------------------------- the ops
 
-def forward(x, w, padding, out_spatial, budget):
-    """``y = conv3d(x, w)`` (no bias), 3x3x3, stride 1, dilation 1, any padding."""
+def forward(x, w, padding, out_spatial, budget, bias=None):
+    """``y = conv3d(x, w) + bias``, 3x3x3, stride 1, dilation 1, any padding (bias may be None)."""
     xp = array_module(x, w)
     n_b, c = x.shape[:2]
     f = w.shape[0]
@@ -320,7 +327,7 @@ def forward(x, w, padding, out_spatial, budget):
         view[...] = yt.reshape(view.shape)
     _threads.run(one, plan.chunks, plan.workers)
     od, oh, ow = out_spatial
-    return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers)
+    return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers, bias)
 
 
 def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
