@@ -114,9 +114,9 @@ def copy(dst, src, workers):
     run(one, tasks, workers)
 
 
-#: Elements per block of a blockwise elementwise pass: a few passes over one block stay in
+#: Elements per block of a blockwise elementwise pass (1 MiB of float32, measured): a few passes over one block stay in
 #: the L2 cache (4 MiB per core here) instead of streaming the whole array each time.
-ELEMENTWISE_BLOCK = 1 << 16
+ELEMENTWISE_BLOCK = 1 << 18
 
 
 def elementwise(fn, out, *inputs):

@@ -30,12 +30,22 @@ of the reduction group (no extra message) and tracks the batch mean.  With no
 shift (K = 0) the float64 accumulation alone keeps float32 training accurate
 unless |mean| >> std.  (The alternative, a two-pass centred sum, is exact but
 needs two allreduces.)  Sums travel as float64 arrays of shape (C,).
+
+Passes: every step is one pass over its inputs, run block by block
+(``_channel_blocks``: a block is all C channels of one sample over a cache-sized
+range of voxels, the blocks shared by the worker threads of ``_threads``), so the
+few elementwise operations of a step (shift, square, normalise, scale) read the
+cache, not memory.  The cache keeps ``x`` itself (no normalised copy): ``xhat`` is
+recomputed block by block in the backward, where it is used twice.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy
+
 from ..backend import array_module, check_same_dtype
+from . import _threads
 from ._args import check_float, check_ndim
 
 _AXES = (0, 2, 3, 4)  # every axis but the channel
@@ -47,9 +57,52 @@ def _per_channel(v):
 
 
 class BatchNormCache(NamedTuple):
-    xhat: object     # (N, C, D, H, W) normalised input
+    x: object        # (N, C, D, H, W) the input
+    mean: object     # (C,) in x's dtype
     gamma: object    # (C,) or None
     inv_std: object  # (C,) in x's dtype
+
+
+#: Voxels x channels per block of a pass (1 MiB of float32: measured best here, 2x
+#: faster than 64 Ki elements, whose per-channel rows are too short).
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _channel_blocks(*arrays):
+    """The arrays (same NCDHW shape) as lists of blocks ``(..., C, L)``: on NumPy one
+    block per sample and range of at most ``BLOCK_ELEMENTS / C`` voxels (views of the
+    C-contiguous arrays), on CuPy the whole ``(N, C, DHW)`` array as one block."""
+    n, c = arrays[0].shape[:2]
+    flat = [array_module(a).ascontiguousarray(a).reshape(n, c, -1) for a in arrays]
+    size = flat[0].shape[2]
+    if array_module(*arrays) is not numpy or n * size == 0:     # (or an empty block)
+        return [tuple(flat)]
+    step = max(1, BLOCK_ELEMENTS // max(1, c))
+    return [tuple(f[i, :, a:a + step] for f in flat) for i in range(n) for a in range(0, size, step)]
+
+
+def _run_blocks(fn, blocks):
+    """``fn(block)`` for every block, over the worker threads (numpy); results in block order."""
+    results = [None] * len(blocks)
+
+    def one(_, i):
+        results[i] = fn(*blocks[i])
+    workers = _threads.thread_count(array_module(blocks[0][0]))
+    _threads.run(one, list(range(len(blocks))), workers)
+    return results
+
+
+def _channel_sums(partials, c):
+    """Sum per-block (..., C) float64 partial sums in block order -> (C,)."""
+    total = partials[0].reshape(-1, c).sum(axis=0)
+    for p in partials[1:]:
+        total = total + p.reshape(-1, c).sum(axis=0)
+    return total
+
+
+def _col(v, dtype):
+    """(C,) -> (C, 1) in ``dtype``: per-channel scalars for a (..., C, L) block."""
+    return v.astype(dtype).reshape(-1, 1)
 
 
 def _check_channel_vector(v, name, channels):
@@ -64,16 +117,23 @@ def batch_norm_local_sums(x, shift=None):
     """(count, S1, S2): count = N*D*H*W (int), S1 = sum(x - shift), S2 = sum((x - shift)^2).
 
     S1, S2: float64 arrays of shape (C,); ``shift`` (C,) defaults to 0 (see module doc).
+    The shifted values are formed in x's dtype and summed in float64, block by block.
     """
     check_ndim(x, 5, "x", "N, C, D, H, W")
     check_float("x", x)
     _check_channel_vector(shift, "shift", x.shape[1])
     xp = array_module(x)
+    c = x.shape[1]
     count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
-    xs = x if shift is None else x - _per_channel(shift).astype(x.dtype)
-    s1 = xp.sum(xs, axis=_AXES, dtype=xp.float64)
-    s2 = xp.sum(xs * xs, axis=_AXES, dtype=xp.float64)
-    return count, s1, s2
+    k = None if shift is None else _col(shift, x.dtype)
+
+    def sums(xb):
+        xs = xb if k is None else xb - k
+        s1 = xp.sum(xs, axis=-1, dtype=xp.float64)
+        xs = xs * xs if k is None else xp.multiply(xs, xs, out=xs)
+        return s1, xp.sum(xs, axis=-1, dtype=xp.float64)
+    parts = _run_blocks(sums, _channel_blocks(x))
+    return count, _channel_sums([a for a, _ in parts], c), _channel_sums([b for _, b in parts], c)
 
 
 def batch_norm_stats(count, sum_, sumsq, eps=1e-5, shift=None):
@@ -103,38 +163,67 @@ def batch_norm_forward(x, mean, inv_std, gamma=None, beta=None):
     for name, v in (("mean", mean), ("inv_std", inv_std), ("gamma", gamma), ("beta", beta)):
         _check_channel_vector(v, name, x.shape[1])
     check_same_dtype(x=x, gamma=gamma, beta=beta)
-    inv_std = inv_std.astype(x.dtype)
-    xhat = (x - _per_channel(mean.astype(x.dtype))) * _per_channel(inv_std)
-    y = xhat if gamma is None else xhat * _per_channel(gamma)
-    if beta is not None:
-        y = y + _per_channel(beta)
-    return y, BatchNormCache(xhat, gamma, inv_std)
+    xp = array_module(x)
+    dt = x.dtype
+    # y = x * a + c with a = gamma * inv_std, c = beta - mean * a (per channel, in float64)
+    a = inv_std.astype(xp.float64) * (1.0 if gamma is None else gamma.astype(xp.float64))
+    c = (0.0 if beta is None else beta.astype(xp.float64)) - mean.astype(xp.float64) * a
+    a, c = _col(a, dt), _col(c, dt)
+    y = xp.empty(x.shape, dtype=dt)
+
+    def normalise(yb, xb):
+        xp.multiply(xb, a, out=yb)
+        yb += c
+    _run_blocks(normalise, _channel_blocks(y, x))
+    return y, BatchNormCache(x, mean.astype(dt), gamma, inv_std.astype(dt))
 
 
 def batch_norm_backward_local_sums(dy, cache):
     """(sum(dy), sum(dy * xhat)) over the local block: float64 (C,) each."""
-    check_same_dtype(xhat=cache.xhat, dy=dy)
-    if dy.shape != cache.xhat.shape:
-        raise ValueError(f"dy has shape {dy.shape}, expected {cache.xhat.shape}")
+    check_same_dtype(x=cache.x, dy=dy)
+    if dy.shape != cache.x.shape:
+        raise ValueError(f"dy has shape {dy.shape}, expected {cache.x.shape}")
     xp = array_module(dy)
-    return (xp.sum(dy, axis=_AXES, dtype=xp.float64),
-            xp.sum(dy * cache.xhat, axis=_AXES, dtype=xp.float64))
+    m, s = _col(cache.mean, dy.dtype), _col(cache.inv_std, dy.dtype)
+
+    def sums(gb, xb):
+        xhat = xp.subtract(xb, m)
+        xhat *= s
+        xhat *= gb
+        return xp.sum(gb, axis=-1, dtype=xp.float64), xp.sum(xhat, axis=-1, dtype=xp.float64)
+    c = dy.shape[1]
+    parts = _run_blocks(sums, _channel_blocks(dy, cache.x))
+    return _channel_sums([a for a, _ in parts], c), _channel_sums([b for _, b in parts], c)
 
 
-def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count):
+def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
     """(dx, dgamma, dbeta) of training-mode batch norm.
 
     ``sum_dy``, ``sum_dy_xhat``, ``count``: the sums over *all* n elements the
     statistics were taken over (allreduced when partitioned).  ``dgamma`` and
     ``dbeta`` are this block's *local* contributions (None when gamma is None):
     the caller sums them over spatial shards like any other weight gradient.
+    ``local_sums``: ``batch_norm_backward_local_sums(dy, cache)`` when the caller has
+    them already (the pass is not repeated).
     """
-    local_sum_dy, local_sum_dy_xhat = batch_norm_backward_local_sums(dy, cache)
+    local_sum_dy, local_sum_dy_xhat = (batch_norm_backward_local_sums(dy, cache)
+                                       if local_sums is None else local_sums)
+    xp = array_module(dy)
     dt = dy.dtype
     scale = cache.inv_std if cache.gamma is None else cache.inv_std * cache.gamma
-    mean_dy = _per_channel((sum_dy / count).astype(dt))
-    mean_dy_xhat = _per_channel((sum_dy_xhat / count).astype(dt))
-    dx = _per_channel(scale) * (dy - mean_dy - cache.xhat * mean_dy_xhat)
+    scale, m, s = _col(scale, dt), _col(cache.mean, dt), _col(cache.inv_std, dt)
+    mean_dy = _col(sum_dy / count, dt)
+    mean_dy_xhat = _col(sum_dy_xhat / count, dt)
+    dx = xp.empty(dy.shape, dtype=dt)
+
+    def grad(db, gb, xb):                      # scale * (dy - mean(dy) - xhat * mean(dy xhat))
+        xp.subtract(xb, m, out=db)
+        db *= s
+        db *= mean_dy_xhat
+        xp.subtract(gb, db, out=db)
+        db -= mean_dy
+        db *= scale
+    _run_blocks(grad, _channel_blocks(dx, dy, cache.x))
     if cache.gamma is None:
         return dx, None, None
     return dx, local_sum_dy_xhat.astype(dt), local_sum_dy.astype(dt)
@@ -174,8 +263,8 @@ def batch_norm3d_backward(dy, cache):
     """
     bn_cache, count = cache
     if count is not None:
-        sum_dy, sum_dy_xhat = batch_norm_backward_local_sums(dy, bn_cache)
-        return batch_norm_backward(dy, bn_cache, sum_dy, sum_dy_xhat, count)
+        sums = batch_norm_backward_local_sums(dy, bn_cache)
+        return batch_norm_backward(dy, bn_cache, *sums, count, local_sums=sums)
     sum_dy, sum_dy_xhat = batch_norm_backward_local_sums(dy, bn_cache)
     scale = bn_cache.inv_std if bn_cache.gamma is None else bn_cache.inv_std * bn_cache.gamma
     dx = _per_channel(scale) * dy

@@ -68,8 +68,10 @@ class BatchNorm3d(Module):
         if count is None:   # eval mode: the statistics are constants
             dx, dgamma, dbeta = batch_norm3d_backward(dy, (cache, None))
         else:
-            sum_dy, sum_dy_xhat = self.global_sums(*batch_norm_backward_local_sums(dy, cache))
-            dx, dgamma, dbeta = batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count)
+            local = batch_norm_backward_local_sums(dy, cache)
+            sum_dy, sum_dy_xhat = self.global_sums(*local)
+            dx, dgamma, dbeta = batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count,
+                                                    local_sums=local)
         self.weight.accumulate_grad(dgamma)
         self.bias.accumulate_grad(dbeta)
         return dx
