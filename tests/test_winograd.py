@@ -199,15 +199,18 @@ def test_worker_exception_propagates():
 # --------------------------------------------------------------- choosing the algorithm
 
 def test_auto_choice():
-    k3, s1, d1 = (3, 3, 3), (1, 1, 1), (1, 1, 1)
-    assert resolve_algorithm("auto", k3, s1, d1, (16, 16, 16)) == W
-    assert resolve_algorithm("auto", k3, s1, d1, (3, 3, 3)) == W          # 216/27 = 8 per output
-    assert resolve_algorithm("auto", k3, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
-    assert resolve_algorithm("auto", k3, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
-    assert resolve_algorithm("auto", k3, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
-    assert resolve_algorithm("auto", (3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
-    assert resolve_algorithm("auto", k3, s1, d1, (16, 16, 16), full_dy=False) == "im2col"
-    assert resolve_algorithm("im2col", k3, s1, d1, (16, 16, 16)) == "im2col"
+    w = (16, 8, 3, 3, 3)                                # F=16, C=8: C*F/(C+F) = 5.3
+    s1, d1 = (1, 1, 1), (1, 1, 1)
+    assert resolve_algorithm("auto", w, s1, d1, (16, 16, 16)) == W
+    assert resolve_algorithm("auto", w, s1, d1, (3, 3, 3)) == W          # 216/27 = 8 per output
+    assert resolve_algorithm("auto", w, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
+    assert resolve_algorithm("auto", (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"   # too narrow
+    assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", w, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", (16, 8, 3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
+    assert resolve_algorithm("auto", w, s1, d1, (16, 16, 16), full_dy=False) == "im2col"
+    assert resolve_algorithm("im2col", w, s1, d1, (16, 16, 16)) == "im2col"
+    assert resolve_algorithm(W, (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == W   # asked for: given
 
 
 def test_algorithm_errors(monkeypatch):
@@ -224,14 +227,14 @@ def test_algorithm_errors(monkeypatch):
     with pytest.raises(ValueError, match="REFIMPL_CONV_ALGORITHM must be one of"):
         conv3d(x, w)
     monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
-    assert resolve_algorithm(None, (3, 3, 3), (1, 1, 1), (1, 1, 1), (8, 8, 8)) == "im2col"
+    assert resolve_algorithm(None, (8, 8, 3, 3, 3), (1, 1, 1), (1, 1, 1), (8, 8, 8)) == "im2col"
 
 
 def test_environment_picks_the_algorithm_of_the_layers(monkeypatch):
     """The layers call with algorithm=None: the variable switches them, same numbers."""
     from refimpl.nn import Conv3d
-    layer = Conv3d(3, 5, 3, padding=1, rng=np.random.default_rng(0), dtype=np.float64)
-    x = np.random.default_rng(1).standard_normal((2, 3, 7, 6, 5))
+    layer = Conv3d(8, 9, 3, padding=1, rng=np.random.default_rng(0), dtype=np.float64)
+    x = np.random.default_rng(1).standard_normal((2, 8, 7, 6, 5))
     calls = []
     real = winograd.forward
     monkeypatch.setattr(winograd, "forward", lambda *a: calls.append(1) or real(*a))

@@ -18,8 +18,9 @@ Two algorithms, picked per call by ``algorithm=``:
   im2col, exact in float64, within ``winograd.FLOAT32_BOUND`` in float32.  Its
   chunked work buffers obey ``max_temp_bytes``; it also copies the input and
   output once in channels-last order.
-- ``"auto"`` (the default): Winograd where it applies and saves at least half of
-  the multiplications (``winograd.worthwhile``), else im2col.
+- ``"auto"`` (the default): Winograd where it applies, saves at least half of
+  the multiplications and the channels are not too narrow (``winograd.worthwhile``:
+  C*F/(C+F) >= 4), else im2col.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI
@@ -48,9 +49,10 @@ ALGORITHMS = ("auto", "im2col", "winograd")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
 
 
-def resolve_algorithm(algorithm, kernel, stride, dilation, out_spatial, full_dy=True):
-    """``"im2col"`` or ``"winograd"`` for this conv: ``algorithm`` (None: the
-    ``REFIMPL_CONV_ALGORITHM`` variable, default "auto") validated against the shape.
+def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True):
+    """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
+    ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
+    validated against the shape.
 
     ``full_dy=False`` when a gradient covers only the first outputs per axis (the
     building blocks of transposed conv with output_padding): im2col only.
@@ -60,13 +62,15 @@ def resolve_algorithm(algorithm, kernel, stride, dilation, out_spatial, full_dy=
         algorithm, source = os.environ.get(ENV_ALGORITHM, "auto"), ENV_ALGORITHM
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{source} must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    kernel = tuple(weight_shape[2:])
     fits = winograd.applicable(kernel, stride, dilation) and full_dy
     if algorithm == "winograd" and not fits:
         raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
                          f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
                          f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
     if algorithm == "auto":
-        return "winograd" if fits and winograd.worthwhile(out_spatial) else "im2col"
+        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0])
+        return "winograd" if fits and wide else "im2col"
     return algorithm
 
 
@@ -119,7 +123,7 @@ def check_dy_extent(dy, expected, name="dy"):
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
-    if resolve_algorithm(algorithm, w.shape[2:], s, dl, out) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, out) == "winograd":
         return winograd.forward(x, w, p, out, budget, bias)
     y = _im2col.forward(x, w, s, p, dl, out, budget)
     if bias is not None:
@@ -130,7 +134,7 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
-    if resolve_algorithm(algorithm, w.shape[2:], s, dl, dy.shape[2:], full_dy) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy) == "winograd":
         return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
     return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
 

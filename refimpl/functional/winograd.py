@@ -121,9 +121,19 @@ def multiplies_per_output(out_spatial):
     return ALPHA ** 3 * tiles[0] * tiles[1] * tiles[2] / (out_spatial[0] * out_spatial[1] * out_spatial[2])
 
 
-def worthwhile(out_spatial):
-    """"auto" takes Winograd when it needs at most half of im2col's 27 products per output."""
-    return multiplies_per_output(out_spatial) <= 27 / 2
+#: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
+#: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F; measured
+#: (fwd + bwd, 32^3, 1 and 2 threads) im2col is as fast or faster for 4->16 and 4->32
+#: (3.2, 3.6), Winograd 1.7-4x faster from 8->16 (5.3) on.
+MIN_CHANNEL_PRODUCT_RATIO = 4.0
+
+
+def worthwhile(out_spatial, c, f):
+    """"auto" takes Winograd when it needs at most half of im2col's 27 products per
+    output and the channels are wide enough for the saved flops to pay for the
+    transforms (``MIN_CHANNEL_PRODUCT_RATIO``)."""
+    return (multiplies_per_output(out_spatial) <= 27 / 2
+            and c * f / (c + f) >= MIN_CHANNEL_PRODUCT_RATIO)
 
 
 # ------------------------------------------------------------------- separable transforms
