@@ -12,6 +12,11 @@ order, as PyTorch's: each stage marks the first tap holding its maximum, and the
 lexicographically first maximum of a window is the first along D of the firsts
 along H of the firsts along W.
 
+Blocks: samples and channels are independent, so NumPy runs the stages block by
+block (one sample, as many channels as make about ``BLOCK_ELEMENTS`` inputs) over
+the worker threads of ``_threads``: a block's few passes then stay in the cache.
+CuPy takes the whole array as one block.
+
 Output extent per axis: ``floor((n + 2p - d(k-1) - 1)/s) + 1``.  Padding must
 be ``<= kernel // 2`` (PyTorch's rule), so every window holds at least one
 real element.  Max pooling pads with ``-inf``; average pooling pads with
@@ -19,10 +24,40 @@ zeros and divides by the full kernel volume (``count_include_pad=True``).
 """
 from __future__ import annotations
 
+import numpy
+
 from ..backend import array_module, check_same_dtype
+from . import _threads
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
+#: Inputs per block (1 MiB of float32; one channel when a channel's volume is larger).
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _blocks(x):
+    """(sample, channel-range) index pairs covering ``x`` (N, C, ...): see the module doc."""
+    if array_module(x) is not numpy:
+        return [(slice(None), slice(None))]
+    n, c = x.shape[:2]
+    volume = max(1, x[0, 0].size) if x.size else 1
+    per = max(1, BLOCK_ELEMENTS // volume)
+    return [(slice(i, i + 1), slice(c0, min(c0 + per, c))) for i in range(n) for c0 in range(0, c, per)]
+
+
+def _per_block(fn, x, out_shape, dtype):
+    """``out[b] = fn(b, x[b])`` for every block ``b`` of ``_blocks(x)``, over the worker
+    threads; returns ``out`` (``out_shape``) and the list of what else ``fn`` returned."""
+    xp = array_module(x)
+    out = xp.empty(out_shape, dtype=dtype)
+    blocks = _blocks(x)
+    extra = [None] * len(blocks)
+
+    def one(_, i):
+        result, extra[i] = fn(i, blocks[i])
+        out[blocks[i]] = result
+    _threads.run(one, list(range(len(blocks))), _threads.thread_count(xp))
+    return out, extra
 
 
 def _pool_args(x, kernel_size, stride, padding, dilation):
@@ -133,13 +168,16 @@ def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, *, return_mas
     """y[n, c, o] = max over the window of o (stride defaults to kernel_size).
 
     ``return_masks=True`` returns ``(y, masks)``: the first-maximum masks of every
-    separable stage (PyTorch's ``return_indices`` in another form), which
-    ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.
+    separable stage of every block (PyTorch's ``return_indices`` in another form),
+    which ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.
     They take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).
     """
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-    y, stages = _max_stages(x, k, s, p, d, out, with_arg=return_masks)
-    return (y, stages) if return_masks else y
+
+    def block(_, idx):
+        return _max_stages(x[idx], k, s, p, d, out, with_arg=return_masks)
+    y, masks = _per_block(block, x, tuple(x.shape[:2]) + out, x.dtype)
+    return (y, masks) if return_masks else y
 
 
 def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, *, masks=None):
@@ -149,38 +187,49 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     ``x`` and these arguments; without it the forward runs again to find them."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
     _check_dy(dy, x, out)
-    stages = _max_stages(x, k, s, p, d, out, with_arg=True)[1] if masks is None else masks
-    g = dy
-    for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
-        a = axis - 2
-        g = _spread_along(g, axis, k[a], s[a], d[a], n_in, first)
-    return _unpad(g, p, x.shape)
+
+    def block(i, idx):
+        xb = x[idx]
+        stages = _max_stages(xb, k, s, p, d, out, with_arg=True)[1] if masks is None else masks[i]
+        g = dy[idx]
+        for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
+            a = axis - 2
+            g = _spread_along(g, axis, k[a], s[a], d[a], n_in, first)
+        return _unpad(g, p, xb.shape), None
+    return _per_block(block, x, x.shape, dy.dtype)[0]
 
 
 def avg_pool3d(x, kernel_size, stride=None, padding=0):
     """y[n, c, o] = sum over the window of o / prod(kernel_size) (zero padding counted)."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
-    y = _pad(x, p, 0)
-    for axis in AXES:
-        a = axis - 2
-        taps = _taps(axis, k[a], s[a], d[a], out[a])
-        total = y[taps[0][1]].copy()
-        for _, index in taps[1:]:
-            total += y[index]
-        y = total
-    return y / (k[0] * k[1] * k[2])
+
+    def block(_, idx):
+        y = _pad(x[idx], p, 0)
+        for axis in AXES:
+            a = axis - 2
+            taps = _taps(axis, k[a], s[a], d[a], out[a])
+            total = y[taps[0][1]].copy()
+            for _, index in taps[1:]:
+                total += y[index]
+            y = total
+        y /= k[0] * k[1] * k[2]
+        return y, None
+    return _per_block(block, x, tuple(x.shape[:2]) + out, x.dtype)[0]
 
 
 def avg_pool3d_backward(dy, x, kernel_size, stride=None, padding=0):
     """dx: every element of a window receives dy / prod(kernel_size)."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
     _check_dy(dy, x, out)
-    g = dy / (k[0] * k[1] * k[2])
     padded = tuple(n + 2 * pi for n, pi in zip(x.shape[2:], p))
-    for axis in reversed(AXES):
-        a = axis - 2
-        g = _spread_along(g, axis, k[a], s[a], d[a], padded[a])
-    return _unpad(g, p, x.shape)
+
+    def block(_, idx):
+        g = dy[idx] / (k[0] * k[1] * k[2])
+        for axis in reversed(AXES):
+            a = axis - 2
+            g = _spread_along(g, axis, k[a], s[a], d[a], padded[a])
+        return _unpad(g, p, x[idx].shape), None
+    return _per_block(block, x, x.shape, dy.dtype)[0]
 
 
 __all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward"]
