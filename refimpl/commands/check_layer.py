@@ -16,12 +16,17 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy
 
 LAYERS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d")
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+#: float32 tolerance where a conv may run Winograd: its rounding depends on where the
+#: 4x4x4 tiles fall, which differs between a rank's block and the whole volume
+#: (refimpl/functional/winograd.py documents ~1e-4 of a typical output).
+WINOGRAD_FLOAT32_TOLERANCE = 1e-3
 
 
 def _ints(text, name, count=None):
@@ -52,7 +57,11 @@ def add_arguments(parser):
     parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw",
                         help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float64",
-                        help="float64 (tolerance 1e-10) or float32 (1e-5)")
+                        help="float64 (tolerance 1e-10) or float32 (1e-5; 1e-3 for a conv that may "
+                             "run Winograd)")
+    parser.add_argument("--algorithm", choices=("auto", "im2col", "winograd"), default=None,
+                        help="conv algorithm of the partitioned layer and the oracle (default: "
+                             "$REFIMPL_CONV_ALGORITHM, else auto: Winograd for wide 3x3x3 stride-1 convs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the global arrays")
     parser.add_argument("--save", default=None, metavar="FILE.npz",
                         help="write the gathered global x, w, b, dy, y, dx, dw, db")
@@ -95,6 +104,23 @@ class LayerSpec:
             raise ValueError(f"--grid puts {self.grid_dims[0]} sample groups on a batch of {shape[0]}: "
                              "every data-parallel rank needs at least one sample")
         self.seed, self.save = args.seed, args.save
+        self.algorithm = getattr(args, "algorithm", None)
+        if self.algorithm is not None:            # the layers and the oracle read the variable
+            os.environ["REFIMPL_CONV_ALGORITHM"] = self.algorithm
+        if self.dtype == numpy.float32 and self.may_use_winograd():
+            self.tolerance = WINOGRAD_FLOAT32_TOLERANCE
+
+    def may_use_winograd(self):
+        """Whether a conv of this request may run Winograd (on a block or on the whole)."""
+        from ..functional import winograd
+        from ..functional.conv3d import ENV_ALGORITHM
+        if not self.layer.startswith("conv") or not winograd.applicable(
+                self.kernel, self.stride, self.dilation):
+            return False
+        algorithm = os.environ.get(ENV_ALGORITHM, "auto")
+        c, f = self.shape[1], self.out_channels
+        return algorithm == "winograd" or (algorithm == "auto" and
+                                           c * f / (c + f) >= winograd.MIN_CHANNEL_PRODUCT_RATIO)
 
     def make_layer(self, grid, rng):
         from ..nn import spatial
@@ -192,6 +218,7 @@ def check_layer(spec: LayerSpec, comm):
     errors = {k: _rel_err(got, want) for k, got, want in zip(names, (y, dx, dw, db), ref)}
     report = {"layer": spec.layer, "input": list(spec.shape), "grid": list(grid.dims),
               "dtype": numpy.dtype(spec.dtype).name, "tolerance": spec.tolerance,
+              "conv_algorithm": os.environ.get("REFIMPL_CONV_ALGORITHM", "auto"),
               "max_rel_err": errors,
               "ok": all(e is None or e <= spec.tolerance for e in errors.values())}
     if spec.save:

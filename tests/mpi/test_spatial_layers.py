@@ -126,3 +126,23 @@ def test_bad_requests_fail_on_every_rank(comm, all_ranks_agree):
         except ValueError as err:
             raised = str(err)
         all_ranks_agree(bool(raised), f"{case} did not raise")
+
+
+@st.composite
+def winograd_cases(draw, comm_size):
+    """3x3x3 stride-1 convs wide enough for "auto" to pick Winograd on every block."""
+    grid = draw(st.sampled_from(grids_for(comm_size)))
+    extent = tuple(draw(st.sampled_from([3, 5, 7, 8, 11, 13])) for _ in range(3))
+    return dict(layer=draw(st.sampled_from(["conv3d", "conv_transpose3d"])),
+                shape=(draw(st.integers(grid[0], grid[0] + 1)), draw(st.integers(4, 8))) + extent,
+                grid=grid, kernel=(3, 3, 3), stride=(1, 1, 1),
+                padding=tuple(draw(st.integers(0, 2)) for _ in range(3)), dilation=(1, 1, 1),
+                output_padding=(0, 0, 0), out_channels=draw(st.integers(4, 8)))
+
+
+@given(data=st.data())
+def test_winograd_layers_equal_unpartitioned(comm, all_ranks_agree, data, monkeypatch):
+    """Winograd on every rank's block (tiles aligned to the block, not the volume) and on
+    the whole volume: the same numbers in float64, forward and backward."""
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "winograd")
+    run_case(comm, all_ranks_agree, data.draw(winograd_cases(comm.size)))
