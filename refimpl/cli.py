@@ -33,14 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_speed_settings() -> None:
+    """Validate REFIMPL_CONV_ALGORITHM and REFIMPL_THREADS, then apply REFIMPL_ALLOCATOR
+    (ValueError naming the variable; every rank sees the same environment)."""
+    from .backend import tune_allocator
+    from .functional import _threads
+    from .functional.conv3d import resolve_algorithm
+    resolve_algorithm(None, (1, 1, 1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    _threads.thread_count()
+    tune_allocator()
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    from .backend import tune_allocator
-    tune_allocator()
+    try:                      # the speed settings, checked before any command (and any message)
+        check_speed_settings()
+    except ValueError as err:
+        print(f"refimpl: error: {err}", file=sys.stderr)
+        return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

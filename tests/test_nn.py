@@ -231,3 +231,12 @@ def test_first_conv_skips_the_input_gradient():
     assert a.backward(dy).shape == x.shape and b.backward(dy) is None
     np.testing.assert_allclose(b.weight.grad, a.weight.grad, rtol=1e-12)
     np.testing.assert_allclose(b.bias.grad, a.bias.grad, rtol=1e-12)
+
+
+@pytest.mark.parametrize("var, value", [("REFIMPL_THREADS", "two"), ("REFIMPL_CONV_ALGORITHM", "fft"),
+                                        ("REFIMPL_ALLOCATOR", "pool")])
+def test_refimpl_command_refuses_malformed_speed_settings(monkeypatch, capsys, var, value):
+    from refimpl.cli import main
+    monkeypatch.setenv(var, value)
+    assert main(["datagen", "cosmoflow", "--out", "unused", "--samples", "2", "--size", "8"]) == 2
+    assert var in capsys.readouterr().err
