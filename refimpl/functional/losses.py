@@ -141,11 +141,19 @@ def cross_entropy_local_sums(logits, labels, class_weights=None):
 
 
 def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0):
-    """d loss / d logits = w[y] (softmax(z) - onehot(y)) / sum of the target weights."""
+    """d loss / d logits = w[y] (softmax(z) - onehot(y)) / sum of the target weights.
+
+    The one-hot is subtracted in place at the labels (no (N, K, ...) one-hot array) and
+    unit weights are not multiplied in: the same floats, fewer passes."""
     _check_logits_labels(logits, labels, class_weights)
-    w = _label_weights(labels, class_weights, logits.dtype)[:, None]
-    grad = softmax(logits) - one_hot(labels, logits.shape[1], logits.dtype)
-    return grad * w * (dloss / float(sums[0]))
+    xp = array_module(logits)
+    grad = softmax(logits)                                          # (N, K, ...)
+    picked = xp.take_along_axis(grad, labels[:, None], axis=1)
+    xp.put_along_axis(grad, labels[:, None], picked - 1, axis=1)    # p - onehot(y)
+    if class_weights is not None:
+        grad *= _label_weights(labels, class_weights, logits.dtype)[:, None]
+    grad *= dloss / float(sums[0])
+    return grad
 
 
 def softmax_cross_entropy(logits, labels, class_weights=None):
@@ -204,10 +212,12 @@ def dice_score_local_sums(logits, labels):
     """[|pred_k & label_k|, |pred_k|, |label_k|] as float64 (3, K), pred = argmax over classes."""
     _check_logits_labels(logits, labels)
     xp = array_module(logits)
-    num_classes = logits.shape[1]
-    pred = one_hot(xp.argmax(logits, axis=1), num_classes, xp.float64)
-    t = one_hot(labels, num_classes, xp.float64)
-    return xp.stack([_per_class_sum(pred * t), _per_class_sum(pred), _per_class_sum(t)])
+    k = logits.shape[1]
+    pred = xp.argmax(logits, axis=1).reshape(-1)                    # (N * D * H * W,) class ids
+    t = labels.reshape(-1)
+    counts = [xp.bincount(pred[pred == t], minlength=k), xp.bincount(pred, minlength=k),
+              xp.bincount(t, minlength=k)]                          # integer counts, as the sums
+    return xp.stack([c[:k].astype(xp.float64) for c in counts])    # of one-hot products were
 
 
 def dice_score_finish(sums):
