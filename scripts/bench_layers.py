@@ -346,7 +346,10 @@ def layer_case(op, nb, c, n):
         F = torch.nn.functional if torch is not None else None
         theirs, extra = None, ()
         if op == "max_pool3d":
-            ours_f, ours_b = (lambda: max_pool3d(x, 2, 2)), (lambda: max_pool3d_backward(dy, x, 2, 2))
+            # as the MaxPool3d layer runs them: forward keeps the masks, backward uses them
+            masks = max_pool3d(x, 2, 2, return_masks=True)[1]
+            ours_f = lambda: max_pool3d(x, 2, 2, return_masks=True)  # noqa: E731
+            ours_b = lambda: max_pool3d_backward(dy, x, 2, 2, masks=masks)  # noqa: E731
             theirs = (lambda t: F.max_pool3d(t, 2, 2)) if F else None
         elif op == "avg_pool3d":
             ours_f, ours_b = (lambda: avg_pool3d(x, 2, 2)), (lambda: avg_pool3d_backward(dy, x, 2, 2))

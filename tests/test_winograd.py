@@ -202,7 +202,7 @@ def test_auto_choice():
     w = (16, 8, 3, 3, 3)                                # F=16, C=8: C*F/(C+F) = 5.3
     s1, d1 = (1, 1, 1), (1, 1, 1)
     assert resolve_algorithm("auto", w, s1, d1, (16, 16, 16)) == W
-    assert resolve_algorithm("auto", w, s1, d1, (3, 3, 3)) == W          # 216/27 = 8 per output
+    assert resolve_algorithm("auto", w, s1, d1, (3, 3, 3), n_batch=2) == W   # 216/27 = 8 per output
     assert resolve_algorithm("auto", w, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
     assert resolve_algorithm("auto", (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"   # too narrow
     assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
@@ -211,6 +211,10 @@ def test_auto_choice():
     assert resolve_algorithm("auto", w, s1, d1, (16, 16, 16), full_dy=False) == "im2col"
     assert resolve_algorithm("im2col", w, s1, d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm(W, (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == W   # asked for: given
+    # wide layers on few tiles: the weight transform would outweigh the data
+    big = (512, 256, 3, 3, 3)                            # C*F/(C+F) = 171
+    assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=1) == "im2col"     # 8 tiles
+    assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=8) == W            # 64 tiles
 
 
 def test_algorithm_errors(monkeypatch):

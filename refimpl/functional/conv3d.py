@@ -49,7 +49,8 @@ ALGORITHMS = ("auto", "im2col", "winograd")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
 
 
-def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True):
+def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
+                      n_batch=1):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
@@ -69,7 +70,7 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
                          f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
                          f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
     if algorithm == "auto":
-        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0])
+        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch)
         return "winograd" if fits and wide else "im2col"
     return algorithm
 
@@ -123,7 +124,7 @@ def check_dy_extent(dy, expected, name="dy"):
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
-    if resolve_algorithm(algorithm, w.shape, s, dl, out) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0]) == "winograd":
         return winograd.forward(x, w, p, out, budget, bias)
     y = _im2col.forward(x, w, s, p, dl, out, budget)
     if bias is not None:
@@ -134,7 +135,7 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
-    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0]) == "winograd":
         return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
     return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
 

@@ -128,12 +128,22 @@ def multiplies_per_output(out_spatial):
 MIN_CHANNEL_PRODUCT_RATIO = 4.0
 
 
-def worthwhile(out_spatial, c, f):
+#: ... and only where the transformed weights (216 C F) are not much bigger than the
+#: transformed data (216 T (C + F)): T >= C F / (C + F) / this.  Measured: 256->512 on
+#: one 8^3 sample (T = 8, ratio 21) runs at 0.56x PyTorch with Winograd and 1.2x with
+#: im2col; 128->256 on four 8^3 samples (T = 32, ratio 2.7) 1.09x with Winograd.
+MAX_WEIGHT_TO_DATA_RATIO = 4.0
+
+
+def worthwhile(out_spatial, c, f, n_batch=1):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
-    output and the channels are wide enough for the saved flops to pay for the
-    transforms (``MIN_CHANNEL_PRODUCT_RATIO``)."""
-    return (multiplies_per_output(out_spatial) <= 27 / 2
-            and c * f / (c + f) >= MIN_CHANNEL_PRODUCT_RATIO)
+    output, the channels are wide enough for the saved flops to pay for the transforms
+    (``MIN_CHANNEL_PRODUCT_RATIO``), and there are enough tiles for the weight
+    transform to pay for itself (``MAX_WEIGHT_TO_DATA_RATIO``)."""
+    h = c * f / (c + f)
+    t = n_batch * tile_counts(out_spatial)[0] * tile_counts(out_spatial)[1] * tile_counts(out_spatial)[2]
+    return (multiplies_per_output(out_spatial) <= 27 / 2 and h >= MIN_CHANNEL_PRODUCT_RATIO
+            and t * MAX_WEIGHT_TO_DATA_RATIO >= h)
 
 
 # ------------------------------------------------------------------- separable transforms
