@@ -19,10 +19,12 @@ one sample), with ``K = C*kd*kh*kw``::
 one-sample tile the ``(F, M)`` tile of ``y`` / ``dy`` is the NCDHW array itself
 (the GEMM writes straight into ``y``); a tile of several samples (small
 volumes: one bigger GEMM instead of several small ones) stages ``(F, nb, M)``
-through a buffer.  col2im adds the ``K`` rows back tap by tap with strided
+through a buffer.  The tiles of a forward or a weight gradient are independent
+and run on the worker threads of ``_threads`` (each with its own buffers and dW
+accumulator, BLAS single-threaded meanwhile); col2im's tiles overlap and run
+in order.  col2im adds the ``K`` rows back tap by tap with strided
 slices (no ``numpy.add.at``): within one tap the slice has no repeated input
-position.  (Splitting the copies over Python threads was tried and gave
-nothing on the 2-core test machine; only the GEMMs are threaded, by BLAS.)
+position.
 
 Tiles and the memory bound: the outputs are cut into tiles of whole samples,
 else of whole depth planes of one sample, else of whole rows ``(h, :)`` of one
@@ -51,6 +53,7 @@ from __future__ import annotations
 from itertools import product
 
 from ..backend import array_module
+from . import _threads
 
 #: Default bound, in bytes, on the temporary column (+ GEMM output) buffers.
 MAX_TEMP_BYTES = 64 * 2**20
@@ -173,28 +176,31 @@ def col2im(dx, col, tile, k, s, p, dl):
 # ------------------------------------------------------------------------- GEMMs
 
 class _Plan:
-    """Tiles and reusable buffers for one call."""
+    """Tiles and reusable buffers for one call: one column (+ staging) buffer per worker
+    thread, the budget shared among them (``_threads``: the tiles of a forward or a
+    weight gradient are independent; col2im's tiles overlap, so ``workers=1`` there)."""
 
-    def __init__(self, xp, dtype, n_batch, c, f, k, out, budget):
+    def __init__(self, xp, dtype, n_batch, c, f, k, out, budget, workers=1):
         self.c, self.f, self.k = c, f, tuple(k)
         self.kk = c * k[0] * k[1] * k[2]
         self.out = tuple(out)
-        pos = tile_positions(out, self.kk, f, dtype.itemsize, budget)
+        pos = tile_positions(out, self.kk, f, dtype.itemsize, max(1, budget // max(1, workers)))
         self.tiles, tpos = tiles(n_batch, out, pos)
-        self.col_buf = xp.empty(tpos * self.kk, dtype=dtype)
-        # (F, nb*M) staging for tiles of several samples (one sample: the array itself)
+        self.workers = max(1, min(workers, len(self.tiles)))
         multi = any(t[1] - t[0] > 1 for t in self.tiles)
-        self.f_buf = xp.empty(tpos * f, dtype=dtype) if multi else None
+        self.col_bufs = [xp.empty(tpos * self.kk, dtype=dtype) for _ in range(self.workers)]
+        # (F, nb*M) staging for tiles of several samples (one sample: the array itself)
+        self.f_bufs = [xp.empty(tpos * f, dtype=dtype) if multi else None for _ in range(self.workers)]
 
-    def col(self, tile):
+    def col(self, tile, worker=0):
         n0, n1, d0, d1, h0, h1 = tile
         shape = (self.c,) + self.k + (n1 - n0, d1 - d0, h1 - h0, self.out[2])
         size = self.kk * (n1 - n0) * (d1 - d0) * (h1 - h0) * self.out[2]
-        return self.col_buf[:size].reshape(shape)
+        return self.col_bufs[worker][:size].reshape(shape)
 
-    def staging(self, tile, m):
+    def staging(self, tile, m, worker=0):
         nb = tile[1] - tile[0]
-        return self.f_buf[:self.f * nb * m].reshape(self.f, nb, m)
+        return self.f_bufs[worker][:self.f * nb * m].reshape(self.f, nb, m)
 
 
 def _block(a, tile):
@@ -208,11 +214,11 @@ def _fm_view(a, tile):
     return a[n0, :, d0:d1, h0:h1, :].reshape(a.shape[1], -1)
 
 
-def _fm_read(a, tile, plan, m):
+def _fm_read(a, tile, plan, m, worker=0):
     """The tile of ``a`` as (F, nb*M): a view for one sample, a staged copy for several."""
     if tile[1] - tile[0] == 1:
         return _fm_view(a, tile)
-    st = plan.staging(tile, m)
+    st = plan.staging(tile, m, worker)
     st[...] = _block(a, tile).reshape(tile[1] - tile[0], a.shape[1], m).transpose(1, 0, 2)
     return st.reshape(a.shape[1], -1)
 
@@ -228,28 +234,42 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     xp = array_module(x, w)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
-    y = xp.zeros((n_b, f) + tuple(out_spatial), dtype=x.dtype)
+    y = xp.empty((n_b, f) + tuple(out_spatial), dtype=x.dtype)   # every tile writes its block
     kk = c * k[0] * k[1] * k[2]
-    dwt = None if g is None else xp.zeros((kk, f), dtype=x.dtype)   # dW^T: col @ g^T
-    if y.size and x.size:
-        w2 = xp.ascontiguousarray(w).reshape(f, kk)
-        plan = _Plan(xp, x.dtype, n_b, c, f, k, out_spatial, budget)
-        for tile in plan.tiles:
-            col = plan.col(tile)
-            im2col(x, col, tile, k, stride, padding, dilation)
-            nb = tile[1] - tile[0]
-            col2 = col.reshape(kk, -1)
-            m = col2.shape[1] // nb
-            if g is not None:                       # reads the staging buffer first ...
-                dwt += xp.matmul(col2, _fm_read(g, tile, plan, m).T)
-            if nb == 1:
-                xp.matmul(w2, col2, out=_fm_view(y, tile))
-            else:                                   # ... which then takes the GEMM output
-                st = plan.staging(tile, m)
-                xp.matmul(w2, col2, out=st.reshape(f, -1))
-                blk = _block(y, tile)
-                blk[...] = st.transpose(1, 0, 2).reshape(blk.shape)
-    return y if g is None else (y, xp.ascontiguousarray(dwt.T).reshape(w.shape))
+    if not (y.size and x.size):
+        y[...] = 0
+        return y if g is None else (y, xp.zeros(w.shape, dtype=x.dtype))
+    w2 = xp.ascontiguousarray(w).reshape(f, kk)
+    plan = _Plan(xp, x.dtype, n_b, c, f, k, out_spatial, budget, _threads.thread_count(xp))
+    dwts = [None if g is None else xp.zeros((kk, f), dtype=x.dtype)   # dW^T: col @ g^T, per worker
+            for _ in range(plan.workers)]
+
+    def one(worker, tile):
+        col = plan.col(tile, worker)
+        im2col(x, col, tile, k, stride, padding, dilation)
+        nb = tile[1] - tile[0]
+        col2 = col.reshape(kk, -1)
+        m = col2.shape[1] // nb
+        if g is not None:                           # reads the staging buffer first ...
+            dwts[worker] += xp.matmul(col2, _fm_read(g, tile, plan, m, worker).T)
+        if nb == 1:
+            xp.matmul(w2, col2, out=_fm_view(y, tile))
+        else:                                       # ... which then takes the GEMM output
+            st = plan.staging(tile, m, worker)
+            xp.matmul(w2, col2, out=st.reshape(f, -1))
+            blk = _block(y, tile)
+            blk[...] = st.transpose(1, 0, 2).reshape(blk.shape)
+    _threads.run(one, plan.tiles, plan.workers)
+    return y if g is None else (y, _sum_transposed(dwts, w.shape))
+
+
+def _sum_transposed(dwts, shape):
+    """The per-worker dW^T (K, F) accumulators, summed in worker order, as dW of ``shape``."""
+    xp = array_module(dwts[0])
+    total = dwts[0]
+    for other in dwts[1:]:
+        total += other
+    return xp.ascontiguousarray(total.T).reshape(tuple(shape))
 
 
 def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True):
@@ -267,21 +287,26 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     kk = c * k[0] * k[1] * k[2]
     out_spatial = tuple(dy.shape[2:])
     dx = xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None
-    dwt = xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None    # dW^T = sum col @ dy^T
-    if dy.size and (need_dw or dx.size) and (not need_dw or x.size):
-        # W^T as a C-ordered (K, F) matrix
-        w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T) if need_dx else None
-        plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget)
-        for tile in plan.tiles:
-            col = plan.col(tile)
-            col2 = col.reshape(kk, -1)
-            m = col2.shape[1] // (tile[1] - tile[0])
-            dyt = _fm_read(dy, tile, plan, m)
-            if need_dw:
-                im2col(x, col, tile, k, stride, padding, dilation)
-                dwt += xp.matmul(col2, dyt.T)
-            if need_dx:
-                xp.matmul(w2t, dyt, out=col2)
-                col2im(dx, col, tile, k, stride, padding, dilation)
-    dw = xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None
-    return dx, dw
+    if not (dy.size and (need_dw or dx.size) and (not need_dw or x.size)):
+        return dx, (xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
+    # W^T as a C-ordered (K, F) matrix
+    w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T) if need_dx else None
+    # col2im adds overlapping tiles into dx: those run one at a time
+    workers = 1 if need_dx else _threads.thread_count(xp)
+    plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, workers)
+    dwts = [xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None    # dW^T = sum col @ dy^T
+            for _ in range(plan.workers)]
+
+    def one(worker, tile):
+        col = plan.col(tile, worker)
+        col2 = col.reshape(kk, -1)
+        m = col2.shape[1] // (tile[1] - tile[0])
+        dyt = _fm_read(dy, tile, plan, m, worker)
+        if need_dw:
+            im2col(x, col, tile, k, stride, padding, dilation)
+            dwts[worker] += xp.matmul(col2, dyt.T)
+        if need_dx:
+            xp.matmul(w2t, dyt, out=col2)
+            col2im(dx, col, tile, k, stride, padding, dilation)
+    _threads.run(one, plan.tiles, plan.workers)
+    return dx, (_sum_transposed(dwts, w.shape) if need_dw else None)
