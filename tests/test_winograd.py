@@ -21,21 +21,9 @@ from refimpl.functional import _threads, winograd
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
                                        conv3d_weight_grad, resolve_algorithm)
 from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
+from test_conv import RTOL, needs_torch, rel_err, torch  # the conv tests' oracle helpers
 
-try:
-    import torch
-except ImportError:  # pragma: no cover - torch is an optional test dependency
-    torch = None
-
-needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch oracle not installed "
-                                 "(pip install 'refimpl[oracle]')")
-RTOL = 1e-10
 W = "winograd"
-
-
-def rel_err(a, b):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
 
 
 # ------------------------------------------------------------------------ the algebra

@@ -19,8 +19,9 @@ Two algorithms, picked per call by ``algorithm=``:
   chunked work buffers obey ``max_temp_bytes``; it also copies the input and
   output once in channels-last order.
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
-  the multiplications and the channels are not too narrow (``winograd.worthwhile``:
-  C*F/(C+F) >= 4), else im2col.
+  the multiplications, the channels are not too narrow and there are enough
+  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4
+  and <= 4 x tiles), else im2col.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI

@@ -286,26 +286,7 @@ class _Plan:
         self.chunks = chunks(n_batch, tiles, per_tile, max(1, budget // workers))
         self.workers = min(workers, len(self.chunks))
         size = ALPHA ** 3 * max(_n_tiles(ch, tiles) for ch in self.chunks) * width
-        self.bufs = [[_workspace(xp, dtype, (w, i), size) for i in range(3)]
-                     for w in range(self.workers)]
-
-
-#: Work buffers kept between calls, per (dtype, worker, slot): fresh multi-MiB buffers on
-#: every call cost page faults (measured: a third of a small conv's forward).  They grow
-#: to the largest request and stay within max_temp_bytes in all (the chunking's bound).
-_WORKSPACES = {}
-
-
-def _workspace(xp, dtype, key, size):
-    """A flat ``size``-element buffer of ``dtype`` reused between calls (NumPy; CuPy's memory
-    pool already caches device allocations, so it gets a fresh one)."""
-    if xp is not numpy:
-        return xp.empty(size, dtype=dtype)
-    key = (numpy.dtype(dtype).str,) + key
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.size < size:
-        buf = _WORKSPACES[key] = numpy.empty(size, dtype=dtype)
-    return buf[:size]
+        self.bufs = [[xp.empty(size, dtype=dtype) for _ in range(3)] for _ in range(self.workers)]
 
 
 def _n_tiles(chunk, tiles):
