@@ -154,9 +154,9 @@ def _transform(mat, src, dst, rest):
 
     One GEMM per axis: axis 0 is ``mat @ src.reshape(s, -1)``; axis 1 the same
     batched over axis 0; axis 2 batched over axes 0 and 1.  ``src`` and ``dst``
-    are used in turn (dst, src, dst; both must hold 216 * rest elements), so the
-    result, (r, r, r, rest), ends at the start of ``dst``: returned as that
-    exact-size flat view.
+    are used in turn (dst, src, dst: each must hold the stage outputs it receives,
+    ``src`` also the input), so the result, (r, r, r, rest), ends at the start of
+    ``dst``: returned as that exact-size flat view.
     """
     xp = array_module(src)
     r, s = mat.shape
@@ -176,7 +176,7 @@ def _weight_transform(g, w):
     f, c = w.shape[:2]
     taps = xp.ascontiguousarray(w.transpose(2, 3, 4, 1, 0)).reshape(-1)    # (3, 3, 3, C, F)
     out = xp.empty(ALPHA ** 3 * c * f, dtype=w.dtype)
-    work = xp.empty(ALPHA ** 3 * c * f, dtype=w.dtype)
+    work = xp.empty(ALPHA ** 2 * R_KERNEL * c * f, dtype=w.dtype)   # the taps, then (6, 6, 3, C, F)
     work[:taps.size] = taps
     return _transform(g, work, out, c * f).reshape(ALPHA ** 3, c, f)
 
@@ -185,7 +185,7 @@ def _weight_transform_adjoint(g, dut):
     """``dw = (G^T (x) G^T (x) G^T) dU``, from ``dU^T`` (216, F, C) to (F, C, 3, 3, 3)."""
     xp = array_module(dut)
     f, c = dut.shape[1:]
-    work = xp.empty(ALPHA ** 3 * c * f, dtype=dut.dtype)
+    work = xp.empty(ALPHA ** 2 * R_KERNEL * c * f, dtype=dut.dtype)   # (3, 6, 6, F, C), then (3, 3, 3, F, C)
     d = _transform(g.T, xp.ascontiguousarray(dut).reshape(-1), work, c * f)
     return xp.ascontiguousarray(d.reshape(R_KERNEL, R_KERNEL, R_KERNEL, f, c).transpose(3, 4, 0, 1, 2))
 
@@ -338,6 +338,10 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     (``V`` recomputed from ``x``) and ``dV = dM U^T`` (added back into ``dx``).
     Chunks next to each other along depth add into two shared planes of ``dx``, so
     they never run at the same time: the even chunks first, then the odd ones.
+
+    Deep layers (few tiles, many channels) are dominated by the weight-sized arrays
+    ``U`` and ``dU`` (216 C F each, 8x the weight): there the chunks run twice, dx
+    first, ``U`` is freed, then dw (recomputing ``dM``), so the two never coexist.
     """
     xp = array_module(dy, x, w)
     n_b, c = x.shape[:2]
@@ -346,25 +350,29 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     tiles = tile_counts(out_spatial)
     bt, g, at = matrices(xp, dy.dtype)
     plan = _Plan(xp, dy.dtype, n_b, tiles, max(c, f), budget)
-    u = _weight_transform(g, w) if need_dx else None                 # (216, C, F)
+    weight_bound = 2 * c * f > 3 * _n_tiles(plan.chunks[0], tiles) * max(c, f) * plan.workers
     dycl = _padded_channels_last(dy, (0, 0, 0), tiles, 0, plan.workers)   # (N, 4td, 4th, 4tw, F)
     xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers) if need_dw else None
     dxcl = (xp.zeros((n_b,) + tuple(M_OUT * t + ALPHA - M_OUT for t in tiles) + (c,),
                      dtype=dy.dtype) if need_dx else None)
-    # dU^T (216, F, C), one accumulator per worker (summed in worker order at the end)
-    duts = [xp.zeros((ALPHA ** 3, f, c), dtype=dy.dtype) for _ in range(plan.workers)] \
-        if need_dw else None
+    # dU^T (216, F, C), one accumulator per worker (summed in worker order at the end); a
+    # worker's first chunk writes it directly (no (216, F, C) temporary)
+    duts = [None] * plan.workers
+    u = None
 
-    def one(worker, chunk):
+    def one(worker, chunk, do_dx, do_dw):
         b0, b1, b2 = plan.bufs[worker]
         t = _n_tiles(chunk, tiles)
         view = _tile_view(xp, dycl, chunk, tiles, M_OUT)              # (4, 4, 4, nb, tdc, th, tw, F)
         b0[:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
         dm = _transform(at.T, b0, b1, t * f).reshape(ALPHA ** 3, t, f)      # (216, T, F) in b1
-        if need_dw:
+        if do_dw:
             v = _input_tiles(xcl, chunk, tiles, bt, (b0, b2), c)      # (216, T, C) in b2
-            duts[worker] += xp.matmul(dm.transpose(0, 2, 1), v)      # (216, F, C)
-        if need_dx:
+            if duts[worker] is None:
+                duts[worker] = xp.matmul(dm.transpose(0, 2, 1), v)    # (216, F, C)
+            else:
+                duts[worker] += xp.matmul(dm.transpose(0, 2, 1), v)
+        if do_dx:
             dv = b0[:ALPHA ** 3 * t * c]
             xp.matmul(dm, u.transpose(0, 2, 1), out=dv.reshape(ALPHA ** 3, t, c))   # dV (216, T, C)
             dg = _transform(bt.T, b0, b2, t * c)                      # (6, 6, 6, T, C) in b2
@@ -375,8 +383,23 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
                 offset = tuple(s.start for s in box)
                 ext = tuple(s.stop - s.start for s in box)
                 _tile_view(xp, dxcl, chunk, tiles, ext, offset)[...] += dg[box]
-    _threads.run(one, plan.chunks[0::2], plan.workers)
-    _threads.run(one, plan.chunks[1::2], plan.workers)
+
+    def passes(do_dx, do_dw):
+        step = (lambda worker, chunk: one(worker, chunk, do_dx, do_dw))
+        if do_dx:                             # dx: neighbouring chunks never at the same time
+            _threads.run(step, plan.chunks[0::2], plan.workers)
+            _threads.run(step, plan.chunks[1::2], plan.workers)
+        else:
+            _threads.run(step, plan.chunks, plan.workers)
+
+    if need_dx:
+        u = _weight_transform(g, w)                                   # (216, C, F)
+        passes(True, need_dw and not weight_bound)
+        u = None
+    if need_dw and (weight_bound or not need_dx):
+        passes(False, True)
+    # free what the chunks used before the last passes allocate (the spatial peak is here)
+    dycl = xcl = plan.bufs = None
     dx = dw = None
     if need_dx:
         box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
@@ -384,7 +407,8 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     if need_dw:
         dut = duts[0]
         for other in duts[1:]:
-            dut += other
+            if other is not None:
+                dut += other
         dw = _weight_transform_adjoint(g, dut)
     return dx, dw
 
