@@ -71,11 +71,12 @@ BLOCK_ELEMENTS = 1 << 18
 def _channel_blocks(*arrays):
     """The arrays (same NCDHW shape) as lists of blocks ``(..., C, L)``: on NumPy one
     block per sample and range of at most ``BLOCK_ELEMENTS / C`` voxels (views of the
-    C-contiguous arrays), on CuPy the whole ``(N, C, DHW)`` array as one block."""
+    C-contiguous arrays), on CuPy (or for an array of at most one block) the whole
+    ``(N, C, DHW)`` array as one block."""
     n, c = arrays[0].shape[:2]
     flat = [array_module(a).ascontiguousarray(a).reshape(n, c, -1) for a in arrays]
     size = flat[0].shape[2]
-    if array_module(*arrays) is not numpy or n * size == 0:     # (or an empty block)
+    if array_module(*arrays) is not numpy or n * c * size <= BLOCK_ELEMENTS:   # (small or empty)
         return [tuple(flat)]
     step = max(1, BLOCK_ELEMENTS // max(1, c))
     return [tuple(f[i, :, a:a + step] for f in flat) for i in range(n) for a in range(0, size, step)]

@@ -37,7 +37,7 @@ BLOCK_ELEMENTS = 1 << 18
 
 def _blocks(x):
     """(sample, channel-range) index pairs covering ``x`` (N, C, ...): see the module doc."""
-    if array_module(x) is not numpy:
+    if array_module(x) is not numpy or x.size <= BLOCK_ELEMENTS:
         return [(slice(None), slice(None))]
     n, c = x.shape[:2]
     volume = max(1, x[0, 0].size) if x.size else 1
