@@ -10,8 +10,6 @@
 - ``algorithm=`` / ``REFIMPL_CONV_ALGORITHM``: what "auto" picks, and clear errors;
 - the temporary-memory bound.
 """
-import tracemalloc
-
 import numpy as np
 import pytest
 from hypothesis import given
@@ -21,7 +19,7 @@ from refimpl.functional import _threads, winograd
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
                                        conv3d_weight_grad, resolve_algorithm)
 from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
-from test_conv import RTOL, needs_torch, rel_err, torch  # the conv tests' oracle helpers
+from test_conv import RTOL, _traced, needs_torch, rel_err, torch  # the conv tests' helpers
 
 W = "winograd"
 
@@ -256,15 +254,6 @@ def test_temporaries_bounded(monkeypatch):
     unchunked = 3 * 216 * n * tiles ** 3 * max(c, f) * 8
     assert bound < unchunked                           # the test can fail
 
-    def traced(fn):
-        fn()
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
-        out = fn()
-        peak = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.stop()
-        return peak - sum(o.nbytes for o in (out if isinstance(out, tuple) else (out,)))
-
     for fn in (lambda: conv3d(x, w, padding=1, max_temp_bytes=budget, algorithm=W),
                lambda: conv3d_backward(dy, x, w, padding=1, max_temp_bytes=budget, algorithm=W)):
-        assert traced(fn) <= bound
+        assert _traced(fn)[1] <= bound
