@@ -68,8 +68,11 @@ Memory: the tiles are processed in chunks of whole samples, else of depth
 rows of tiles of one sample, so that the three work buffers of
 ``216 * T * max(C, F)`` elements stay within ``max_temp_bytes`` (the same
 bound as im2col; at least one row of tiles).  Besides those the functions
-allocate the padded channels-last copy of the input (the size of the input)
-and the transformed weights ``216 * C * F``.
+allocate channels-last copies of their inputs and outputs (x and y; dy, x and dx:
+each the size of the array, padded to whole tiles) and the transformed weights
+``216 * C * F`` (and its gradient in the backward, never both at once for deep
+layers, see ``backward``).  The chunks run on the worker threads of ``_threads``,
+the budget shared among them.
 """
 from __future__ import annotations
 
@@ -141,7 +144,8 @@ def worthwhile(out_spatial, c, f, n_batch=1):
     (``MIN_CHANNEL_PRODUCT_RATIO``), and there are enough tiles for the weight
     transform to pay for itself (``MAX_WEIGHT_TO_DATA_RATIO``)."""
     h = c * f / (c + f)
-    t = n_batch * tile_counts(out_spatial)[0] * tile_counts(out_spatial)[1] * tile_counts(out_spatial)[2]
+    td, th, tw = tile_counts(out_spatial)
+    t = n_batch * td * th * tw
     return (multiplies_per_output(out_spatial) <= 27 / 2 and h >= MIN_CHANNEL_PRODUCT_RATIO
             and t * MAX_WEIGHT_TO_DATA_RATIO >= h)
 
