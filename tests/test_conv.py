@@ -399,27 +399,3 @@ def test_default_budget_is_a_module_constant(monkeypatch):
     _, tmp = _traced(lambda: conv3d(x, w, padding=1, algorithm="im2col"))
     np.testing.assert_allclose(conv3d(x, w, padding=1, algorithm="im2col"), ref, rtol=1e-13)
     assert tmp < (2 * 27 + 2) * 6 * 8 + 6 * w.nbytes + 32 * 1024     # one row's tile
-
-
-@needs_torch
-@pytest.mark.parametrize("k, p, d", [((3, 3, 3), (1, 1, 1), (1, 1, 1)), ((2, 3, 4), (1, 0, 3), (2, 1, 1)),
-                                     ((5, 1, 3), (4, 0, 2), (1, 3, 2))])
-def test_dx_as_correlation_with_the_flipped_kernel(k, p, d):
-    """Stride 1, F <= 2C: im2col's dx is the forward pass of dy with the flipped kernel
-    (padding d(k-1) - p); it must equal torch's, and so must dw next to it."""
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((2, 3, 9, 8, 10))
-    w = rng.standard_normal((5, 3) + k)
-    b = rng.standard_normal(5)
-    assert _im2col.correlation_applies((1, 1, 1), p, d, k)
-    y_ref = torch.nn.functional.conv3d(torch.tensor(x), torch.tensor(w), None, 1, p, d)
-    dy = rng.standard_normal(tuple(y_ref.shape))
-    _, dx_t, dw_t, db_t = torch_conv(x, w, b, dy, 1, p, d)
-    dx, dw, db = conv3d_backward(dy, x, w, 1, p, d, algorithm="im2col", max_temp_bytes=4096)
-    assert rel_err(dx, dx_t) <= RTOL and rel_err(dw, dw_t) <= RTOL and rel_err(db, db_t) <= RTOL
-    # a dy covering only the first outputs (transposed conv with output_padding uses that)
-    short = dy[:, :, :-1, :, :-2]
-    dx_short = conv3d_input_grad(short, w, x.shape, 1, p, d, algorithm="im2col")
-    padded = np.zeros_like(dy)
-    padded[:, :, :-1, :, :-2] = short
-    assert rel_err(dx_short, conv3d_input_grad(padded, w, x.shape, 1, p, d, algorithm="im2col")) <= 1e-13

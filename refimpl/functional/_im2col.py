@@ -272,22 +272,11 @@ def _sum_transposed(dwts, shape):
     return xp.ascontiguousarray(total.T).reshape(tuple(shape))
 
 
-def correlation_applies(stride, padding, dilation, k):
-    """dx of a stride-1 conv is the correlation of dy with the flipped kernel, padded by
-    ``d(k-1) - p`` per axis: ``dx[i] = sum_t w[k-1-t] dy[i + t d - (d(k-1) - p)]``
-    (substitute t -> k-1-t in ``dx[i] = sum_t w[t] dy[i + p - t d]``); it needs that
-    padding to be >= 0 (p <= d(k-1), every axis)."""
-    return all(s == 1 for s in stride) and all(
-        dd * (kk - 1) >= pp for dd, kk, pp in zip(dilation, k, padding))
-
-
 def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True):
     """``(dx, dW)`` of ``y = conv3d(x, w)`` for the outputs ``dy`` covers.
 
-    Stride 1 (``correlation_applies``): dx is the forward pass of dy with the flipped
-    kernel, then dW is a separate weight-gradient pass; both run on the worker threads.
-    Otherwise the column tiles are shared: ``dW += dy @ col^T``, then the same buffer
-    takes ``dcol = W^T @ dy`` and is added back into ``dx`` (col2im, in order).  Either result
+    Shares the column tiles: ``dW += dy @ col^T``, then the same buffer takes
+    ``dcol = W^T @ dy`` and is added back into ``dx`` (col2im).  Either result
     may be skipped (``None``): ``need_dx=False`` is ``weight_grad`` (``w`` is
     then only a shape), ``need_dw=False`` is ``input_grad`` (``x`` is then only
     a shape and dtype: it is not read).
@@ -297,15 +286,6 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     f, k = w.shape[0], tuple(w.shape[2:])
     kk = c * k[0] * k[1] * k[2]
     out_spatial = tuple(dy.shape[2:])
-    # (its columns are dy's, 27 F rows, against col2im's 27 C: measured faster up to F = 2C)
-    if need_dx and dy.size and f <= 2 * c and correlation_applies(stride, padding, dilation, k):
-        # dx as a stride-1 correlation of dy with the flipped, transposed kernel: a forward
-        # pass, whose tiles run on the worker threads (col2im's overlap and run in order)
-        w_adj = xp.ascontiguousarray(xp.flip(w, axis=(2, 3, 4)).transpose(1, 0, 2, 3, 4))
-        p_adj = tuple(dd * (kk - 1) - pp for dd, kk, pp in zip(dilation, k, padding))
-        dx = forward(dy, w_adj, (1, 1, 1), p_adj, dilation, tuple(x.shape[2:]), budget)
-        return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
-                    if need_dw else None)
     dx = xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None
     if not (dy.size and (need_dw or dx.size) and (not need_dw or x.size)):
         return dx, (xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
