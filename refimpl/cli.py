@@ -38,8 +38,8 @@ def check_speed_settings() -> None:
     (ValueError naming the variable; every rank sees the same environment)."""
     from .backend import tune_allocator
     from .functional import _threads
-    from .functional.conv3d import resolve_algorithm
-    resolve_algorithm(None, (1, 1, 1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    from .functional.conv3d import algorithm_setting
+    algorithm_setting()
     _threads.thread_count()
     tune_allocator()
 

@@ -113,11 +113,11 @@ class LayerSpec:
     def may_use_winograd(self):
         """Whether a conv of this request may run Winograd (on a block or on the whole)."""
         from ..functional import winograd
-        from ..functional.conv3d import ENV_ALGORITHM
+        from ..functional.conv3d import algorithm_setting
         if not self.layer.startswith("conv") or not winograd.applicable(
                 self.kernel, self.stride, self.dilation):
             return False
-        algorithm = os.environ.get(ENV_ALGORITHM, "auto")
+        algorithm = algorithm_setting()
         c, f = self.shape[1], self.out_channels
         return algorithm == "winograd" or (algorithm == "auto" and
                                            c * f / (c + f) >= winograd.MIN_CHANNEL_PRODUCT_RATIO)

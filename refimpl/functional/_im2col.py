@@ -266,10 +266,7 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
 def _sum_transposed(dwts, shape):
     """The per-worker dW^T (K, F) accumulators, summed in worker order, as dW of ``shape``."""
     xp = array_module(dwts[0])
-    total = dwts[0]
-    for other in dwts[1:]:
-        total += other
-    return xp.ascontiguousarray(total.T).reshape(tuple(shape))
+    return xp.ascontiguousarray(_threads.sum_in_order(dwts).T).reshape(tuple(shape))
 
 
 def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True):

@@ -101,6 +101,17 @@ def run(fn, tasks, workers):
             all_workers()
 
 
+def sum_in_order(parts):
+    """The per-worker (or per-block) partial results summed in list order, into the first
+    (``None`` entries: workers that got no task); the order depends only on the list, so
+    the same worker count gives the same bits."""
+    total = parts[0]
+    for part in parts[1:]:
+        if part is not None:
+            total += part
+    return total
+
+
 def copy(dst, src, workers):
     """``dst[...] = src`` (same shape, any strides), split over the two leading axes."""
     tasks = [(i, j) for i in range(dst.shape[0]) for j in range(dst.shape[1])] \

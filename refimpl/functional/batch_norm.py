@@ -95,10 +95,7 @@ def _run_blocks(fn, blocks):
 
 def _channel_sums(partials, c):
     """Sum per-block (..., C) float64 partial sums in block order -> (C,)."""
-    total = partials[0].reshape(-1, c).sum(axis=0)
-    for p in partials[1:]:
-        total = total + p.reshape(-1, c).sum(axis=0)
-    return total
+    return _threads.sum_in_order([p.reshape(-1, c).sum(axis=0) for p in partials])
 
 
 def _col(v, dtype):

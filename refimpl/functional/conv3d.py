@@ -50,6 +50,14 @@ ALGORITHMS = ("auto", "im2col", "winograd")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
 
 
+def algorithm_setting():
+    """``REFIMPL_CONV_ALGORITHM`` (default "auto"), or ValueError naming the variable."""
+    algorithm = os.environ.get(ENV_ALGORITHM, "auto")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{ENV_ALGORITHM} must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
+
+
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
                       n_batch=1):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
@@ -61,9 +69,9 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     """
     source = "algorithm"
     if algorithm is None:
-        algorithm, source = os.environ.get(ENV_ALGORITHM, "auto"), ENV_ALGORITHM
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{source} must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        algorithm, source = algorithm_setting(), ENV_ALGORITHM
+    elif algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     kernel = tuple(weight_shape[2:])
     fits = winograd.applicable(kernel, stride, dilation) and full_dy
     if algorithm == "winograd" and not fits:

@@ -409,11 +409,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
         box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
         dx = to_ncdhw(dxcl[(slice(None),) + box], plan.workers)
     if need_dw:
-        dut = duts[0]
-        for other in duts[1:]:
-            if other is not None:
-                dut += other
-        dw = _weight_transform_adjoint(g, dut)
+        dw = _weight_transform_adjoint(g, _threads.sum_in_order(duts))
     return dx, dw
 
 
