@@ -2,9 +2,12 @@
 
 Every array operation in refimpl goes through an array module ``xp``: NumPy by
 default, CuPy when asked for (``REFIMPL_BACKEND=cupy`` in the environment, or
-``set_backend("cupy")``).  Pure functions never pick the module themselves from
-global state: they call ``array_module(x)`` on their inputs, so the same code
-runs on host and device arrays (the CuPy idiom ``cupy.get_array_module``).
+``set_backend("cupy")``).  The variable is read at the first use, not at import
+(refimpl.settings parses it): a bad value is reported by the ``refimpl``
+command's start-up check, or by that first use, but never breaks ``import``.
+Pure functions never pick the module themselves from global state: they call
+``array_module(x)`` on their inputs, so the same code runs on host and device
+arrays (the CuPy idiom ``cupy.get_array_module``).
 
 Dtype policy: training runs in float32 (``TRAIN_DTYPE``); gradient and oracle
 checks run in float64 (``CHECK_DTYPE``).  Functions never mix dtypes silently:
@@ -18,15 +21,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 import numpy
+
+from . import settings
 
 TRAIN_DTYPE = numpy.float32
 CHECK_DTYPE = numpy.float64
 _DTYPES = {"float32": numpy.float32, "float64": numpy.float64}
 
-_backend = os.environ.get("REFIMPL_BACKEND", "numpy").strip().lower() or "numpy"
+_backend = None          # None: REFIMPL_BACKEND, read at the first backend_name()
 
 
 def _cupy():
@@ -40,25 +44,29 @@ def _cupy():
 
 
 def set_backend(name: str) -> None:
-    """Select the array module for new arrays: 'numpy' or 'cupy'."""
+    """Select the array module for new arrays: 'numpy' or 'cupy' (ValueError: another name,
+    or cupy where it cannot run, with the reason from settings.cupy_unavailable)."""
     global _backend
-    name = name.strip().lower()
     if name not in ("numpy", "cupy"):
         raise ValueError(f"backend must be 'numpy' or 'cupy', got {name!r}")
     if name == "cupy":
-        cp = _cupy()
-        if not cp.is_available():
-            raise RuntimeError("backend 'cupy' asked for but no CUDA device is available")
+        reason = settings.cupy_unavailable()
+        if reason:
+            raise ValueError(f"backend 'cupy' asked for but {reason}")
     _backend = name
 
 
 def backend_name() -> str:
+    """'numpy' or 'cupy': set_backend's choice, else ``REFIMPL_BACKEND`` (ValueError naming it)."""
+    global _backend
+    if _backend is None:
+        _backend = settings.env_setting("REFIMPL_BACKEND")
     return _backend
 
 
 def get_xp():
     """The array module of the run (numpy or cupy)."""
-    return _cupy() if _backend == "cupy" else numpy
+    return _cupy() if backend_name() == "cupy" else numpy
 
 
 def is_device_array(a) -> bool:
@@ -94,7 +102,7 @@ def synchronize(a=None) -> None:
     """
     if a is not None and not is_device_array(a):
         return
-    if a is None and _backend != "cupy":
+    if a is None and backend_name() != "cupy":
         return
     _cupy().cuda.get_current_stream().synchronize()
 
@@ -138,7 +146,6 @@ def scatter_add(target, index, values) -> None:
 
 
 ENV_ALLOCATOR = "REFIMPL_ALLOCATOR"
-_ALLOCATOR_MODES = ("retain", "system")
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # glibc mallopt parameters (malloc.h)
 
 
@@ -157,11 +164,7 @@ def tune_allocator() -> bool:
     command and the benchmarks; a library user may call it once at start-up.
     Returns True when the setting took effect (False: ``system``, or not glibc).
     """
-    mode = os.environ.get(ENV_ALLOCATOR, "retain").strip().lower()
-    if mode not in _ALLOCATOR_MODES:
-        raise ValueError(f"{ENV_ALLOCATOR} must be one of {', '.join(_ALLOCATOR_MODES)}, "
-                         f"got {os.environ.get(ENV_ALLOCATOR)!r}")
-    if mode == "system":
+    if settings.env_setting(ENV_ALLOCATOR) == "system":
         return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt

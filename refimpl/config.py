@@ -1,4 +1,4 @@
-"""The run configuration of ``refimpl train``: defaults <- TOML file <- command-line flags.
+"""The run configuration of ``refimpl train``: defaults <- environment <- TOML file <- flags.
 
 One flat namespace, the flags' names with '_' for '-' (``global_batch`` is
 ``--global-batch``), plus a ``[model_config]`` table of overrides of the model
@@ -18,12 +18,29 @@ preset (keys of refimpl.models.<model>.DEFAULTS).  Example ``run.toml``::
     [model_config]
     dropout = 0.2
 
-Unknown keys raise ValueError (a typo must not pass silently).  Everything
-here is pure Python: every rank computes the same config and the same errors.
+Unknown keys raise ValueError (a typo must not pass silently), and so does a
+value of the wrong type or out of range, in one line naming the key and what is
+allowed: ``validate`` checks every key of DEFAULTS, the [model_config] table with
+the model's own ``check_config`` (the preset merged under it).  Everything here
+is pure Python: every rank computes the same config and the same errors.
+
+Precedence, lowest first:
+
+- a new run: DEFAULTS <- the environment (``REFIMPL_BACKEND`` -> ``backend``,
+  ``REFIMPL_CUDA_AWARE`` -> ``cuda_aware``, where set) <- the TOML file <- the flags;
+- ``--resume``: DEFAULTS <- the checkpoint's config <- the environment <- the TOML
+  file and flags.  The environment beats the checkpoint because it describes the
+  machine the run continues on (a run written on GPUs may continue on CPUs).
+  Settings that shape the trajectory (``IDENTITY_KEYS``) cannot change on resume;
+  giving one is accepted when its *effective* value (``effective_settings``: the
+  defaults the run resolves at start filled in) equals the checkpoint's, so
+  repeating a default (``--lr 0.001`` of an Adam run that left lr unset) is fine.
 """
 from __future__ import annotations
 
 import copy
+
+from .settings import env_setting, is_set
 
 DEFAULTS = {
     # what to train
@@ -46,6 +63,8 @@ DEFAULTS = {
     "log_every": 1, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
+    # failure detection: seconds without progress of any rank before the job is ended (0: off)
+    "stall_timeout": 600.0,
 }
 
 DEFAULT_LR = {"sgd": 0.01, "adam": 0.001}
@@ -61,6 +80,9 @@ CHOICES = {
     "backend": ("numpy", "cupy"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
     "normalize": (True, False),
 }
+
+# config keys whose default comes from an environment variable (see the precedence above)
+ENVIRONMENT = {"backend": "REFIMPL_BACKEND", "cuda_aware": "REFIMPL_CUDA_AWARE"}
 
 
 def load_toml(path) -> dict:
@@ -82,14 +104,21 @@ def check_keys(table: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(DEFAULTS)}")
 
 
+def environment_layer(environ=None) -> dict:
+    """The config keys set by environment variables (``ENVIRONMENT``), where they are set;
+    ValueError naming the variable if its value is bad."""
+    return {key: env_setting(name, environ) for key, name in ENVIRONMENT.items() if is_set(name, environ)}
+
+
 def merge(*layers: dict) -> dict:
-    """DEFAULTS updated by each layer in turn (None values in a layer are skipped).
+    """DEFAULTS, then the environment (``environment_layer``), then each layer in turn
+    (None values in a layer are skipped); validated.
 
     ``steps`` and ``epochs`` say the same thing: a layer that sets one of them
     alone clears the other one set by an earlier layer (a flag beats the file).
     """
     config = copy.deepcopy(DEFAULTS)
-    for layer in layers:
+    for layer in (environment_layer(),) + layers:
         length = [k for k in ("steps", "epochs") if layer.get(k) is not None]
         if len(length) == 1:
             config["epochs" if length[0] == "steps" else "steps"] = None
@@ -98,77 +127,216 @@ def merge(*layers: dict) -> dict:
                 continue
             if key == "model_config":
                 if not isinstance(value, dict):
-                    raise ValueError(f"model_config must be a table, got {value!r}")
+                    raise ValueError(f"model_config must be a table of model settings, got {value!r}")
                 config[key] = {**config[key], **value}
             else:
-                config[key] = value
+                config[key] = copy.deepcopy(value)
     if isinstance(config["grid"], (list, tuple)):
         config["grid"] = ",".join(str(p) for p in config["grid"])
     validate(config)
     return config
 
 
+# ---------------------------------------------------------------- validation
+# One rule per key of DEFAULTS: rule(key, value, config) raises ValueError of one line
+# naming the key, the value and what is allowed.  Rules run in DEFAULTS' order, so
+# ``preset`` and ``model_config`` see a checked ``model``.
+
+def _one_of(*allowed):
+    def rule(key, value, config):           # by type too: 1 is not true, 0 not false
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
+    return rule
+
+
+def _integer(minimum, optional=False):
+    def rule(key, value, config):
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{key} must be an integer >= {minimum}{' (or unset)' if optional else ''}, "
+                             f"got {value!r}")
+    return rule
+
+
+def _number(optional=False):
+    def rule(key, value, config):
+        from .models.base import is_number
+        if optional and value is None:
+            return
+        if not is_number(value) or value < 0:
+            raise ValueError(f"{key} must be a number >= 0{' (or unset)' if optional else ''}, "
+                             f"got {value!r}")
+    return rule
+
+
+def _boolean(optional=False):
+    def rule(key, value, config):
+        if not (isinstance(value, bool) or (optional and value is None)):
+            raise ValueError(f"{key} must be true or false{' (or unset)' if optional else ''}, "
+                             f"got {value!r}")
+    return rule
+
+
+def _text(optional=False):
+    def rule(key, value, config):
+        if not ((isinstance(value, str) and value) or (optional and value is None)):
+            raise ValueError(f"{key} must be a non-empty string{' (or unset)' if optional else ''}, "
+                             f"got {value!r}")
+    return rule
+
+
+def _preset(key, value, config):
+    from .models.presets import PRESETS
+    presets = sorted(PRESETS[config["model"]])
+    if not isinstance(value, str) or value not in presets:
+        raise ValueError(f"preset must be one of {presets} for model {config['model']}, got {value!r}")
+
+
+def _model_config(key, value, config):
+    from .models import CHECK_CONFIG, PRESETS
+    if not isinstance(value, dict):
+        raise ValueError(f"model_config must be a table of {config['model']} settings, got {value!r}")
+    CHECK_CONFIG[config["model"]]({**PRESETS[config["model"]][config["preset"]], **value}, "model_config")
+
+
+def _grid(key, value, config):
+    from .parallel.grid import check_dims, parse_grid
+    if value is None:
+        return
+    if isinstance(value, str):
+        parse_grid(value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool)
+                                                  for p in value):
+        check_dims(value)
+    else:
+        raise ValueError(f"grid must be 'Pn,Pd,Ph,Pw' or a list of 4 integers >= 1 (or unset), "
+                         f"got {value!r}")
+
+
+def _betas(key, value, config):
+    from .models.base import is_number
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(is_number(b) and 0 <= b < 1 for b in value)):
+        raise ValueError(f"betas must be two numbers in [0, 1) (Adam's moment decays), got {value!r}")
+
+
+def _decay(key, value, config):
+    from .optim import parse_decay
+    if not isinstance(value, str):
+        raise ValueError(f"decay must be a string of STEP:FACTOR pairs like '300:0.25,400:0.125' "
+                         f"(or empty), got {value!r}")
+    parse_decay(value)
+
+
+def _allreduce(key, value, config):
+    from .parallel.collectives import ALGORITHMS
+    if not isinstance(value, str) or value not in ALGORITHMS:
+        raise ValueError(f"allreduce must be one of {sorted(ALGORITHMS)}, got {value!r}")
+
+
+RULES = {
+    "model": _one_of(*CHOICES["model"]), "preset": _preset, "model_config": _model_config,
+    "data": _text(optional=True), "generate": _boolean(optional=True),
+    "gen_samples": _integer(1, optional=True), "gen_val_samples": _integer(0, optional=True),
+    "gen_seed": _integer(0), "cache": _boolean(), "check_data": _one_of(*CHOICES["check_data"]),
+    "log1p": _one_of(*CHOICES["log1p"]), "normalize": _one_of(*CHOICES["normalize"]),
+    "grid": _grid, "global_batch": _integer(1, optional=True),
+    "steps": _integer(1, optional=True), "epochs": _integer(1, optional=True),
+    "optimizer": _one_of(*CHOICES["optimizer"]), "lr": _number(optional=True), "momentum": _number(),
+    "nesterov": _boolean(), "weight_decay": _number(), "betas": _betas, "eps": _number(),
+    "base_batch": _integer(1, optional=True), "warmup_steps": _integer(0),
+    "schedule": _one_of(*CHOICES["schedule"]), "decay": _decay, "warmup_epochs": _integer(0, optional=True),
+    "dtype": _one_of(*CHOICES["dtype"]), "seed": _integer(0),
+    "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "checkpoint_every": _integer(1),
+    "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
+    "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(),
+    "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),
+    "stall_timeout": _number(),
+}
+
+
 def validate(config: dict) -> None:
-    """Types and ranges of the run-level keys (the model checks its own config)."""
-    for key, allowed in CHOICES.items():
-        if config[key] not in allowed:
-            raise ValueError(f"{key} must be one of {list(allowed)}, got {config[key]!r}")
-    for key in ("checkpoint_every", "validate_every", "log_every"):
-        _int(config, key, 1)
-    for key in ("warmup_steps", "seed", "gen_seed"):
-        _int(config, key, 0)
-    for key in ("global_batch", "steps", "epochs", "base_batch", "warmup_epochs", "gen_samples",
-                "gen_val_samples"):
-        if config[key] is not None:
-            _int(config, key, 0 if key in ("warmup_epochs", "gen_val_samples") else 1)
-    for key in ("lr", "momentum", "weight_decay", "eps", "bucket_mb"):
-        value = config[key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value >= 0):
-            raise ValueError(f"{key} must be a number >= 0, got {value!r}")
-    betas = config["betas"]
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-        raise ValueError(f"betas must be two numbers, got {betas!r}")
+    """Type and range of every key of DEFAULTS (``RULES``); ValueError naming the first bad one."""
+    for key in DEFAULTS:
+        RULES[key](key, config[key], config)
 
 
-def _int(config, key, minimum) -> None:
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+def effective_settings(config: dict) -> dict:
+    """``config`` (validated) with the defaults the run resolves at start filled in: what
+    the run actually uses, so two configs that train alike compare equal.
+
+    - optimizer None: SGD for the mlperf schedule (MLPerf CosmoFlow), else Adam;
+    - lr None: MLPerf's base lr for mlperf, else ``DEFAULT_LR[optimizer]``;
+    - base_batch / warmup_epochs None: MLPerf's for mlperf (base_batch: no scaling otherwise);
+    - decay: the canonical 'STEP:FACTOR,...' string; mlperf's epochs when empty;
+    - model_config: the whole model config, model DEFAULTS <- preset <- [model_config].
+
+    ``refimpl.train.resolve_run`` starts from this; ``resume_config`` compares it.
+    """
+    from .models import CHECK_CONFIG, PRESETS
+    from .optim import MLPERF_COSMOFLOW as MLPERF
+    from .optim import parse_decay
+    mlperf = config["schedule"] == "mlperf"
+
+    def given_or(key, default):
+        return config[key] if config[key] is not None else default
+
+    optimizer = given_or("optimizer", MLPERF["optimizer"] if mlperf else "adam")
+    decay = parse_decay(config["decay"]) or (parse_decay(MLPERF["decay_epochs"]) if mlperf else ())
+    model, preset = config["model"], config["preset"]
+    return {**copy.deepcopy(config),
+            "optimizer": optimizer,
+            "lr": given_or("lr", MLPERF["lr"] if mlperf else DEFAULT_LR[optimizer]),
+            "base_batch": given_or("base_batch", MLPERF["base_batch"] if mlperf else None),
+            "warmup_epochs": given_or("warmup_epochs", MLPERF["warmup_epochs"] if mlperf else None),
+            "decay": ",".join(f"{at}:{factor!r}" for at, factor in decay),
+            "model_config": CHECK_CONFIG[model]({**PRESETS[model][preset], **config["model_config"]},
+                                                "model_config")}
 
 
 def resume_config(saved: dict, given: dict) -> tuple[dict, list[str]]:
-    """The config of a resumed run: the checkpoint's, with what was given explicitly on top.
+    """The config of a resumed run: the checkpoint's, then the environment, then what was
+    given explicitly (module docstring: precedence).
 
-    A given identity key (``IDENTITY_KEYS``) that differs from the checkpoint is an
-    error: it would silently change the trajectory.  Returns (config, notes).
+    A given identity key (``IDENTITY_KEYS``) whose effective value differs from the
+    checkpoint's is an error: it would silently change the trajectory.  Repeating the
+    checkpoint's value, or the default it resolved to, is accepted.  Returns (config, notes).
     """
-    notes = []
+    from .parallel.grid import parse_grid
+    identity = {k: given[k] for k in IDENTITY_KEYS if given.get(k) is not None}
+    before, after = effective_settings(merge(saved)), effective_settings(merge(saved, identity))
     for key in IDENTITY_KEYS:
-        if given.get(key) is None:
-            continue
-        value = given[key] if key != "model_config" else {**saved.get(key, {}), **given[key]}
-        if _normal(value) != _normal(saved.get(key)):
-            raise ValueError(f"--resume: {key} = {value!r} differs from the checkpoint's "
-                             f"{saved.get(key)!r}; a resumed run keeps the settings it started with "
-                             "(start a new run with another --out instead)")
-    if given.get("grid") is not None and _normal(given["grid"]) != _normal(saved.get("grid")):
+        was, now = before[key], after[key]
+        if key == "model_config":           # name the model setting, not the whole table
+            key, was, now = next(((f"model_config[{k!r}]", was.get(k), now.get(k)) for k in now
+                                  if _normal(now.get(k)) != _normal(was.get(k))), (key, was, now))
+        if _normal(now) != _normal(was):
+            raise ValueError(f"--resume: {key} = {now!r} differs from the checkpoint's {was!r}; a resumed "
+                             "run keeps the settings it started with (start a new run with another "
+                             "--out instead)")
+    notes = []
+    if given.get("grid") is not None and saved.get("grid") is not None \
+            and _grid_dims(given["grid"]) != parse_grid(saved["grid"]):
         notes.append(f"resuming on grid {given['grid']} (checkpoint written on {saved.get('grid')}): "
                      "the run continues correctly but not bit for bit (sums are ordered differently)")
     layer = {k: v for k, v in given.items() if k not in IDENTITY_KEYS}
-    return merge(saved, layer), notes
+    return merge(saved, environment_layer(), layer), notes
+
+
+def _grid_dims(grid):
+    from .parallel.grid import check_dims, parse_grid
+    return parse_grid(grid) if isinstance(grid, str) else check_dims(grid)
 
 
 def _normal(value):
-    """Compare lists/tuples and '2,1,1,1' grids alike."""
+    """Compare lists and tuples alike (TOML and JSON give lists where Python wrote tuples)."""
     if isinstance(value, (list, tuple)):
         return [_normal(v) for v in value]
     if isinstance(value, dict):
         return {k: _normal(v) for k, v in value.items()}
-    if isinstance(value, str) and "," in value:
-        return [v.strip() for v in value.split(",")]
     return value
 
 
-__all__ = ["DEFAULTS", "DEFAULT_LR", "IDENTITY_KEYS", "load_toml", "check_keys", "merge", "validate",
-           "resume_config"]
+__all__ = ["DEFAULTS", "DEFAULT_LR", "IDENTITY_KEYS", "CHOICES", "ENVIRONMENT", "RULES", "load_toml",
+           "check_keys", "environment_layer", "merge", "validate", "effective_settings", "resume_config"]

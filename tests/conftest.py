@@ -7,15 +7,15 @@ Hypothesis profiles:
   rank that drew a different shape would deadlock its peers).
 The MPI test files (tests/mpi/) load the "mpi" profile themselves.
 """
-import os
-
 from hypothesis import HealthCheck, settings
 
+from refimpl.settings import env_setting
+
 settings.register_profile(
-    "default", max_examples=int(os.environ.get("REFIMPL_EXAMPLES", "25")),
+    "default", max_examples=env_setting("REFIMPL_EXAMPLES"),
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
-    "mpi", max_examples=int(os.environ.get("REFIMPL_MPI_EXAMPLES", "25")),
+    "mpi", max_examples=env_setting("REFIMPL_MPI_EXAMPLES"),
     deadline=None, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck), print_blob=False)
 settings.load_profile("default")

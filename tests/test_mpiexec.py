@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from refimpl.settings import env_setting
+
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
 ROOT = Path(__file__).resolve().parent.parent
 MPI_TESTS = ROOT / "tests" / "mpi"
-TIMEOUT_S = int(os.environ.get("REFIMPL_MPI_TIMEOUT", "900"))
+TIMEOUT_S = env_setting("REFIMPL_MPI_TIMEOUT")
 
 
 def mpiexec_command(n: int) -> list[str]:

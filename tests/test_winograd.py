@@ -167,7 +167,7 @@ def test_thread_counts_agree_and_repeat_bit_for_bit(monkeypatch):
         assert rel_err(results[threads][2], results["1"][2]) <= 1e-5
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "", " 2x"])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "+2", " 2x"])    # empty: unset
 def test_bad_thread_count_is_refused(monkeypatch, value):
     monkeypatch.setenv("REFIMPL_THREADS", value)
     with pytest.raises(ValueError, match="REFIMPL_THREADS must be a positive integer"):

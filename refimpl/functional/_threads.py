@@ -15,16 +15,17 @@ is summed in an order that depends only on ``W``: the same thread count gives
 bit-identical results, run after run.
 
 ``W`` is ``REFIMPL_THREADS`` when set (a positive integer; anything else is
-refused), else the number of threads BLAS would use (``OMP_NUM_THREADS`` /
+refused; empty means unset), else the number of threads BLAS would use (``OMP_NUM_THREADS`` /
 ``OPENBLAS_NUM_THREADS``, default: the cores), and 1 for CuPy arrays (the
 device runs its kernels in parallel already) or without ``threadpoolctl``.
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy
+
+from .. import settings
 
 ENV_THREADS = "REFIMPL_THREADS"
 
@@ -45,25 +46,14 @@ def _blas_controller():
     return _controller or None
 
 
-def parse_thread_count(text):
-    """``REFIMPL_THREADS``'s value as a positive int, or ValueError naming the variable."""
-    try:
-        n = int(str(text).strip())
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != str(text).strip():
-        raise ValueError(f"{ENV_THREADS} must be a positive integer (threads for the conv passes), "
-                         f"got {text!r}")
-    return n
-
-
 def thread_count(xp=numpy):
-    """Worker threads for chunked passes on ``xp`` arrays (see the module docstring)."""
+    """Worker threads for chunked passes on ``xp`` arrays (see the module docstring);
+    ``REFIMPL_THREADS`` is read (refimpl.settings parses it) at every call."""
     if xp is not numpy:
         return 1
-    env = os.environ.get(ENV_THREADS)
-    if env is not None:
-        return parse_thread_count(env)
+    threads = settings.env_setting(ENV_THREADS)
+    if threads is not None:
+        return threads
     ctl = _blas_controller()
     if ctl is None:
         return 1

@@ -39,23 +39,20 @@ gradient / contribute nothing), which is what transposed convolution with
 """
 from __future__ import annotations
 
-import os
-
+from .. import settings
 from ..backend import check_same_dtype
 from . import _im2col, winograd
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = ("depth", "height", "width")
-ALGORITHMS = ("auto", "im2col", "winograd")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
+ALGORITHMS = settings.SETTINGS[ENV_ALGORITHM].choices      # ("auto", "im2col", "winograd")
 
 
 def algorithm_setting():
-    """``REFIMPL_CONV_ALGORITHM`` (default "auto"), or ValueError naming the variable."""
-    algorithm = os.environ.get(ENV_ALGORITHM, "auto")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{ENV_ALGORITHM} must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    return algorithm
+    """``REFIMPL_CONV_ALGORITHM`` (default "auto"), or ValueError naming the variable
+    (parsed by refimpl.settings, read at every call so a run can switch it)."""
+    return settings.env_setting(ENV_ALGORITHM)
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,

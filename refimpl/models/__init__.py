@@ -17,6 +17,7 @@ from .unet3d import UNet3D
 
 MODELS = {"cosmoflow": CosmoFlow, "unet3d": UNet3D}
 DEFAULTS = {"cosmoflow": cosmoflow.DEFAULTS, "unet3d": unet3d.DEFAULTS}   # every config key, per model
+CHECK_CONFIG = {"cosmoflow": cosmoflow.check_config, "unet3d": unet3d.check_config}   # (config, where) -> full config
 
 
 def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
@@ -40,4 +41,4 @@ def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
     return MODELS[name](dict(config), grid, int(seed), dtype, global_batch)
 
 
-__all__ = ["PRESETS", "MODELS", "DEFAULTS", "build_model", "CosmoFlow", "UNet3D"]
+__all__ = ["PRESETS", "MODELS", "DEFAULTS", "CHECK_CONFIG", "build_model", "CosmoFlow", "UNet3D"]

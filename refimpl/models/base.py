@@ -19,6 +19,8 @@ loss: ``(1/Pn) sum_n Pn dL/dW|_n = dL/dW``.
 """
 from __future__ import annotations
 
+import math
+
 from ..backend import array_module, resolve_dtype
 from ..nn import spatial
 from ..nn.batch_norm import BatchNorm3d
@@ -72,32 +74,58 @@ class Layers:
         return spatial.SpatialDropout(p, seed=int(self.rng.integers(2 ** 63)))
 
 
-def check_positive_int(config, key, minimum=1):
+# The checks of a model config's keys, shared by the models' ``check_config``.  ``where``
+# names the config in the messages: "config" for build_model, "model_config" for the
+# run config of ``refimpl train`` (which checks the model config before building it).
+
+def is_number(value) -> bool:
+    """A finite int or float (bools are not numbers here: ``True`` is a typo, not 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_positive_int(config, key, minimum=1, where="config"):
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"config[{key!r}] must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{where}[{key!r}] must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def check_input_shape(config, divisor, what):
+def check_number(config, key, ok, allowed, where="config"):
+    """config[key] is a finite number with ``ok(value)``; ``allowed`` completes 'a number ...'."""
+    value = config[key]
+    if not is_number(value) or not ok(value):
+        raise ValueError(f"{where}[{key!r}] must be a number {allowed}, got {value!r}")
+    return value
+
+
+def check_choice(config, key, choices, where="config"):
+    value = config[key]
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{where}[{key!r}] must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_input_shape(config, divisor, what, where="config"):
     """config['input_shape'] = (C, D, H, W) with every spatial size divisible by ``divisor``."""
-    shape = tuple(config["input_shape"])
-    if len(shape) != 4 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
-        raise ValueError(f"config['input_shape'] must be 4 positive integers (C, D, H, W), got {shape}")
+    shape = config["input_shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 4 \
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise ValueError(f"{where}['input_shape'] must be 4 positive integers (C, D, H, W), got {shape!r}")
+    shape = tuple(shape)
     for axis, n in zip("DHW", shape[1:]):
         if n % divisor:
-            raise ValueError(f"input size {axis}={n} of input_shape {shape} must be divisible by "
-                             f"{divisor} ({what})")
+            raise ValueError(f"{where}['input_shape']: input size {axis}={n} of {shape} must be "
+                             f"divisible by {divisor} ({what})")
     return shape
 
 
-def merge_config(defaults: dict, config: dict, model: str) -> dict:
+def merge_config(defaults: dict, config: dict, model: str, where="config") -> dict:
     """defaults updated by config; unknown keys raise ValueError (a typo must not pass silently)."""
     if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+        raise ValueError(f"{where} must be a dict of {model} settings, got {config!r}")
     unknown = sorted(set(config) - set(defaults))
     if unknown:
-        raise ValueError(f"unknown {model} config key(s) {unknown}; known: {sorted(defaults)}")
+        raise ValueError(f"unknown {model} {where} key(s) {unknown}; known: {sorted(defaults)}")
     return {**defaults, **config}
 
 
@@ -199,4 +227,5 @@ def check_global_batch(global_batch, data_parallel: int) -> int:
     return int(global_batch) // data_parallel
 
 
-__all__ = ["Layers", "Model", "check_global_batch", "merge_config"]
+__all__ = ["Layers", "Model", "check_global_batch", "merge_config", "is_number", "check_positive_int",
+           "check_number", "check_choice", "check_input_shape"]

@@ -29,7 +29,7 @@ from ..backend import array_module
 from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
 from ..nn.activation import LeakyReLU, ScaledTanh
 from ..nn.module import Sequential
-from .base import Layers, Model, check_input_shape, check_positive_int, merge_config
+from .base import Layers, Model, check_input_shape, check_number, check_positive_int, merge_config
 
 DEFAULTS = {
     "input_shape": (4, 128, 128, 128),   # (C, D, H, W)
@@ -45,22 +45,35 @@ DEFAULTS = {
 }
 
 
+def check_config(config: dict, where: str = "config") -> dict:
+    """DEFAULTS updated by ``config`` (overrides), every key's type and range checked;
+    ValueError of one line naming the key.  Pure: ``refimpl train`` checks its
+    [model_config] with it before any rank builds a layer, the model on building."""
+    config = merge_config(DEFAULTS, config, "cosmoflow", where)
+    n_layers = check_positive_int(config, "n_conv_layers", where=where)
+    for key in ("conv_size", "kernel_size", "fc1_size", "fc2_size", "num_outputs"):
+        check_positive_int(config, key, where=where)
+    if config["kernel_size"] % 2 == 0:
+        raise ValueError(f"{where}['kernel_size'] must be odd ('same' padding k // 2), "
+                         f"got {config['kernel_size']}")
+    check_number(config, "dropout", lambda p: 0.0 <= p < 1.0, "in [0, 1)", where)
+    check_number(config, "leaky_slope", lambda a: True, "(the slope for x < 0)", where)
+    check_number(config, "output_scale", lambda s: s > 0, "> 0", where)
+    config["input_shape"] = check_input_shape(config, 2 ** n_layers,
+                                              f"{n_layers} conv blocks each halve it", where)
+    return config
+
+
 class CosmoFlow(Model):
     task = "regression"
 
     def __init__(self, config, grid, seed, dtype, global_batch=None):
-        config = merge_config(DEFAULTS, config, "cosmoflow")
+        config = check_config(config)
         super().__init__(config, grid, dtype, global_batch)
-        n_layers = check_positive_int(config, "n_conv_layers")
-        width, k = check_positive_int(config, "conv_size"), check_positive_int(config, "kernel_size")
-        if k % 2 == 0:
-            raise ValueError(f"config['kernel_size'] must be odd ('same' padding k // 2), got {k}")
-        fc1, fc2 = check_positive_int(config, "fc1_size"), check_positive_int(config, "fc2_size")
-        self.num_outputs = check_positive_int(config, "num_outputs")
-        if not 0.0 <= config["dropout"] < 1.0:
-            raise ValueError(f"config['dropout'] must be in [0, 1), got {config['dropout']!r}")
-        self.input_shape = check_input_shape(config, 2 ** n_layers, f"{n_layers} conv blocks each "
-                                             "halve it")
+        n_layers, width, k = config["n_conv_layers"], config["conv_size"], config["kernel_size"]
+        fc1, fc2 = config["fc1_size"], config["fc2_size"]
+        self.num_outputs = config["num_outputs"]
+        self.input_shape = config["input_shape"]
         slope = float(config["leaky_slope"])
         make = Layers(grid, numpy.random.default_rng(seed), dtype)
 
@@ -118,4 +131,4 @@ class CosmoFlow(Model):
         return mean_finish(sums[:2]), dout, {"mae": mean_finish(sums[2:])}
 
 
-__all__ = ["CosmoFlow", "DEFAULTS"]
+__all__ = ["CosmoFlow", "DEFAULTS", "check_config"]

@@ -35,7 +35,9 @@ from ..functional.losses import (
     mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums)
 from ..nn.activation import ReLU
 from ..nn.module import Sequential
-from .base import Layers, Model, check_input_shape, check_positive_int, merge_config
+from .base import (
+    Layers, Model, check_choice, check_input_shape, check_number, check_positive_int, is_number,
+    merge_config)
 
 LOSSES = ("ce", "dice", "ce+dice")
 DEFAULTS = {
@@ -51,27 +53,41 @@ DEFAULTS = {
 }
 
 
+def check_config(config: dict, where: str = "config") -> dict:
+    """DEFAULTS updated by ``config`` (overrides), every key's type and range checked;
+    ValueError of one line naming the key.  Pure: ``refimpl train`` checks its
+    [model_config] with it before any rank builds a layer, the model on building."""
+    config = merge_config(DEFAULTS, config, "unet3d", where)
+    levels = check_positive_int(config, "levels", where=where)
+    check_positive_int(config, "base_width", where=where)
+    classes = check_positive_int(config, "num_classes", minimum=2, where=where)
+    check_choice(config, "loss", LOSSES, where)
+    weights = config["class_weights"]
+    if weights is not None and not (isinstance(weights, (list, tuple)) and len(weights) == classes
+                                    and all(is_number(w) and w >= 0 for w in weights)):
+        raise ValueError(f"{where}['class_weights'] must be {classes} non-negative numbers (one per "
+                         f"class) or unset, got {weights!r}")
+    check_number(config, "dice_eps", lambda e: e > 0, "> 0", where)
+    check_number(config, "bn_eps", lambda e: e > 0, "> 0", where)
+    check_number(config, "bn_momentum", lambda m: 0.0 <= m <= 1.0, "in [0, 1]", where)
+    config["input_shape"] = check_input_shape(config, 2 ** levels, f"{levels} levels each halve it",
+                                              where)
+    return config
+
+
 class UNet3D(Model):
     task = "segmentation"
 
     def __init__(self, config, grid, seed, dtype, global_batch=None):
-        config = merge_config(DEFAULTS, config, "unet3d")
+        config = check_config(config)
         super().__init__(config, grid, dtype, global_batch)
-        self.levels = check_positive_int(config, "levels")
-        base = check_positive_int(config, "base_width")
-        self.num_classes = check_positive_int(config, "num_classes", minimum=2)
-        if config["loss"] not in LOSSES:
-            raise ValueError(f"config['loss'] must be one of {LOSSES}, got {config['loss']!r}")
+        self.levels, base, self.num_classes = config["levels"], config["base_width"], config["num_classes"]
         self.terms = config["loss"].split("+")
         self.class_weights = None
         if config["class_weights"] is not None:
-            weights = numpy.asarray(config["class_weights"], dtype=numpy.float64)
-            if weights.shape != (self.num_classes,) or (weights < 0).any():
-                raise ValueError(f"config['class_weights'] must be {self.num_classes} non-negative "
-                                 f"numbers, got {config['class_weights']!r}")
-            self.class_weights = asarray(weights, dtype=self.dtype)
-        self.input_shape = check_input_shape(config, 2 ** self.levels,
-                                             f"{self.levels} levels each halve it")
+            self.class_weights = asarray(numpy.asarray(config["class_weights"], dtype=numpy.float64),
+                                         dtype=self.dtype)
+        self.input_shape = config["input_shape"]
         make = Layers(grid, numpy.random.default_rng(seed), dtype)
 
         def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2
@@ -164,4 +180,4 @@ class UNet3D(Model):
         return loss, dout, {"dice": dice}
 
 
-__all__ = ["UNet3D", "DEFAULTS", "LOSSES"]
+__all__ = ["UNet3D", "DEFAULTS", "LOSSES", "check_config"]

@@ -18,21 +18,20 @@ this code path without a GPU: mpi4py hands the interface's pointer to MPI
 either way).  Allocations and host<->device copies go through the array's
 module, ``array_module(a)`` (``cupy``); tests replace it with a host stand-in.
 
-CUDA-aware MPI is off unless ``REFIMPL_CUDA_AWARE=1`` (or ``set_cuda_aware(True)``):
-staging through the host is always correct; direct device buffers need an MPI
-built with CUDA support.
+CUDA-aware MPI is off unless ``REFIMPL_CUDA_AWARE`` says on (1, true, yes, on; see
+refimpl.settings) or ``set_cuda_aware(True)`` is called: staging through the host
+is always correct; direct device buffers need an MPI built with CUDA support.
+The variable is read at the first use, not at import, so a bad value never
+breaks ``import`` (the ``refimpl`` command reports it at start-up).
 """
 from __future__ import annotations
 
-import os
-
 import numpy
 
-from .. import backend
+from .. import backend, settings
 from ..backend import array_module
 
-_TRUE = ("1", "true", "yes", "on")
-_cuda_aware = os.environ.get("REFIMPL_CUDA_AWARE", "0").strip().lower() in _TRUE
+_cuda_aware = None       # None: REFIMPL_CUDA_AWARE, read at the first cuda_aware()
 
 
 def set_cuda_aware(flag: bool) -> None:
@@ -42,6 +41,10 @@ def set_cuda_aware(flag: bool) -> None:
 
 
 def cuda_aware() -> bool:
+    """set_cuda_aware's choice, else ``REFIMPL_CUDA_AWARE`` (ValueError naming it)."""
+    global _cuda_aware
+    if _cuda_aware is None:
+        _cuda_aware = settings.env_setting("REFIMPL_CUDA_AWARE")
     return _cuda_aware
 
 
@@ -71,12 +74,12 @@ def send_buffer(a):
     if not _c_contiguous(a):
         a = xp.ascontiguousarray(a)
     backend.synchronize(a)  # the stream must have finished writing a before MPI reads it
-    return a if _cuda_aware else xp.asnumpy(a)
+    return a if cuda_aware() else xp.asnumpy(a)
 
 
 def recv_buffer(shape, dtype, like):
     """An uninitialised buffer MPI can write a message for an array like ``like`` into."""
-    if is_device(like) and _cuda_aware:
+    if is_device(like) and cuda_aware():
         return array_module(like).empty(tuple(shape), dtype=dtype)
     return numpy.empty(tuple(shape), dtype=dtype)
 
