@@ -25,13 +25,15 @@ Integrity: ``sha256`` is the hash of the meta JSON and of every array (name,
 dtype, shape, bytes) in sorted name order; a file whose hash does not match,
 or that is not a readable checkpoint at all, is refused with CheckpointError.
 
-Atomicity: the file is written to ``<path>.tmp-<pid>`` beside the target,
-flushed and fsync-ed, then renamed over ``path`` with ``os.replace`` (and the
-directory fsync-ed).  Until the rename the previous checkpoint is untouched, so
-a crash (or SIGKILL) mid-write leaves the last complete checkpoint in place.
+Atomicity: the file is built in memory, written to ``<path>.tmp-<pid>`` beside
+the target, flushed and fsync-ed, then renamed over ``path`` with ``os.replace``
+(and the directory fsync-ed).  Until the rename the previous checkpoint is
+untouched, so a crash (or SIGKILL) mid-write leaves the last complete checkpoint
+in place; a failed write (disk full) removes the temporary and says so.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -41,6 +43,8 @@ import time
 import numpy
 
 from .backend import to_host
+from .failstop import atomic_write, describe
+from .parallel.objects import bcast_object
 
 FORMAT = "refimpl-checkpoint"
 VERSION = 1
@@ -63,35 +67,31 @@ def checksum(arrays: dict, meta_json: str) -> str:
 
 
 def write_file(path, arrays: dict, meta: dict) -> None:
-    """Write ``arrays`` (name -> host array; '/' makes groups) and ``meta`` atomically."""
+    """Write ``arrays`` (name -> host array; '/' makes groups) and ``meta`` atomically.
+
+    The HDF5 file is built in memory first and written with plain Python I/O:
+    a disk that fills up (or a file-size limit) then surfaces as one OSError
+    (ENOSPC, EFBIG), never as HDF5 error stacks or a crash inside HDF5's close,
+    and ``failstop.atomic_write`` leaves the previous checkpoint untouched and no
+    temporary behind.
+    """
+    import io
+
     import h5py
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     for stale in glob.glob(glob.escape(path) + ".tmp-*"):   # left by a run killed mid-write
         os.remove(stale)
     meta_json = json.dumps(meta, sort_keys=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["version"] = VERSION
-            f.attrs["meta"] = meta_json
-            for name in sorted(arrays):
-                f.create_dataset(name, data=numpy.ascontiguousarray(arrays[name]))
-            f.attrs["sha256"] = checksum(arrays, meta_json)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["version"] = VERSION
+        f.attrs["meta"] = meta_json
+        for name in sorted(arrays):
+            f.create_dataset(name, data=numpy.ascontiguousarray(arrays[name]))
+        f.attrs["sha256"] = checksum(arrays, meta_json)
+    atomic_write(path, lambda fh: fh.write(image.getbuffer()), binary=True, fsync=True)
 
 
 def read_file(path):
@@ -126,25 +126,17 @@ def read_file(path):
 
 # ---------------------------------------------------------------- the training state
 
-def named_modules(module, prefix=""):
-    """(name, module) pairs, the module itself first ('' for the root)."""
-    out = [(prefix.rstrip("."), module)]
-    for name, child in module._modules.items():
-        out += named_modules(child, f"{prefix}{name}.")
-    return out
-
-
 def dropout_state(model) -> dict:
     """{module name: {"seed", "step"}} of every Dropout: its whole random state (counter-based masks)."""
     from .nn.dropout import Dropout
     return {name: {"seed": int(m.seed), "step": int(m.step)}
-            for name, m in named_modules(model) if isinstance(m, Dropout)}
+            for name, m in model.named_modules() if isinstance(m, Dropout)}
 
 
 def generator_states(model) -> dict:
     """State of every numpy.random.Generator held as a module attribute ('<module>:<attr>')."""
     out = {}
-    for name, m in named_modules(model):
+    for name, m in model.named_modules():
         for attr, value in vars(m).items():
             if isinstance(value, numpy.random.Generator):
                 out[f"{name}:{attr}"] = value.bit_generator.state
@@ -152,7 +144,7 @@ def generator_states(model) -> dict:
 
 
 def _set_generators(model, states: dict) -> None:
-    modules = dict(named_modules(model))
+    modules = dict(model.named_modules())
     for key, state in states.items():
         name, _, attr = key.rpartition(":")
         modules[name].__dict__[attr].bit_generator.state = state
@@ -180,11 +172,13 @@ def save(path, model, optimizer, grid, meta: dict) -> None:
         error = None
         try:
             write_file(path, arrays, meta)
-        except Exception as err:   # pragma: no cover - disk full etc.
-            error = f"writing checkpoint {path} failed: {err}"
+        except OSError as err:
+            full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+            error = (f"checkpoint not written: {'disk full' if full else 'write failed'} at {path} "
+                     f"({describe(err)}); the previous checkpoint, if any, is untouched")
     else:
         error = None
-    error = grid.comm.bcast(error, root=0)
+    error = bcast_object(grid.comm, error, root=0)
     if error:
         raise CheckpointError(error)
 
@@ -209,7 +203,7 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
         optimizer.load_state_dict(dict(meta["optimizer"], arrays=opt_arrays))
     except ValueError as err:
         raise CheckpointError(f"checkpoint does not fit this model / optimizer: {err}") from None
-    modules = dict(named_modules(model))
+    modules = dict(model.named_modules())
     for name, state in meta.get("dropout", {}).items():
         if name not in modules:
             raise CheckpointError(f"checkpoint has dropout state for {name!r}, not in this model")
@@ -219,4 +213,4 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
 
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "checksum", "write_file", "read_file",
-           "named_modules", "dropout_state", "generator_states", "save", "restore"]
+           "dropout_state", "generator_states", "save", "restore"]

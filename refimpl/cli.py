@@ -29,32 +29,49 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_line) in COMMANDS.items():
         p = sub.add_parser(name, help=help_line, description=help_line)
         importlib.import_module(module).add_arguments(p)
+        p.add_argument("--debug", action="store_true",
+                       help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
         p.set_defaults(_module=module)
     return parser
 
 
-def check_speed_settings() -> None:
-    """Validate REFIMPL_CONV_ALGORITHM and REFIMPL_THREADS, then apply REFIMPL_ALLOCATOR
-    (ValueError naming the variable; every rank sees the same environment)."""
+def check_settings() -> None:
+    """Validate every REFIMPL_* variable (unknown names too), then apply REFIMPL_ALLOCATOR.
+
+    ValueError naming the variable; every rank sees the same environment, so every
+    rank refuses alike, before any message.
+    """
     from .backend import tune_allocator
-    from .functional import _threads
-    from .functional.conv3d import algorithm_setting
-    algorithm_setting()
-    _threads.thread_count()
+    from .settings import check_environment
+    check_environment()
     tune_allocator()
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when not under one), without starting MPI."""
+    import os
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def main(argv=None) -> int:
+    from . import failstop
+    from .settings import env_setting
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    try:                      # the speed settings, checked before any command (and any message)
-        check_speed_settings()
-    except ValueError as err:
-        print(f"refimpl: error: {err}", file=sys.stderr)
-        return 2
+    try:                      # the settings, checked before any command (and any message)
+        check_settings()
+    except ValueError as err:             # every rank refuses; rank 0 says why
+        if launcher_rank() == 0:
+            print(f"refimpl: error: {err}", file=sys.stderr)
+        return failstop.EXIT_BAD_INPUT
+    failstop.DEBUG = bool(args.debug or env_setting("REFIMPL_DEBUG"))
+    failstop.install_excepthook(args.command)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -9,13 +9,20 @@ One step on every rank of the (Pn, Pd, Ph, Pw) grid::
     sync.finish()                      # sum over spatial, average over data
     optimizer.step()                   # identical update on every rank
 
-Errors.  Every rank must take the same path, or the ranks that went on wait
-forever in a collective.  So everything that can fail on bad input (config,
-grid, model, data files, data values, checkpoint) runs in ``collective``: each
-rank tries, the outcomes are allgathered, and if any rank failed *every* rank
-raises ``InputError`` with the first message (the command exits with status 2).
-A NaN/Inf loss is decided collectively too and raises ``Diverged`` everywhere
+Errors (refimpl/failstop.py).  Every rank must take the same path, or the ranks
+that went on wait forever in a collective.  So everything that can fail on bad
+input (config, grid, model, data files, data values, checkpoint) runs in
+``agree``: each rank tries, the outcomes are allgathered, and if any rank failed
+*every* rank raises ``InputError`` with the first message (exit status 2).
+Every path the run writes is checked writable on every rank before the first
+message (``preflight``).  What rank 0 writes for everyone (config, metrics,
+plot, checkpoint, summary, generated data) runs in ``on_root``: the outcome is
+broadcast and a failure raises ``WriteError`` on every rank (status 4).  A
+NaN/Inf loss is decided collectively too and raises ``Diverged`` everywhere
 before the bad update is applied (status 3); the last checkpoint stays good.
+What escapes all that (an exception on one rank inside a layer) ends the job
+from that rank, and a rank that stops answering is named by the watchdog
+(status 5): ``failstop.run_command``, which ``refimpl train`` runs under.
 
 Resume bit for bit.  Nothing in a step is drawn from a sequential random
 stream: the data order of epoch e is ``default_rng([seed, e])`` and dropout
@@ -34,44 +41,69 @@ import time
 
 from . import checkpoint
 from .backend import asarray, resolve_dtype, set_backend
-from .config import DEFAULT_LR
-from .optim import MLPERF_COSMOFLOW, Schedule, make_optimizer, parse_decay, scaled_lr
+from .config import effective_settings
+from .failstop import (Diverged, InputError, WriteError, agree, atomic_write, check_writable, describe,
+                       label_layers, on_root, phase, set_step)
+from .optim import Schedule, make_optimizer, parse_decay, scaled_lr
+from .parallel.objects import allreduce_sum
 
 CHECKPOINT = "checkpoint.h5"
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
+CONFIG = "config.json"
+SUMMARY = "summary.json"
+RUN_FILES = (CHECKPOINT, METRICS, PLOT, CONFIG, SUMMARY)      # what a run writes into OUT
 
 
-class InputError(Exception):
-    """Bad input found before (or while) training; raised on every rank with the same message."""
+def refuse(message: str):
+    """Bad input found identically on every rank (no message needed to agree)."""
+    raise InputError(message, agreed=True)
 
 
-class Diverged(RuntimeError):
-    """The loss became NaN or Inf; raised on every rank, before the update is applied."""
+def preflight(config: dict) -> None:
+    """Every path the run will write can be written (ValueError otherwise); pure, on every rank.
 
-
-def collective(comm, fn, *args, **kwargs):
-    """Run ``fn`` on every rank; if it raised anywhere, raise InputError on every rank.
-
-    ``fn`` must not itself make collective calls that a failing rank would skip.
+    OUT must be (or be creatable as) a writable directory, and each run file in it
+    (checkpoint, metrics, plot, config, summary) a regular file or absent: a bad
+    --out is bad input found before the first message, not an I/O error at step 1.
     """
-    try:
-        result, error = fn(*args, **kwargs), None
-    except (ValueError, OSError, KeyError, RuntimeError) as err:
-        result, error = None, str(err) or type(err).__name__
-    errors = comm.allgather(error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        where = "" if len({e for _, e in failed}) == 1 and len(failed) == len(errors) else f" (rank {rank})"
-        raise InputError(message + where)
-    return result
+    out = config["out"]
+    check_writable(out, "--out", directory=True)
+    for name in RUN_FILES + (() if config["data"] else ("data",)):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            check_writable(path, f"--out: {name}", directory=name == "data")
+
+
+def clear_run(out: str) -> None:
+    """``--overwrite``: remove the old run's files before anything new is written.
+
+    Each file is first renamed into ``OUT/.overwritten-PID/`` (checkpoint first:
+    from that instant OUT holds no run that ``--resume`` could pick up), then that
+    directory is deleted.  A crash in between leaves OUT without a checkpoint and
+    the stale ``.overwritten-*`` directory, removed by the next ``--overwrite``.
+    Generated data (OUT/data) is input, not output: it is kept.
+    """
+    import glob
+    import shutil
+    for stale in glob.glob(os.path.join(glob.escape(out), ".overwritten-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    aside = os.path.join(out, f".overwritten-{os.getpid()}")
+    os.makedirs(aside, exist_ok=True)
+    for name in RUN_FILES:
+        if os.path.exists(os.path.join(out, name)):
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+    shutil.rmtree(aside)
 
 
 # ---------------------------------------------------------------- setup pieces
 
 def resolve_run(config: dict, world_size: int) -> dict:
-    """Pure, identical on every rank: grid dims, global batch, lr, schedule settings."""
+    """Pure, identical on every rank: grid dims, global batch, lr, schedule settings.
+
+    The defaults resolved here (optimizer, lr, base batch, warmup epochs) are
+    written back into ``config``, so config.json and the checkpoint say what ran.
+    """
     from .parallel.grid import parse_grid
     dims = parse_grid(config["grid"]) if config["grid"] else (world_size, 1, 1, 1)
     product = dims[0] * dims[1] * dims[2] * dims[3]
@@ -84,24 +116,19 @@ def resolve_run(config: dict, world_size: int) -> dict:
     if batch % dims[0]:
         raise ValueError(f"--global-batch {batch} must be divisible by Pn={dims[0]} (the grid's "
                          "sample groups each take an equal share)")
-    mlperf = config["schedule"] == "mlperf"
-    if config["optimizer"] is None:       # MLPerf CosmoFlow trains with SGD; otherwise Adam
-        config["optimizer"] = MLPERF_COSMOFLOW["optimizer"] if mlperf else "adam"
-    lr = config["lr"] if config["lr"] is not None else \
-        (MLPERF_COSMOFLOW["lr"] if mlperf else DEFAULT_LR[config["optimizer"]])
-    base_batch = config["base_batch"] if config["base_batch"] is not None else \
-        (MLPERF_COSMOFLOW["base_batch"] if mlperf else None)
+    effective = effective_settings(config)        # MLPerf CosmoFlow: SGD; otherwise Adam, ...
+    for key in ("optimizer", "lr", "base_batch", "warmup_epochs"):
+        config[key] = effective[key]
+    lr, base_batch = config["lr"], config["base_batch"]
     return {"dims": dims, "global_batch": batch, "base_lr": lr, "base_batch": base_batch,
-            "peak_lr": scaled_lr(lr, batch, base_batch), "decay": parse_decay(config["decay"])}
+            "peak_lr": scaled_lr(lr, batch, base_batch), "decay": parse_decay(effective["decay"]),
+            "model_config": effective["model_config"]}
 
 
 def make_schedule(config, run, steps_per_epoch) -> Schedule:
     if config["schedule"] == "mlperf":
-        warmup = config["warmup_epochs"]
-        decay = run["decay"] or parse_decay(MLPERF_COSMOFLOW["decay_epochs"])
         return Schedule("mlperf", run["peak_lr"], base_lr=run["base_lr"], steps_per_epoch=steps_per_epoch,
-                        warmup_epochs=MLPERF_COSMOFLOW["warmup_epochs"] if warmup is None else warmup,
-                        decay_epochs=decay)
+                        warmup_epochs=config["warmup_epochs"], decay_epochs=run["decay"])
     return Schedule(config["schedule"], run["peak_lr"], warmup_steps=config["warmup_steps"],
                     milestones=run["decay"])
 
@@ -206,8 +233,8 @@ def input_normalization(reader, grid, comm, count: int):
     on every rank (same values, same reduction).
     """
     import numpy
-    local = collective(comm, channel_stats, reader, count)
-    total = grid.spatial_comm.allreduce(local)                 # sum of the blocks: whole samples
+    local = agree(comm, channel_stats, reader, count)
+    total = allreduce_sum(grid.spatial_comm, local)                 # sum of the blocks: whole samples
     mean = total[0] / total[2]
     std = numpy.sqrt(numpy.maximum(total[1] / total[2] - mean * mean, 0.0))
     return [float(m) for m in mean], [float(1.0 / s) if s > 0 else 1.0 for s in std]
@@ -226,10 +253,7 @@ def truncate_metrics(path, step: int) -> None:
                 keep.append(line)
         except (ValueError, KeyError):
             pass
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.writelines(keep))
 
 
 def plot_metrics(metrics_path, png_path, metric_name) -> None:
@@ -258,10 +282,10 @@ def plot_metrics(metrics_path, png_path, metric_name) -> None:
         ax.legend()
     fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(png_path))))
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        atomic_write(png_path, lambda f: fig.savefig(f, dpi=90, format="png"), binary=True)
+    finally:
+        plt.close(fig)
 
 
 # ---------------------------------------------------------------- the run
@@ -279,27 +303,28 @@ class Trainer:
         self.rank = comm.Get_rank()
         self.out = config["out"]
         self.notes = list(notes)
-        run = collective(comm, resolve_run, config, comm.Get_size())
+        phase("building the model and the data pipeline")
+        run = agree(comm, resolve_run, config, comm.Get_size())
         self.global_batch = run["global_batch"]
         config["global_batch"] = self.global_batch
         config["grid"] = ",".join(map(str, run["dims"]))
-        collective(comm, set_backend, config["backend"])
+        agree(comm, set_backend, config["backend"])
         set_cuda_aware(config["cuda_aware"])
         self.dtype = resolve_dtype(config["dtype"])
         self.grid = ProcessGrid(comm, run["dims"])
-        self.model = collective(comm, build_model, config["model"],
-                                {**_preset(config), **config["model_config"]}, self.grid,
-                                config["seed"], self.dtype, self.global_batch)
+        self.model = agree(comm, build_model, config["model"], run["model_config"], self.grid,
+                           config["seed"], self.dtype, self.global_batch)
+        label_layers(self.model)
         self.metric_name = "mae" if self.model.task == "regression" else "dice"
         self._prepare_data()
         self.steps_per_epoch = self.train_reader.num_samples // self.global_batch
         self.total_steps = config["steps"] if config["steps"] is not None else \
             (config["epochs"] or 1) * self.steps_per_epoch
-        self.schedule = collective(comm, make_schedule, config, run, self.steps_per_epoch)
-        self.optimizer = collective(comm, make_optimizer, config["optimizer"], self.model.parameters(),
-                                    lr=self.schedule(0), momentum=config["momentum"],
-                                    nesterov=config["nesterov"], weight_decay=config["weight_decay"],
-                                    betas=tuple(config["betas"]), eps=config["eps"])
+        self.schedule = agree(comm, make_schedule, config, run, self.steps_per_epoch)
+        self.optimizer = agree(comm, make_optimizer, config["optimizer"], self.model.parameters(),
+                               lr=self.schedule(0), momentum=config["momentum"],
+                               nesterov=config["nesterov"], weight_decay=config["weight_decay"],
+                               betas=tuple(config["betas"]), eps=config["eps"])
         from .data.loader import Loader
         self.loader = Loader(self.train_reader, self.global_batch, self.grid.sample_coord,
                              self.grid.dims[0], seed=config["seed"])
@@ -312,10 +337,15 @@ class Trainer:
                                                   min(self.train_reader.num_samples, 32))
         if resume_state is not None:
             arrays, meta = resume_state
-            self.notes += collective(comm, checkpoint.restore, arrays, meta, self.model,
-                                     self.optimizer, self.grid)
-            collective(comm, self.loader.load_state_dict, meta["loader"])
+            self.notes += agree(comm, checkpoint.restore, arrays, meta, self.model,
+                                self.optimizer, self.grid)
+            agree(comm, self.loader.load_state_dict, meta["loader"])
             self.step = int(meta["step"])
+            if self.total_steps < self.step:
+                length = f"--steps {config['steps']}" if config["steps"] is not None else \
+                    f"--epochs {config['epochs'] or 1} ({self.total_steps} steps)"
+                refuse(f"--resume: {length} is below the {self.step} steps the checkpoint has done; "
+                       f"give more than {self.step} steps to train further")
         self.sync = GradientSynchronizer(self.model.parameters(), self.grid.data_comm,
                                          self.grid.spatial_comm, bucket_bytes=int(config["bucket_mb"] * MIB),
                                          algorithm=config["allreduce"], overlap=config["overlap"])
@@ -328,44 +358,47 @@ class Trainer:
             directory = os.path.join(self.out, "data")
             missing = not os.path.exists(os.path.join(directory, "train.h5"))
             if config["generate"] is False and missing:
-                raise InputError("no --data given and --no-generate: nothing to train on")
+                refuse("no --data given and --no-generate: nothing to train on")
             if missing:
-                error = None
+                phase("generating data (rank 0)")
                 if self.rank == 0:
                     counts = generated_counts(config, self.model.input_shape)
                     self._say(f"generating a {config['model']} dataset for preset {config['preset']!r} "
                               f"({counts[0]} + {counts[1]} samples of "
                               f"{tuple(self.model.input_shape)}) in {directory}")
-                    try:
-                        generate_data(config, self.model, directory)
-                    except (ValueError, OSError) as err:
-                        error = f"generating data in {directory} failed: {err}"
-                error = comm.bcast(error, root=0)   # doubles as the barrier: files are complete
-                if error:
-                    raise InputError(error)
+                on_root(comm, self._generate, directory)    # doubles as the barrier: files are complete
             config["data"] = directory
-        self.train_reader = collective(comm, open_split, os.path.join(directory, "train.h5"), self.model,
-                                       self.grid, config, True)
-        self.val_reader = collective(comm, open_split, os.path.join(directory, "val.h5"), self.model,
-                                     self.grid, config, False)
+        phase("opening the data")
+        self.train_reader = agree(comm, open_split, os.path.join(directory, "train.h5"), self.model,
+                                  self.grid, config, True)
+        self.val_reader = agree(comm, open_split, os.path.join(directory, "val.h5"), self.model,
+                                self.grid, config, False)
         if self.train_reader.num_samples < self.global_batch:
-            raise InputError(f"{self.train_reader.path} holds {self.train_reader.num_samples} samples, "
-                             f"fewer than the global batch {self.global_batch}")
+            refuse(f"{self.train_reader.path} holds {self.train_reader.num_samples} samples, "
+                   f"fewer than the global batch {self.global_batch}")
         if self.val_reader is not None and self.val_reader.num_samples < self.global_batch:
             self.notes.append(f"{self.val_reader.path} holds fewer samples than the global batch: "
                               "no validation")
             self.val_reader = None
         if config["check_data"] == "full":
+            phase("checking every sample")
             for reader in (self.train_reader, self.val_reader):
                 if reader is not None:
-                    collective(comm, check_all_samples, reader)
+                    agree(comm, check_all_samples, reader)
+
+    def _generate(self, directory):
+        try:
+            generate_data(self.config, self.model, directory)
+        except (ValueError, OSError) as err:
+            raise WriteError(f"generating data in {directory} failed: {describe(err)}") from None
 
     def _batch(self, loader):
         """Next (x, y) on this rank, as model-dtype device arrays; read errors made collective."""
+        phase("reading a batch")
         if self.config["check_data"] == "full":
             batch = loader.next_batch()
         else:
-            batch = collective(self.comm, loader.next_batch)
+            batch = agree(self.comm, loader.next_batch)
         y = batch.y.astype(self.dtype) if self.model.task == "regression" else batch.y.astype("int64")
         x = batch.x
         if self.input_norm is not None:
@@ -374,25 +407,38 @@ class Trainer:
             x = (x - mean) * inv_std                           # (n, C, d, h, w), per channel
         return asarray(x, dtype=self.dtype), asarray(y)
 
-    # ------------------------------------------------------------ output
+    # ------------------------------------------------------------ output (rank 0 writes, all agree)
     def _say(self, line: str) -> None:
         if self.rank == 0 and not self.config["quiet"]:
             print(line, flush=True)
 
+    def _path(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+    def _start_outputs(self) -> None:
+        """OUT created, metrics cut back to the step the run (re)starts from, config.json written."""
+        os.makedirs(self.out, exist_ok=True)
+        truncate_metrics(self._path(METRICS), self.step)
+        write_json(self._path(CONFIG), self.config, indent=2, sort_keys=True)
+
     def _write_metrics(self, record: dict) -> None:
-        if self.rank == 0:
-            with open(os.path.join(self.out, METRICS), "a") as f:
-                f.write(json.dumps(record) + "\n")
+        phase("writing metrics (rank 0)")
+        on_root(self.comm, append_line, self._path(METRICS), json.dumps(record), error=WriteError)
 
     def _plot(self) -> None:
-        if self.rank == 0 and self.config["plot"] and os.path.exists(os.path.join(self.out, METRICS)):
-            plot_metrics(os.path.join(self.out, METRICS), os.path.join(self.out, PLOT), self.metric_name)
+        if self.config["plot"] and os.path.exists(self._path(METRICS)):
+            plot_metrics(self._path(METRICS), self._path(PLOT), self.metric_name)
 
     def save(self) -> None:
+        phase("checkpoint write (rank 0 writes, the others wait)")
         meta = {"step": self.step, "epoch": self.loader.epoch, "loader": self.loader.state_dict(),
                 "config": self.config, "input_norm": self.input_norm}
-        checkpoint.save(os.path.join(self.out, CHECKPOINT), self.model, self.optimizer, self.grid, meta)
-        self._plot()
+        try:
+            checkpoint.save(self._path(CHECKPOINT), self.model, self.optimizer, self.grid, meta)
+        except checkpoint.CheckpointError as err:
+            raise WriteError(str(err), agreed=True) from None
+        phase("plotting (rank 0)")
+        on_root(self.comm, self._plot, error=WriteError)
 
     # ------------------------------------------------------------ the loop
     def train_step(self) -> dict:
@@ -400,18 +446,26 @@ class Trainer:
         self.model.train()
         self.model.zero_grad()
         out = self.model.forward(x)
+        phase("loss allreduce")
         loss, dout, metrics = self.model.loss(out, y)
-        bad = self.comm.allreduce(0 if math.isfinite(loss) else 1)
+        phase("checking the loss")
+        bad = allreduce_sum(self.comm, 0 if math.isfinite(loss) else 1)
         if bad:
+            kept = f"the last good checkpoint (step {self._checkpoint_step()}) is in {self.out}" \
+                if os.path.exists(self._path(CHECKPOINT)) else "no checkpoint was written yet"
             raise Diverged(f"the loss became {loss} at step {self.step + 1} (on {bad} rank(s)); stopped "
-                           f"before the update: the last good checkpoint is in {self.out}. Lower --lr "
-                           "or add --warmup-steps")
+                           f"before the update: {kept}. Lower --lr or add --warmup-steps", agreed=True)
         self.model.backward(dout)
+        phase("gradient allreduce")
         self.sync.finish()
+        phase("optimizer step")
         self.optimizer.lr = self.schedule(self.step)
         self.optimizer.step()
         self.step += 1
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "lr": self.optimizer.lr}
+
+    def _checkpoint_step(self):
+        return self.last_saved if self.last_saved is not None else "?"
 
     def validate(self) -> dict | None:
         if self.val_reader is None:
@@ -423,6 +477,7 @@ class Trainer:
         totals, count = {}, 0
         for _ in range(loader.steps_per_epoch):
             x, y = self._batch(loader)
+            phase("validation forward")
             loss, _, metrics = self.model.loss(self.model.forward(x), y)
             for k, v in {"loss": loss, **metrics}.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
@@ -433,11 +488,9 @@ class Trainer:
     def run(self) -> dict:
         from tqdm import tqdm
         cfg = self.config
-        if self.rank == 0:
-            os.makedirs(self.out, exist_ok=True)
-            truncate_metrics(os.path.join(self.out, METRICS), self.step)
-            with open(os.path.join(self.out, "config.json"), "w") as f:
-                json.dump(cfg, f, indent=2, sort_keys=True)
+        self.last_saved = self.step if self.step else None
+        phase("writing config.json (rank 0)")
+        on_root(self.comm, self._start_outputs, error=WriteError)
         for note in self.notes:
             self._say(f"note: {note}")
         n_params = sum(int(p.data.size) for p in self.model.parameters())
@@ -451,6 +504,7 @@ class Trainer:
         started, last, val = time.perf_counter(), None, None
         steps_run = 0
         while self.step < self.total_steps:
+            set_step(self.step + 1)
             t0 = time.perf_counter()
             epoch = self.loader.epoch
             last = self.train_step()
@@ -475,26 +529,33 @@ class Trainer:
                                   f"{val[self.metric_name]:.4g}", file=sys.stdout)
             if self.step % cfg["checkpoint_every"] == 0 or final:
                 self.save()
+                self.last_saved = self.step
         bar.close()
+        set_step(None)
         elapsed = time.perf_counter() - started
         summary = {"steps": self.step, "steps_this_run": steps_run, "epochs": self.step / self.steps_per_epoch,
                    "seconds": elapsed, "samples_per_s": steps_run * self.global_batch / max(elapsed, 1e-9),
                    "final_train": last, "final_val": val, "out": self.out,
-                   "checkpoint": os.path.join(self.out, CHECKPOINT), "metrics": os.path.join(self.out, METRICS),
-                   "plot": os.path.join(self.out, PLOT) if cfg["plot"] else None}
-        if self.rank == 0:
-            with open(os.path.join(self.out, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+                   "checkpoint": self._path(CHECKPOINT), "metrics": self._path(METRICS),
+                   "plot": self._path(PLOT) if cfg["plot"] else None}
+        if steps_run:                  # a resume with nothing left to do keeps the old summary
+            phase("writing summary.json (rank 0)")
+            on_root(self.comm, write_json, self._path(SUMMARY), summary, indent=2, error=WriteError)
         return summary
 
 
-def _preset(config):
-    from .models import PRESETS
-    presets = PRESETS[config["model"]]
-    if config["preset"] not in presets:
-        raise ValueError(f"--preset {config['preset']!r} is not a {config['model']} preset; "
-                         f"choose one of {sorted(presets)}")
-    return presets[config["preset"]]
+def write_json(path, value, **dump_options) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (never half-written)."""
+    atomic_write(path, lambda f: json.dump(value, f, **dump_options))
+
+
+def append_line(path, line: str) -> None:
+    """Append one line (flushed at close): metrics survive a crash up to the last step written."""
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as err:           # name the file: a write error carries no filename
+        raise OSError(err.errno, err.strerror, path) from None
 
 
 def summary_line(summary: dict, metric_name: str) -> str:
@@ -511,28 +572,37 @@ def summary_line(summary: dict, metric_name: str) -> str:
     return " | ".join(parts)
 
 
-def main(config: dict, given: dict, comm) -> int:
-    """Resolve resume, build, train.  Collective; raises InputError / Diverged on every rank."""
+def main(config: dict, given: dict, comm) -> dict:
+    """Resolve resume, build, train.  Collective; raises InputError / Diverged / WriteError on every rank."""
     from .config import resume_config
+    agree(comm, preflight, config)
     resume_state, notes = None, []
+    path = os.path.join(config["out"], CHECKPOINT)
     if config["resume"]:
-        path = os.path.join(config["out"], CHECKPOINT)
         if not os.path.exists(path):
-            raise InputError(f"--resume: {path} does not exist: nothing to resume (drop --resume "
-                             "to start a new run)")
-        resume_state = collective(comm, checkpoint.read_file, path)
-        config, notes = collective(comm, resume_config, resume_state[1]["config"],
-                                   dict(given, resume=True, out=config["out"]))
-    elif os.path.exists(os.path.join(config["out"], CHECKPOINT)) and not config["overwrite"]:
-        raise InputError(f"{config['out']} already holds a run ({CHECKPOINT}): pass --resume to continue "
-                         "it, --overwrite to start over, or another --out")
+            refuse(f"--resume: {path} does not exist: nothing to resume (drop --resume to start a new run)")
+        phase("reading the checkpoint")
+        resume_state = agree(comm, checkpoint.read_file, path)
+        config, notes = agree(comm, resume_config, resume_state[1]["config"],
+                              dict(given, resume=True, out=config["out"]))
+    elif os.path.exists(path) and not config["overwrite"]:
+        refuse(f"{config['out']} already holds a run ({CHECKPOINT}): pass --resume to continue it, "
+               "--overwrite to start over, or another --out")
+    elif config["overwrite"] and any(os.path.exists(os.path.join(config["out"], n)) for n in RUN_FILES):
+        phase("clearing the old run (--overwrite, rank 0)")
+        on_root(comm, clear_run, config["out"], error=WriteError)
     trainer = Trainer(config, comm, resume_state, notes)
+    if trainer.step == trainer.total_steps and resume_state is not None:
+        trainer._say(f"refimpl train: {config['out']} is already at step {trainer.step} of "
+                     f"{trainer.total_steps}: nothing to train (give more --steps to continue)")
+        return None
     summary = trainer.run()
     if trainer.rank == 0 and not config["quiet"]:
         print(summary_line(summary, trainer.metric_name), flush=True)
     return summary
 
 
-__all__ = ["InputError", "Diverged", "collective", "resolve_run", "make_schedule", "generate_data",
-           "open_split", "truncate_metrics", "plot_metrics", "Trainer", "summary_line", "main",
-           "CHECKPOINT", "METRICS", "PLOT"]
+__all__ = ["InputError", "Diverged", "WriteError", "preflight", "clear_run", "resolve_run", "make_schedule",
+           "generate_data", "open_split", "truncate_metrics", "plot_metrics", "Trainer", "summary_line",
+           "write_json", "append_line", "main", "CHECKPOINT", "METRICS", "PLOT", "CONFIG", "SUMMARY",
+           "RUN_FILES"]

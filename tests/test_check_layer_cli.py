@@ -44,7 +44,7 @@ def test_conv3d_saved_arrays_match_torch(tmp_path):
 def test_bad_grid_fails_cleanly_on_every_rank():
     proc = run_check(3, "conv3d", "--input", "1,1,5,5,5", "--grid", "1,2,1,1", timeout=60)
     assert proc.returncode == 2
-    assert "grid dims (1, 2, 1, 1) hold 2 ranks but the communicator has 3" in proc.stderr
+    assert "--grid 1,2,1,1 holds 2 ranks but mpiexec started 3" in proc.stderr
 
 
 def test_help_explains():

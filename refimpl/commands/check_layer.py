@@ -9,6 +9,11 @@ the whole tensor.  One JSON line reports the max relative error
 ``max|a - b| / max|b|`` of each array; the exit status is 1 above tolerance.
 ``--save`` writes the gathered global arrays to an .npz for independent checks.
 
+Exit status: 0 every array within tolerance; 1 a mismatch; 2 bad input (one
+line, every rank; a --save path that cannot be written included); 4 --save
+failed while writing; 70 an internal error.  A failure on any one rank ends
+every rank with one message (refimpl/failstop.py).
+
 Example:
     mpiexec -n 4 refimpl check-layer conv3d --input 2,3,11,9,7 --out-channels 5 \\
         --kernel 3,2,5 --stride 2,1,1 --padding 1,0,2 --dilation 1,2,1 --grid 1,2,2,1
@@ -20,6 +25,8 @@ import os
 import sys
 
 import numpy
+
+from ..failstop import atomic_write, check_writable
 
 LAYERS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d")
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -70,7 +77,7 @@ def add_arguments(parser):
 class LayerSpec:
     """The parsed, validated request: identical on every rank, checked before any message."""
 
-    def __init__(self, args):
+    def __init__(self, args, world_size: int):
         from ..backend import resolve_dtype
         from ..functional._args import triple
         from ..parallel.grid import parse_grid
@@ -79,6 +86,9 @@ class LayerSpec:
             raise ValueError(f"--input must be 5 positive integers N,C,D,H,W, got {args.input!r}")
         self.layer, self.shape = args.layer, shape
         self.grid_dims = parse_grid(args.grid)
+        if numpy.prod(self.grid_dims) != world_size:
+            raise ValueError(f"--grid {args.grid} holds {int(numpy.prod(self.grid_dims))} ranks but mpiexec "
+                             f"started {world_size}")
         self.dtype = resolve_dtype(args.dtype)
         self.tolerance = TOLERANCE[args.dtype]
         self.kernel = triple(_ints(args.kernel, "kernel", 3), "kernel", 1)
@@ -104,6 +114,8 @@ class LayerSpec:
             raise ValueError(f"--grid puts {self.grid_dims[0]} sample groups on a batch of {shape[0]}: "
                              "every data-parallel rank needs at least one sample")
         self.seed, self.save = args.seed, args.save
+        if self.save is not None:
+            check_writable(self.save, "--save")
         self.algorithm = getattr(args, "algorithm", None)
         if self.algorithm is not None:            # the layers and the oracle read the variable
             os.environ["REFIMPL_CONV_ALGORITHM"] = self.algorithm
@@ -224,22 +236,33 @@ def check_layer(spec: LayerSpec, comm):
     if spec.save:
         arrays = dict(x=x, dy=dy, y=y, dx=dx)
         arrays.update({k: v for k, v in (("w", w), ("b", b), ("dw", dw), ("db", db)) if v is not None})
-        numpy.savez(spec.save, **arrays)
         report["saved"] = spec.save
+        report["arrays"] = arrays
     return report
+
+
+def save_arrays(path, arrays) -> None:
+    """The gathered global arrays as an .npz, written atomically (parent directories created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda f: numpy.savez(f, **arrays), binary=True)
 
 
 def run(args) -> int:
     from mpi4py import MPI
+
+    from ..failstop import run_command
     comm = MPI.COMM_WORLD
-    try:
-        spec = LayerSpec(args)
-        report = check_layer(spec, comm)
-    except ValueError as err:   # raised identically on every rank, before any message
-        if comm.rank == 0:
-            print(f"refimpl check-layer: error: {err}", file=sys.stderr)
-        return 2
-    ok = comm.bcast(report["ok"] if comm.rank == 0 else None, root=0)
-    if comm.rank == 0:
+    return run_command("check-layer", comm, lambda: check(args, comm))
+
+
+def check(args, comm) -> int:
+    from ..failstop import EXIT_CHECK_FAILED, WriteError, agree, on_root
+    from ..parallel.objects import bcast_object
+    spec = agree(comm, LayerSpec, args, comm.Get_size())       # bad input: the same error on every rank, exit 2
+    report = check_layer(spec, comm)
+    if spec.save:
+        on_root(comm, save_arrays, spec.save, report and report.pop("arrays"), error=WriteError)
+    ok = bcast_object(comm, report["ok"] if comm.Get_rank() == 0 else None, root=0)
+    if comm.Get_rank() == 0:
         print(json.dumps(report))
-    return 0 if ok else 1
+    return 0 if ok else EXIT_CHECK_FAILED

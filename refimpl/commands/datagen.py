@@ -76,6 +76,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from ..failstop import run_command
+    return run_command("datagen", None, lambda: generate(args))
+
+
+def generate(args) -> int:
+    """Write the splits; bad input is exit 2, a write that fails (disk full) exit 4."""
     import h5py  # noqa: F401  (fail early with a clear ImportError when h5py is absent)
     from tqdm import tqdm
 
@@ -83,9 +89,10 @@ def run(args) -> int:
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
+    from refimpl.failstop import WriteError, check_writable, describe
 
     if args.samples < 1 or args.val_samples < 0:
-        raise SystemExit("datagen: --samples must be >= 1 and --val-samples >= 0")
+        refuse("--samples must be >= 1 and --val-samples >= 0")
     if args.kind == "cosmoflow":
         channels = 4 if args.channels is None else args.channels
         mean_count = args.mean_count if args.mean_count > 0 else None
@@ -105,7 +112,11 @@ def run(args) -> int:
     targets = [os.path.join(args.out, name + suffix) for name, _, _ in splits]
     existing = [t for t in targets if os.path.exists(t)]
     if existing and not args.overwrite:
-        raise SystemExit(f"datagen: {', '.join(existing)} exists; pass --overwrite to replace")
+        refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
+    try:
+        check_writable(args.out, "--out", directory=True)
+    except ValueError as err:
+        refuse(str(err))
     os.makedirs(args.out, exist_ok=True)
     attrs = {"generator": args.kind, "params": params, "seed": args.seed,
              "refimpl_version": __version__}
@@ -116,7 +127,9 @@ def run(args) -> int:
                 write_split(target, make, count, first, attrs, layout=args.layout,
                             chunk_edge=args.chunk, progress=bar.update)
     except ValueError as err:  # bad generator arguments: nothing was written under final names
-        raise SystemExit(f"datagen: {err}") from None
+        refuse(str(err))
+    except OSError as err:     # disk full, ...: nothing was written under final names
+        raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     if not args.quiet:
         for target in targets:
             print(f"wrote {target}")

@@ -6,8 +6,11 @@ receives checkpoint.h5 (resumable bit for bit with --resume), metrics.jsonl,
 loss.png, config.json and summary.json.  Settings come from the defaults, then
 --config FILE.toml, then the flags given (see docs/training.md).
 
-Exit status: 0 done; 2 bad input (reported by rank 0, every rank exits); 3 the
-loss became NaN/Inf (the last good checkpoint is kept).
+Exit status: 0 done; 2 bad input (one line from rank 0, every rank exits); 3 the
+loss became NaN/Inf (the last good checkpoint is kept); 4 an output could not be
+written (disk full, ...); 5 a rank stopped answering for --stall-timeout seconds;
+70 an internal error (a bug: --debug shows the traceback).  A failure on any one
+rank ends every rank within seconds with one message (docs/training.md, "Faults").
 
 Examples:
     mpiexec -n 4 refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 300 --lr 0.003 --out runs/quickstart
@@ -81,13 +84,16 @@ def add_arguments(parser):
     a("--no-cache", dest="cache", action="store_const", const=False, help="re-read samples every epoch")
     a("--no-plot", dest="plot", action="store_const", const=False, help="do not write loss.png")
     a("--quiet", action="store_const", const=True, help="no progress bar or log lines")
+    a("--stall-timeout", type=float, metavar="SECONDS",
+      help="end the job (exit 5) when a rank has sent no heartbeat, or no rank has moved on, for this "
+           "long; the message names the silent ranks and where the others wait (default 600; 0 = off)")
 
 
 FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
-             "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet")
+             "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
 def given_settings(args) -> dict:
@@ -107,19 +113,17 @@ def given_settings(args) -> dict:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ..config import merge
-    from ..train import Diverged, InputError, collective, main
+    from ..failstop import run_command
     comm = MPI.COMM_WORLD
-    try:
-        given = collective(comm, given_settings, args)
-        config = collective(comm, merge, given)
-        main(config, given, comm)
-    except InputError as err:
-        if comm.Get_rank() == 0:
-            print(f"refimpl train: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except Diverged as err:
-        if comm.Get_rank() == 0:
-            print(f"refimpl train: stopped: {err}", file=sys.stderr, flush=True)
-        return 3
+    return run_command("train", comm, lambda: train(args, comm))
+
+
+def train(args, comm) -> int:
+    from ..config import merge
+    from ..failstop import agree, set_stall_timeout
+    from ..train import main
+    given = agree(comm, given_settings, args)
+    config = agree(comm, merge, given)
+    set_stall_timeout(config["stall_timeout"])
+    main(config, given, comm)
     return 0

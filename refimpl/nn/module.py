@@ -13,6 +13,7 @@ order of ``parameters()``, which gradient bucketing relies on.
 from __future__ import annotations
 
 from ..backend import array_module, to_host
+from ..failstop import phase
 from .parameter import Parameter
 
 
@@ -85,6 +86,13 @@ class Module:
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
+    def named_modules(self, prefix: str = ""):
+        """(name, module) pairs, this module first ('' for the root), then each child's."""
+        out = [(prefix.rstrip("."), self)]
+        for name, child in self._modules.items():
+            out += child.named_modules(f"{prefix}{name}.")
+        return out
+
     def named_buffers(self, prefix: str = ""):
         out = [(prefix + name, b) for name, b in self._buffers.items()]
         for name, child in self._modules.items():
@@ -151,11 +159,13 @@ class Sequential(Module):
 
     def forward(self, x):
         for layer in self._modules.values():
+            phase("forward of {layer}", layer)        # for the watchdog's stall messages
             x = layer.forward(x)
         return x
 
     def backward(self, dy):
         for layer in reversed(list(self._modules.values())):
+            phase("backward of {layer}", layer)
             dy = layer.backward(dy)
         return dy
 

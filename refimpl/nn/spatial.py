@@ -24,7 +24,9 @@ from __future__ import annotations
 from ..backend import array_module
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from ..functional.linear import linear, linear_backward
+from ..failstop import phase
 from ..parallel.collectives import allreduce
+from ..parallel.objects import allreduce_sum
 from ..parallel.halo import HaloExchange
 from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
@@ -75,7 +77,17 @@ class _Halo:
         if self.halo is None:
             raise RuntimeError(f"{type(self).__name__}.setup(global_in_shape) must be called before "
                                "forward (the model's setup does it)")
-        return self.halo.forward(x)
+        phase("halo exchange of {layer} (forward)", self)
+        x_ext = self.halo.forward(x)
+        phase("forward of {layer}", self)
+        return x_ext
+
+    def _adjoint_exchange(self, dx_ext):
+        """The adjoint of ``_exchange``: ghost gradients added into their owners."""
+        phase("adjoint halo exchange of {layer} (backward)", self)
+        dx = self.halo.adjoint(dx_ext)
+        phase("backward of {layer}", self)
+        return dx
 
     @property
     def empty_output(self) -> bool:
@@ -95,7 +107,7 @@ class _WindowHalo(_Halo):
 
     def _return_to_owners(self, dx_pad):
         """Adjoint of ``_gather_padded``: crop the edge padding, then the adjoint exchange."""
-        return self.halo.adjoint(dx_pad[crop_index(_extent(self.in_needed), self.edge_padding)])
+        return self._adjoint_exchange(dx_pad[crop_index(_extent(self.in_needed), self.edge_padding)])
 
 
 class SpatialConv3d(_WindowHalo, Conv3d):
@@ -210,7 +222,7 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
                 dx_ext, dw, _ = conv_transpose3d_backward(dy_local, x_ext, self.weight.data,
                                                           self.stride, 0, 0, self.dilation)
         self.accumulate_weight_and_bias(dw, dy.sum(axis=(0, 2, 3, 4)))
-        return self.halo.adjoint(dx_ext)
+        return self._adjoint_exchange(dx_ext)
 
 
 class SpatialBatchNorm3d(BatchNorm3d):
@@ -231,11 +243,13 @@ class SpatialBatchNorm3d(BatchNorm3d):
         return tuple(global_in_shape)
 
     def global_count(self, count):
-        return self.stats_comm.allreduce(int(count))
+        phase("batch-norm statistics allreduce of {layer}", self)
+        return allreduce_sum(self.stats_comm, int(count))
 
     def global_sums(self, *sums):
         xp = array_module(*sums)
         packed = xp.ascontiguousarray(xp.stack(sums))   # (len(sums), C): one message for all
+        phase("batch-norm statistics allreduce of {layer}", self)
         allreduce(packed, self.stats_comm)
         return tuple(packed[i] for i in range(len(sums)))
 
@@ -299,6 +313,7 @@ class SpatialFlattenLinear(FlattenLinear):
         x_flat = x.reshape(x.shape[0], -1)              # (N, C*d*h*w) local features
         w_local = self.weight.data[:, self.columns]      # (out, local features)
         y = linear(x_flat, w_local, None)                # (N, out) partial product
+        phase("allreduce of {layer} (forward)", self)
         allreduce(y, self.grid.spatial_comm)
         if self.bias is not None:
             y += self.bias.data

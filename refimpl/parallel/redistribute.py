@@ -57,8 +57,8 @@ def _run_memory(dtype):
 def scatter_spatial(global_or_none, grid, root=0):
     """Root's (..., D, H, W) array -> every spatial rank's block.  Adjoint: gather_spatial."""
     comm = grid.spatial_comm
-    shape, dtype = comm.bcast((global_or_none.shape, global_or_none.dtype.str)
-                              if comm.Get_rank() == root else None, root=root)
+    shape, dtype = bcast_object(comm, (global_or_none.shape, global_or_none.dtype.str)
+                                if comm.Get_rank() == root else None, root=root)
     lead, dhw = shape[:-3], shape[-3:]
     if comm.Get_rank() != root:
         like = _run_memory(dtype)
@@ -141,8 +141,8 @@ def broadcast(x_or_none, comm, root=0):
 
     Adjoint: sum_reduce.
     """
-    shape, dtype = comm.bcast((x_or_none.shape, x_or_none.dtype.str)
-                              if comm.Get_rank() == root else None, root=root)
+    shape, dtype = bcast_object(comm, (x_or_none.shape, x_or_none.dtype.str)
+                                if comm.Get_rank() == root else None, root=root)
     if comm.Get_rank() == root:
         comm.Bcast(send_buffer(x_or_none), root=root)
         return x_or_none.copy()

@@ -30,7 +30,8 @@ def spec(layer, shape, grid, kernel, stride, padding, dilation, out_channels=Non
     return LayerSpec(Namespace(
         layer=layer, input=csv(shape), out_channels=out_channels, kernel=csv(kernel),
         stride=csv(stride), padding=csv(padding), dilation=csv(dilation),
-        output_padding=csv(output_padding), grid=csv(grid), dtype=dtype, seed=seed, save=None))
+        output_padding=csv(output_padding), grid=csv(grid), dtype=dtype, seed=seed, save=None),
+        world_size=grid[0] * grid[1] * grid[2] * grid[3])
 
 
 @st.composite

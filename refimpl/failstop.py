@@ -1,0 +1,605 @@
+"""Fail-stop: a failure on any rank ends every rank within seconds, with one message.
+
+An SPMD program has one rule that every failure path must keep: **no rank may
+wait forever for a rank that will not come**.  A rank that raises and simply
+exits leaves the others blocked in their next collective (and Python's
+``MPI_Finalize`` at exit then blocks the failing rank too); a rank that is
+stopped, or whose node vanished without MPI noticing, leaves them blocked with
+no error at all.  refimpl closes both holes with four pieces, each small enough
+to read here.
+
+1. **Agreed outcomes** (``agree``, ``on_root``).  Whatever can fail on bad input
+   or I/O runs on every rank, and the outcomes are allgathered before anyone
+   moves on: if one rank failed, *every* rank raises the same error (its
+   ``agreed`` flag set), rank 0 prints one line, and all exit with the same
+   code.  Where one rank writes for all (config, metrics, plots, checkpoints,
+   ``--save``), rank 0 tries and broadcasts the outcome (``on_root``), so the
+   others leave with the same message instead of waiting in the next collective.
+
+2. **Fail-stop for what escapes** (``fail_stop``).  An exception raised on one
+   rank only (a bug in a layer's forward, an I/O error nobody expected) cannot
+   be agreed on: the others are already inside a halo exchange or an allreduce.
+   The failing rank reports it to rank 0's watchdog, which prints the one
+   message (rank and cause), tells every rank to exit with the same code, and
+   finally calls ``MPI_Abort`` as the safety net — what ``python -m mpi4py``
+   does for any uncaught exception.  ``install_excepthook`` routes uncaught
+   exceptions (main thread and worker threads) here too.
+
+3. **A watchdog with heartbeats** (``Watchdog``), for ranks that stop
+   answering.  Every rank runs one daemon thread on a private duplicate of the
+   communicator (its messages never match the program's).  The main thread
+   records what it is doing in ``PROGRESS`` (two stores and an increment per
+   phase: *halo exchange of features.3 (forward)*, *gradient allreduce*,
+   *checkpoint write*); every ``interval`` the thread sends that record to rank 0
+   (rank 0 sends its own to everyone).  Rank 0 declares a stall when a rank has
+   sent nothing for ``timeout`` seconds (a stopped process, a lost node: its
+   watchdog thread is stopped too) or when no rank has moved to a new phase for
+   ``timeout`` seconds (a deadlock or a hang inside one phase); it names the
+   ranks that stopped answering and the phase the others wait in, and ends the
+   job with ``EXIT_STALL``.  Rank 1 does the same for rank 0.  The thread only
+   ever uses non-blocking calls (``isend``, ``improbe``) and sleeps between
+   polls: Open MPI's blocking receive would spin a core.
+
+4. **Exit codes** documented in docs/training.md ("Faults"): 0 done, 1 a check
+   failed (``check-layer``), 2 bad input, 3 divergence, 4 I/O failure, 5 stall,
+   70 internal error (a bug), 130 interrupted.  Tracebacks are shown only with
+   ``--debug`` or ``REFIMPL_DEBUG=1``.
+
+How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed
+peer an error *returned* by MPI calls and lets the survivors revoke and shrink
+the communicator — more than a trainer that restarts from its checkpoint
+needs.  PyTorch's NCCL watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
+``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``) is a thread that tears the process group
+down when a collective exceeds its timeout, and its Flight Recorder names the
+rank that diverged; Horovod's stall inspector (``HOROVOD_STALL_CHECK_TIME_SECONDS``,
+60 s) warns with the ranks that did not submit a tensor.  The watchdog here is
+the same idea at the granularity of phases, with the names of the layers.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_IO = 4
+EXIT_STALL = 5
+EXIT_INTERNAL = 70          # EX_SOFTWARE (sysexits.h): a bug, not the user's input
+EXIT_INTERRUPTED = 130
+
+DEFAULT_STALL_TIMEOUT = 600.0
+GRACE_S = 2.0               # how long a failing rank waits for rank 0 to end the job for it
+
+
+class RunError(Exception):
+    """A failure that ends the command with ``exit_code``; ``agreed``: raised on every rank."""
+
+    exit_code, label = EXIT_INTERNAL, "internal error"
+
+    def __init__(self, message, *, agreed=False):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+class InputError(RunError):
+    """Bad input: a flag, a setting, a data file, a path that cannot be written."""
+
+    exit_code, label = EXIT_BAD_INPUT, "error"
+
+
+class Diverged(RunError):
+    """The loss became NaN or Inf (decided collectively, before the update)."""
+
+    exit_code, label = EXIT_DIVERGED, "stopped"
+
+
+class WriteError(RunError):
+    """An output could not be written (disk full, file-size limit, a path that went away)."""
+
+    exit_code, label = EXIT_IO, "I/O error"
+
+
+class InternalError(RunError):
+    """An exception nobody expected: a bug (``--debug`` shows the traceback)."""
+
+
+# ---------------------------------------------------------------- 1. agreed outcomes
+
+def describe(err: BaseException) -> str:
+    """One line for an exception: its message, or its type when the message is empty."""
+    if isinstance(err, RunError):
+        return str(err)
+    if isinstance(err, OSError) and err.strerror:
+        where = f" at {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    text = str(err) if not isinstance(err, KeyError) else str(err.args[0] if err.args else "")
+    return text or type(err).__name__
+
+
+def classify(err: BaseException, error=InputError) -> type:
+    """The RunError class an exception becomes: its own, ``error`` for the expected kinds, else internal."""
+    if isinstance(err, RunError):
+        return type(err)
+    if isinstance(err, (ValueError, OSError, KeyError, RuntimeError)):
+        return error
+    return InternalError
+
+
+def agree(comm, fn, *args, error=InputError, **kwargs):
+    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank (``agreed``).
+
+    The outcomes are allgathered, so every rank leaves by the same path.  The
+    error is the first failing rank's, suffixed with ``(rank r)`` unless every
+    rank failed alike.  ValueError / OSError / KeyError / RuntimeError become
+    ``error`` (InputError by default); other exceptions are bugs (InternalError).
+    ``fn`` must not itself make collective calls that a failing rank would skip.
+    """
+    try:
+        result, outcome = fn(*args, **kwargs), None
+    except Exception as err:  # noqa: BLE001 - every failure must reach the other ranks
+        if DEBUG:
+            traceback.print_exc()
+        result, outcome = None, (classify(err, error).__name__, describe(err))
+    outcomes = comm.allgather(outcome)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    if failed:
+        rank, (cls_name, message) = failed[0]
+        alike = len({o for _, o in failed}) == 1 and len(failed) == len(outcomes)
+        raise _ERRORS[cls_name](message + ("" if alike else f" (rank {rank})"), agreed=True)
+    return result
+
+
+def on_root(comm, fn, *args, error=WriteError, root=0, **kwargs):
+    """Run ``fn`` on ``root`` only (it writes for everyone) and broadcast the outcome.
+
+    Every rank returns together, or every rank raises ``error`` with root's
+    message: no rank is left waiting in the next collective.  Returns ``fn``'s
+    result on root, None elsewhere.
+    """
+    result, outcome = None, None
+    if comm.Get_rank() == root:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            if DEBUG:
+                traceback.print_exc()
+            outcome = (classify(err, error).__name__, describe(err))
+    from .parallel.objects import bcast_object
+    outcome = bcast_object(comm, outcome, root=root)
+    if outcome is not None:
+        raise _ERRORS[outcome[0]](outcome[1], agreed=True)
+    return result
+
+
+_ERRORS = {cls.__name__: cls for cls in (RunError, InputError, Diverged, WriteError, InternalError)}
+
+
+def check_writable(path, what: str, directory: bool = False) -> None:
+    """Raise ValueError unless ``path`` can be written (created) by this process.
+
+    A path named on the command line that cannot be written is bad input, found
+    before the first message: the nearest existing ancestor must be a directory
+    we may write in, and ``path`` itself, if it exists, must be a directory
+    (``directory=True``) or a regular file we may overwrite.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        if directory and not os.path.isdir(path):
+            raise ValueError(f"{what} {path} exists and is not a directory")
+        if not directory and os.path.isdir(path):
+            raise ValueError(f"{what} {path} is a directory, not a file")
+        target = path if directory else os.path.dirname(path)
+        if not os.access(target, os.W_OK | os.X_OK) or (not directory and not os.access(path, os.W_OK)):
+            raise ValueError(f"{what} {path} is not writable")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{what} {path} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} cannot be created: {parent} is not writable")
+
+
+# ---------------------------------------------------------------- 3. what the main thread is doing
+
+class Progress:
+    """The main thread's current phase, read by the watchdog thread (GIL-atomic stores)."""
+
+    __slots__ = ("count", "step", "phase", "layer", "names")
+
+    def __init__(self):
+        self.count, self.step, self.phase, self.layer, self.names = 0, None, "start-up", None, {}
+
+    def where(self) -> str:
+        """'halo exchange of features.3 (forward) at step 12'."""
+        text = self.phase
+        if self.layer is not None:
+            name = self.names.get(id(self.layer)) or type(self.layer).__name__
+            text = text.replace("{layer}", name)
+        return text + (f" at step {self.step}" if self.step is not None else "")
+
+
+PROGRESS = Progress()
+
+
+def phase(what: str, layer=None) -> None:
+    """Record that the main thread now does ``what`` ('{layer}' is replaced by ``layer``'s name)."""
+    p = PROGRESS
+    p.phase, p.layer = what, layer
+    p.count += 1
+
+
+def set_step(step) -> None:
+    PROGRESS.step = step
+    PROGRESS.count += 1
+
+
+def label_layers(model) -> None:
+    """Name the layers of ``model`` for stall messages (PyTorch-style dotted names)."""
+    PROGRESS.names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+
+
+_cleanups: set = set()
+
+
+def remove_on_abort(path) -> None:
+    """Delete ``path`` if the job is ended while it exists (a temporary file being written)."""
+    _cleanups.add(os.fspath(path))
+
+
+def forget_on_abort(path) -> None:
+    _cleanups.discard(os.fspath(path))
+
+
+def _clean_up() -> None:
+    for path in list(_cleanups):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def atomic_write(path, write, *, binary: bool = False, fsync: bool = False) -> None:
+    """``write(file)`` into a temporary beside ``path``, then rename it over ``path``.
+
+    ``path`` is either untouched or complete: a failure (disk full, EFBIG) removes
+    the temporary and re-raises; an abort of the job meanwhile removes it too
+    (``remove_on_abort``).  ``fsync``: flush to the disk before the rename (and the
+    directory after it), for files a crash must not lose.
+    """
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    remove_on_abort(tmp)
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            write(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(err, OSError) and err.filename in (None, tmp):   # name the file meant
+            raise OSError(err.errno, err.strerror, path) from None
+        raise
+    finally:
+        forget_on_abort(tmp)
+    if fsync:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------- the watchdog thread
+
+_BEAT, _FAIL, _ABORT = 11, 12, 13         # tags on the watchdog's private communicator
+
+
+class Watchdog:
+    """Heartbeats, stall detection and the fail-stop channel; one daemon thread per rank.
+
+    ``timeout`` seconds without a heartbeat from a rank, or without any rank
+    entering a new phase, is a stall (0: stall detection off; the fail-stop
+    channel still runs).  Heartbeats go every ``interval`` = timeout / 5
+    (0.05 to 5 s); the inbox is polled at least every 0.2 s, so an abort
+    reaches every live rank within a fraction of a second.
+    """
+
+    def __init__(self, comm, command: str, timeout: float = DEFAULT_STALL_TIMEOUT):
+        self.comm = comm.Dup()
+        self.command = command
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.configure(timeout)
+        self.state = [(0, "start-up")] * self.size    # (progress count, where) per rank
+        self.sends = {}                               # dest -> pending request (at most one each)
+        self.ending = False
+        self._pending = []                            # requests of the abort / fail messages (kept alive)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="refimpl-watchdog", daemon=True)
+
+    def configure(self, timeout: float) -> None:
+        """Set the timeout; every rank's clock restarts (they all call this at the same point)."""
+        self.timeout = float(timeout)
+        self.interval = min(5.0, max(0.05, self.timeout / 5)) if self.timeout > 0 else 1.0
+        self.poll = min(0.2, self.interval)
+        now = time.monotonic()
+        self.last_beat = [now] * self.size            # when each rank's last heartbeat arrived
+        self.last_change = [now] * self.size          # when each rank last entered a new phase
+        self.next_beat = now                          # beat at once with the new interval
+
+    # ------------------------------------------------------------ life cycle
+    def start(self) -> "Watchdog":
+        global _watchdog
+        _watchdog = self
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Collective, on the normal path: stop the thread, then drain so MPI_Finalize finds nothing pending."""
+        global _watchdog
+        self._stop.set()
+        self._thread.join()
+        deadline = time.monotonic() + 5.0
+        for req in self.sends.values():
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        self.comm.Barrier()
+        while (message := self.comm.improbe()) is not None:    # heartbeats sent before the barrier
+            message.recv()
+        self.comm.Free()
+        _watchdog = None
+
+    # ------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self._receive()
+                now = time.monotonic()
+                if now >= self.next_beat:
+                    self._beat()
+                    self.next_beat = now + self.interval
+                if self.timeout > 0 and not self.ending:
+                    self._check(now)
+            except Exception as err:  # noqa: BLE001 - the watchdog must never die silently
+                print(f"refimpl {self.command}: watchdog on rank {self.rank} failed: {describe(err)}",
+                      file=sys.stderr, flush=True)
+                return
+
+    def _send(self, dest: int, tag: int, payload) -> None:
+        pending = self.sends.get(dest)
+        if pending is not None and not pending.Test():
+            return                                   # the last one is not delivered: do not pile up
+        self.sends[dest] = self.comm.isend(payload, dest=dest, tag=tag)
+
+    def _beat(self) -> None:
+        record = (PROGRESS.count, PROGRESS.where())
+        if self.rank == 0:
+            self._note(0, record, time.monotonic())
+            for dest in range(1, self.size):
+                self._send(dest, _BEAT, record)
+        else:
+            self._send(0, _BEAT, record)
+
+    def _note(self, rank: int, record, now: float) -> None:
+        self.last_beat[rank] = now
+        if record[0] != self.state[rank][0]:
+            self.last_change[rank] = now
+        self.state[rank] = record
+
+    def _receive(self) -> None:
+        from mpi4py import MPI
+        status = MPI.Status()
+        while True:
+            message = self.comm.improbe(status=status)
+            if message is None:
+                return
+            payload, source, tag = message.recv(), status.Get_source(), status.Get_tag()
+            if tag == _BEAT:
+                self._note(source, payload, time.monotonic())
+            elif tag == _ABORT:
+                self._exit_quietly(payload)
+            elif tag == _FAIL and self.rank == 0 and not self.ending:
+                code, line = payload
+                self.end_job(code, line)
+
+    # ------------------------------------------------------------ stalls
+    def _check(self, now: float) -> None:
+        if self.rank != 0:
+            silent = now - self.last_beat[0]
+            if silent >= self.timeout and self.rank == 1 or silent >= self.timeout + 3 * self.interval:
+                here = PROGRESS.where()
+                self.end_job(EXIT_STALL, self._label("stalled") +
+                             f"rank 0 stopped answering (no heartbeat for {silent:.1f} s: a stopped process or "
+                             f"a lost node); rank {self.rank} waits in {here}. Ending the job "
+                             f"(--stall-timeout {self.timeout:g})")
+            return
+        self._note(0, (PROGRESS.count, PROGRESS.where()), now)
+        idle = min(now - t for t in self.last_change)
+        if idle < self.timeout and all(now - t < self.timeout for t in self.last_beat):
+            return
+        # a stall: name every rank whose heartbeats stopped (3 intervals late), not only the first
+        silent = [r for r in range(self.size) if now - self.last_beat[r] >= min(self.timeout, 3 * self.interval)]
+        live = [r for r in range(self.size) if r not in silent]
+        if silent:
+            waited = max(now - self.last_beat[r] for r in silent)
+            cause = (f"{_ranks(silent)} stopped answering (no heartbeat for {waited:.1f} s: a stopped "
+                     f"process or a lost node)")
+            others = _group_by_phase(live, self.state)
+            tail = f"; {others}" if others else ""
+        else:
+            groups = {}
+            for r in live:
+                groups.setdefault(self.state[r][1], []).append(r)
+            ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+            if len(ordered) == 1:
+                cause = f"every rank has waited {idle:.1f} s in {ordered[0][0]} (a deadlock or a hang there)"
+                tail = ""
+            else:
+                (where, ranks), rest = ordered[0], ordered[1:]
+                cause = f"{_ranks(ranks)} made no progress for {idle:.1f} s in {where}"
+                tail = "; " + "; ".join(f"{_ranks(rs)} wait in {w}" for w, rs in rest)
+        self.end_job(EXIT_STALL, self._label("stalled") + cause + tail +
+                     f". Ending the job (--stall-timeout {self.timeout:g})")
+
+    def _label(self, label: str) -> str:
+        return f"refimpl {self.command}: {label}: "
+
+    # ------------------------------------------------------------ ending the job
+    def end_job(self, code: int, line: str) -> None:
+        """Print ``line`` (once), tell every rank to exit with ``code``, then MPI_Abort as the safety net."""
+        if self.ending:
+            return
+        self.ending = True
+        print(line, file=sys.stderr, flush=True)
+        for dest in range(self.size):
+            if dest != self.rank:
+                self._pending.append(self.comm.isend(code, dest=dest, tag=_ABORT))
+        deadline = time.monotonic() + 0.5             # let the live ranks leave on their own
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        _abort(code)
+
+    def report(self, code: int, line: str) -> None:
+        """From the main thread of a failing rank: have rank 0 end the job (or do it ourselves)."""
+        if self.rank == 0:
+            self.end_job(code, line)
+        self.ending = True
+        self._pending.append(self.comm.isend((code, line), dest=0, tag=_FAIL))
+        deadline = time.monotonic() + GRACE_S         # rank 0's abort ends this process meanwhile
+        while time.monotonic() < deadline:
+            self._receive()
+            time.sleep(0.02)
+        self.ending = False
+        self.end_job(code, line)                      # rank 0 did not answer: it is gone or stuck
+
+    def _exit_quietly(self, code: int) -> None:
+        _clean_up()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + _span(ranks)
+
+
+def _span(ranks) -> str:
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _group_by_phase(ranks, state) -> str:
+    groups = {}
+    for r in ranks:
+        groups.setdefault(state[r][1], []).append(r)
+    return "; ".join(f"{_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} in {w}" for w, rs in groups.items())
+
+
+_watchdog: Watchdog | None = None
+DEBUG = False
+
+
+def _abort(code: int) -> None:
+    _clean_up()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(code)
+
+
+# ---------------------------------------------------------------- 2. fail-stop and the command wrapper
+
+def fail_stop(command: str, err: BaseException, rank: int, size: int) -> int:
+    """An exception on this rank only: end every rank with one message.  Returns only when alone."""
+    if isinstance(err, KeyboardInterrupt):
+        code, text = EXIT_INTERRUPTED, f"refimpl {command}: interrupted on rank {rank}"
+    else:
+        cls = classify(err, WriteError if isinstance(err, OSError) else
+                       InputError if isinstance(err, (ValueError, KeyError)) else InternalError)
+        code = cls.exit_code
+        hint = " (a bug; --debug or REFIMPL_DEBUG=1 shows the traceback)" if cls is InternalError and not DEBUG else ""
+        where = f" during {PROGRESS.where()}" if PROGRESS.phase != "start-up" else ""
+        cause = describe(err) if cls is not InternalError else f"{type(err).__name__}: {describe(err)}"
+        text = f"refimpl {command}: {cls.label} on rank {rank}{where}{hint}: {cause}"
+    if DEBUG:
+        traceback.print_exception(err)
+    if size == 1:
+        print(text, file=sys.stderr, flush=True)
+        return code
+    if _watchdog is not None:
+        _watchdog.report(code, text)
+    print(text, file=sys.stderr, flush=True)
+    _abort(code)
+    return code                                       # not reached
+
+
+def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> int:
+    """Run ``body()`` (returns an exit code) on every rank of ``comm`` under the fail-stop rules
+    (``comm`` None: a command of one process).
+
+    Agreed errors: rank 0 prints one line, every rank returns the code.  Anything
+    else raised on a rank ends the job from that rank (``fail_stop``).  A
+    watchdog thread runs alongside when there is more than one rank.
+    """
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    watchdog = Watchdog(comm, command, stall_timeout).start() if size > 1 else None
+    try:
+        code = body() or 0
+    except RunError as err:
+        if not err.agreed:
+            return fail_stop(command, err, rank, size)
+        if rank == 0:
+            print(f"refimpl {command}: {err.label}: {err}", file=sys.stderr, flush=True)
+        code = err.exit_code
+    except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt and SystemExit included
+        if isinstance(err, SystemExit) and size == 1:
+            raise
+        return fail_stop(command, err, rank, size)
+    if watchdog is not None:
+        watchdog.stop()
+    return code
+
+
+def set_stall_timeout(seconds: float) -> None:
+    """Change the running watchdog's stall timeout (the command read it from its settings)."""
+    if _watchdog is not None:
+        _watchdog.configure(seconds)
+
+
+def install_excepthook(command: str = "") -> None:
+    """Safety net: an uncaught exception in any thread ends the whole job (as ``python -m mpi4py``)."""
+    def hook(kind, value, tb):
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+        if DEBUG:
+            traceback.print_exception(kind, value, tb)
+        fail_stop(command or "refimpl", value, world.Get_rank(), world.Get_size())
+
+    def thread_hook(args):
+        hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
+           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError",
+           "Diverged", "WriteError", "InternalError", "agree", "on_root", "check_writable", "PROGRESS",
+           "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
+           "fail_stop", "run_command", "set_stall_timeout", "install_excepthook"]

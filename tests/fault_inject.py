@@ -1,0 +1,96 @@
+"""Run the ``refimpl`` command with one fault injected on one rank (tests/test_faults.py).
+
+    mpiexec -n 3 python tests/fault_inject.py train --out ... (any refimpl arguments)
+
+The fault comes from the environment, so that every rank parses the same command line:
+
+- ``FAULT_RANK``: the rank that misbehaves (default 0);
+- ``FAULT``: what it does, ``WHAT:STEP`` with WHAT one of
+  ``forward`` (RuntimeError in a conv layer's forward), ``backward`` (the same in
+  its backward), ``stop`` (SIGSTOP itself inside a conv's forward: a process that
+  stops answering), ``kill`` (SIGKILL itself there), ``plot`` (the loss plot's
+  write fails with ENOSPC), and STEP the training step (1-based) it happens at;
+- ``FAULT_FSIZE``: a file-size limit in bytes for that rank (``RLIMIT_FSIZE``;
+  Python ignores SIGXFSZ, so a write past it fails with EFBIG, like a full disk);
+- ``FAULT_LOG``: a directory; every rank writes ``pid-RANK`` (its process id) there
+  at start, and the faulty rank ``fault`` (the ``time.time()`` of the fault).
+
+Nothing here is part of refimpl: the faults are patched in from outside.
+"""
+import errno
+import os
+import resource
+import signal
+import sys
+import time
+
+from mpi4py import MPI
+
+rank = MPI.COMM_WORLD.Get_rank()
+fault_rank = int(os.environ.get("FAULT_RANK", "0"))
+what, _, at = os.environ.get("FAULT", "").partition(":")
+log = os.environ.get("FAULT_LOG")
+if log:
+    with open(os.path.join(log, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def mark_fault():
+    if log:
+        with open(os.path.join(log, "fault"), "w") as f:
+            f.write(repr(time.time()))
+
+
+if rank == fault_rank:
+    if os.environ.get("FAULT_FSIZE"):
+        limit = int(os.environ["FAULT_FSIZE"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    if what:
+        from refimpl import failstop, train
+        from refimpl.nn import spatial
+
+        def due():
+            return failstop.PROGRESS.step == int(at)
+
+        def wrap(method_name, action):
+            original = getattr(spatial.SpatialConv3d, method_name)
+
+            def method(self, x):
+                if due():
+                    action()
+                return original(self, x)
+            setattr(spatial.SpatialConv3d, method_name, method)
+
+        def fail():
+            mark_fault()
+            raise RuntimeError(f"injected fault on rank {rank}")
+
+        def stop():
+            mark_fault()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        def kill():
+            mark_fault()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if what in ("forward", "backward"):
+            wrap(what, fail)
+        elif what == "stop":
+            wrap("forward", stop)
+        elif what == "kill":
+            wrap("forward", kill)
+        elif what == "plot":
+            original_plot = train.plot_metrics
+
+            def plot(metrics_path, png_path, metric_name):
+                if due():
+                    mark_fault()
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), png_path)
+                return original_plot(metrics_path, png_path, metric_name)
+            train.plot_metrics = plot
+        else:
+            raise SystemExit(f"fault_inject: unknown FAULT {what!r}")
+
+from refimpl.cli import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))
