@@ -413,21 +413,33 @@ class Watchdog:
 
     # ------------------------------------------------------------ stalls
     def _check(self, now: float) -> None:
+        if self.rank == 0:
+            self._note(0, (PROGRESS.count, PROGRESS.where()), now)
+        found = self.verdict(now)
+        if found is not None:
+            self.end_job(EXIT_STALL, found)
+
+    def verdict(self, now: float) -> str | None:
+        """The stall message at time ``now`` from the heartbeats seen so far, or None (no stall).
+
+        Rank 0 judges every rank: a stall when a rank has sent nothing for
+        ``timeout`` or no rank has entered a new phase for ``timeout``; it then
+        names every rank whose heartbeats stopped (3 intervals late) and groups the
+        others by the phase they wait in.  Rank 1 judges rank 0 alone (the others
+        give rank 1 three more intervals before they speak themselves).
+        """
         if self.rank != 0:
             silent = now - self.last_beat[0]
             if silent >= self.timeout and self.rank == 1 or silent >= self.timeout + 3 * self.interval:
-                here = PROGRESS.where()
-                self.end_job(EXIT_STALL, self._label("stalled") +
-                             f"rank 0 stopped answering (no heartbeat for {silent:.1f} s: a stopped process or "
-                             f"a lost node); rank {self.rank} waits in {here}. Ending the job "
-                             f"(--stall-timeout {self.timeout:g})")
-            return
-        self._note(0, (PROGRESS.count, PROGRESS.where()), now)
+                return (self._label("stalled") +
+                        f"rank 0 stopped answering (no heartbeat for {silent:.1f} s: a stopped process or "
+                        f"a lost node); rank {self.rank} waits in {PROGRESS.where()}. Ending the job "
+                        f"(--stall-timeout {self.timeout:g})")
+            return None
         idle = min(now - t for t in self.last_change)
-        if idle < self.timeout and all(now - t < self.timeout for t in self.last_beat):
-            return
-        # a stall: name every rank whose heartbeats stopped (3 intervals late), not only the first
-        silent = [r for r in range(self.size) if now - self.last_beat[r] >= min(self.timeout, 3 * self.interval)]
+        if idle < self.timeout and all(now - t < self.timeout for t in self.last_beat[1:]):
+            return None
+        silent = [r for r in range(1, self.size) if now - self.last_beat[r] >= min(self.timeout, 3 * self.interval)]
         live = [r for r in range(self.size) if r not in silent]
         if silent:
             waited = max(now - self.last_beat[r] for r in silent)
@@ -447,8 +459,8 @@ class Watchdog:
                 (where, ranks), rest = ordered[0], ordered[1:]
                 cause = f"{_ranks(ranks)} made no progress for {idle:.1f} s in {where}"
                 tail = "; " + "; ".join(f"{_ranks(rs)} wait in {w}" for w, rs in rest)
-        self.end_job(EXIT_STALL, self._label("stalled") + cause + tail +
-                     f". Ending the job (--stall-timeout {self.timeout:g})")
+        return (self._label("stalled") + cause + tail +
+                f". Ending the job (--stall-timeout {self.timeout:g})")
 
     def _label(self, label: str) -> str:
         return f"refimpl {self.command}: {label}: "

@@ -148,6 +148,8 @@ def refimpl_worker(args) -> dict | None:
     tracemalloc.stop()
     for _ in range(args.warmup - 1):
         step()
+    if args.watchdog_rounds:
+        return watchdog_cost(args, comm, step)
     comm.Barrier()
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
@@ -164,6 +166,59 @@ def refimpl_worker(args) -> dict | None:
             "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
             "numpy_peak_bytes": max(r["numpy_peak_bytes"] for r in rows),
             "maxrss_bytes": max(r["maxrss_bytes"] for r in rows), "per_rank": rows}
+
+
+def watchdog_cost(args, comm, step) -> dict | None:
+    """Step time with and without the fail-stop watchdog thread (refimpl/failstop.py), interleaved.
+
+    ``--watchdog-rounds`` rounds of ``--steps`` steps with the watchdog running (stall
+    timeout 600 s, the default: heartbeats every 5 s, the inbox polled every 0.2 s) and
+    ``--steps`` without, the order alternating so drifts of the machine hit both alike.
+    The phase marks (``failstop.phase``) run in both: they are part of every step.
+    """
+    from refimpl.failstop import DEFAULT_STALL_TIMEOUT, Watchdog
+    totals = {"on": 0.0, "off": 0.0}
+    for r in range(args.watchdog_rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            watchdog = Watchdog(comm, "bench", DEFAULT_STALL_TIMEOUT).start() if mode == "on" else None
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            comm.Barrier()
+            totals[mode] += time.perf_counter() - t0
+            if watchdog is not None:
+                watchdog.stop()
+    if comm.rank != 0:
+        return None
+    n = args.watchdog_rounds * args.steps
+    return {"impl": "watchdog", "model": args.models[0], "grid": [int(t) for t in args.grid.split(",")],
+            "ranks": comm.size, "steps": n, "step_s_off": totals["off"] / n, "step_s_on": totals["on"] / n,
+            "overhead": totals["on"] / totals["off"] - 1.0}
+
+
+def watchdog_driver(args) -> int:
+    """``--watchdog``: the watchdog's cost per step, for each model and grid (ratio from one run)."""
+    load_start = os.getloadavg()
+    print(f"# bench_train --watchdog: {args.watchdog_rounds} rounds x {args.steps} steps with and without "
+          f"the watchdog, interleaved; {args.size}^3; global batch {args.batch}; load average "
+          f"{' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for grid in args.grids:
+                rows.append(launch_refimpl(args, model, grid, 1, tmp))
+    print(f"{'model':>9} {'grid':>9} {'P':>2} {'steps':>5} {'step s off':>10} {'step s on':>9} {'cost':>7}")
+    for r in rows:
+        print(f"{r['model']:>9} {','.join(map(str, r['grid'])):>9} {r['ranks']:>2} {r['steps']:>5} "
+              f"{r['step_s_off']:10.4f} {r['step_s_on']:9.4f} {100 * r['overhead']:6.2f}%")
+    print(f"# cost = step time with the watchdog / without - 1 (negative: below the noise); load average at "
+          f"the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"watchdog": rows, "load_average": {"start": list(load_start),
+                                                          "end": list(os.getloadavg())}}, fh, indent=1)
+    return 0
 
 
 # ---------------------------------------------------------------------------- torch worker (one process per rank)
@@ -297,7 +352,8 @@ def size_args(args) -> list:
     return ["--size", str(args.size), "--width", str(args.width), "--layers", str(args.layers),
             "--unet-width", str(args.unet_width), "--unet-layers", str(args.unet_layers),
             "--fc1", str(args.fc1), "--fc2", str(args.fc2), "--batch", str(args.batch),
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed)]
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
+            "--watchdog-rounds", str(args.watchdog_rounds)]
 
 
 def param_counts(args, name: str) -> tuple:
@@ -330,6 +386,8 @@ def launch_refimpl(args, model, grid, threads, tmp) -> dict:
                 f"mpiexec -n {p} {model} grid {grid}")
     with open(out) as fh:
         report = json.load(fh)
+    if report["impl"] == "watchdog":
+        return report
     report.update(threads=threads, oversubscribed=p * threads > cpu_cores(), wall_total_s=time.perf_counter() - t0)
     return report
 
@@ -510,6 +568,11 @@ def parse_args(argv=None):
                     help="skip the 1-process runs with one thread per core")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
+    ap.add_argument("--watchdog", action="store_true",
+                    help="measure the fail-stop watchdog's cost per step instead (grids default 2,1,1,1 "
+                         "1,2,1,1; --watchdog-rounds rounds of --steps steps with it and without it)")
+    ap.add_argument("--watchdog-rounds", type=int, default=0, metavar="R",
+                    help="rounds for --watchdog (default 6)")
     # internal: one run, launched by the driver
     ap.add_argument("--worker", choices=("refimpl", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--grid", default="1,1,1,1", help=argparse.SUPPRESS)
@@ -518,6 +581,12 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.watchdog_rounds < 0:
+        ap.error("--watchdog-rounds must be >= 0")
+    if args.watchdog and not args.watchdog_rounds:
+        args.watchdog_rounds = 6
+    if args.watchdog and args.grids is None:
+        args.grids = ["2,1,1,1", "1,2,1,1"]
     args.models = [name for names in args.models for name in names] if args.models else list(MODELS)
     for name in MODELS:
         if args.models.count(name) > 1:
@@ -549,7 +618,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is None:
-        return driver(args)
+        return watchdog_driver(args) if args.watchdog else driver(args)
     report = refimpl_worker(args) if args.worker == "refimpl" else torch_worker(args)
     if report is not None and args.json:
         with open(args.json, "w") as fh:

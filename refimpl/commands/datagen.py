@@ -75,6 +75,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def refuse(message: str):
+    """Bad input (exit 2): datagen runs as one process, so the error is agreed by construction."""
+    from ..failstop import InputError
+    raise InputError(message, agreed=True)
+
+
 def run(args) -> int:
     from ..failstop import run_command
     return run_command("datagen", None, lambda: generate(args))

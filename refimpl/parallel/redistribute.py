@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..backend import array_module, get_xp
 from .buffers import finish_recv, recv_buffer, send_buffer
+from .objects import bcast_object
 from .partition import block_slices, grid_coords, grid_rank
 
 REDIST_TAG = 7200

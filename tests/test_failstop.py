@@ -1,0 +1,146 @@
+"""The pure pieces of refimpl/failstop.py, on one process (tests/test_faults.py runs them under mpiexec).
+
+- ``check_writable``: what a path given on the command line must satisfy;
+- ``atomic_write``: the target is untouched or complete, no temporary is left, errors name it;
+- ``agree`` / ``on_root``: exceptions become the documented RunError kinds, flagged as agreed;
+- the watchdog's stall verdicts and messages, from heartbeat records (no thread, no MPI message).
+"""
+import errno
+import os
+import time
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
+
+from refimpl import failstop  # noqa: E402
+from refimpl.failstop import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, InputError, InternalError,  # noqa: E402
+                              WriteError, agree, atomic_write, check_writable, on_root)
+
+
+def test_check_writable(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    check_writable(tmp_path / "new" / "deeper", "--out", directory=True)      # creatable
+    check_writable(tmp_path, "--out", directory=True)
+    check_writable(a_file, "--save")                                          # overwritable file
+    check_writable(tmp_path / "new.npz", "--save")
+    with pytest.raises(ValueError, match="--out .* exists and is not a directory"):
+        check_writable(a_file, "--out", directory=True)
+    with pytest.raises(ValueError, match="cannot be created: .*file is not a directory"):
+        check_writable(a_file / "sub" / "x", "--out", directory=True)
+    with pytest.raises(ValueError, match="--save .* is a directory, not a file"):
+        check_writable(tmp_path, "--save")
+    if os.geteuid() != 0:                         # root may write anywhere: permissions mean nothing
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            check_writable(locked / "x", "--save")
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "out.json"
+    atomic_write(path, lambda f: f.write("old"))
+    assert path.read_text() == "old"
+
+    def fail(f):
+        f.write("half of the new")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(OSError) as info:
+        atomic_write(path, fail)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)   # names the target
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]             # no temporary left
+    assert not failstop._cleanups
+    atomic_write(path, lambda f: f.write(b"new"), binary=True, fsync=True)
+    assert path.read_text() == "new"
+
+
+def test_agree_and_on_root_raise_the_documented_kinds():
+    from mpi4py import MPI
+    comm = MPI.COMM_SELF
+    assert agree(comm, lambda: 7) == 7
+    cases = [(ValueError("bad flag"), InputError, EXIT_BAD_INPUT, "bad flag"),
+             (OSError(errno.ENOENT, "No such file or directory", "/x/y"), InputError, EXIT_BAD_INPUT,
+              "No such file or directory at /x/y"),
+             (KeyError("missing"), InputError, EXIT_BAD_INPUT, "missing"),
+             (ZeroDivisionError("division by zero"), InternalError, EXIT_INTERNAL, "division by zero")]
+    for err, kind, code, message in cases:
+        def fail(err=err):
+            raise err
+        with pytest.raises(kind) as info:
+            agree(comm, fail)
+        assert info.value.agreed and info.value.exit_code == code and str(info.value) == message
+    with pytest.raises(WriteError) as info:
+        on_root(comm, lambda: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large", "/o/m")))
+    assert info.value.agreed and info.value.exit_code == EXIT_IO and "File too large at /o/m" in str(info.value)
+    assert on_root(comm, lambda: "done") == "done"
+
+
+def test_progress_names_layers():
+    from refimpl.models import build_model
+    model = build_model("cosmoflow", {"input_shape": (4, 16, 16, 16), "conv_size": 2, "n_conv_layers": 2,
+                                      "fc1_size": 8, "fc2_size": 4}, seed=0)
+    failstop.label_layers(model)
+    conv = model.features[0]
+    failstop.phase("halo exchange of {layer} (forward)", conv)
+    failstop.set_step(12)
+    assert failstop.PROGRESS.where() == "halo exchange of features.0 (forward) at step 12"
+    failstop.phase("gradient allreduce")
+    failstop.set_step(None)
+    assert failstop.PROGRESS.where() == "gradient allreduce"
+
+
+class FakeWatchdog(failstop.Watchdog):
+    """A watchdog's bookkeeping without its thread or communicator: verdicts only."""
+
+    def __init__(self, size, timeout, rank=0):
+        self.rank, self.size, self.command = rank, size, "train"
+        self.configure(timeout)
+        self.state = [(0, "start-up")] * size
+        self.ending, self.verdicts = False, []
+
+    def end_job(self, code, line):          # what the real one does after printing: end the job
+        self.verdicts.append((code, line))
+
+
+def test_stall_verdicts():
+    now = time.monotonic()
+    # rank 2 of 4 went silent; the others wait in one halo exchange, still beating
+    dog = FakeWatchdog(4, timeout=10)
+    wait = "halo exchange of features.3 (forward) at step 5"
+    for r in range(4):
+        dog._note(r, (7, wait), now - 1)
+    dog.last_beat[2] = now - 11
+    failstop.PROGRESS.count, failstop.PROGRESS.phase, failstop.PROGRESS.layer, failstop.PROGRESS.step = \
+        7, "halo exchange of features.3 (forward)", None, 5
+    dog._check(now)
+    code, line = dog.verdicts[-1]
+    assert code == failstop.EXIT_STALL
+    assert "rank 2 stopped answering (no heartbeat for 11.0 s" in line
+    assert f"ranks 0-1, 3 wait in {wait}" in line and "--stall-timeout 10" in line
+
+    # nobody silent, nobody moving: the rank in the minority phase is named
+    dog = FakeWatchdog(3, timeout=10)
+    for r in range(3):
+        dog._note(r, (3, "gradient allreduce at step 9" if r else "backward of features.0 at step 9"), now - 12)
+        dog.last_beat[r] = now - 0.5
+    failstop.PROGRESS.count, failstop.PROGRESS.phase, failstop.PROGRESS.step = 3, "backward of features.0", 9
+    dog._check(now)
+    line = dog.verdicts[-1][1]
+    assert "rank 0 made no progress for" in line and "in backward of features.0 at step 9" in line
+    assert "ranks 1-2 wait in gradient allreduce at step 9" in line
+
+    # moving along: no verdict; rank 1 watching a silent rank 0 speaks for it
+    dog = FakeWatchdog(2, timeout=10)
+    dog._note(1, (5, "x"), now)
+    dog._check(now)
+    assert dog.verdicts == []
+    deputy = FakeWatchdog(3, timeout=10, rank=1)
+    deputy.last_beat[0] = now - 10.5
+    deputy._check(now)
+    assert "rank 0 stopped answering" in deputy.verdicts[-1][1]
+    other = FakeWatchdog(3, timeout=10, rank=2)      # waits 3 intervals more before speaking itself
+    other.last_beat[0] = now - 10.5
+    other._check(now)
+    assert other.verdicts == []
