@@ -129,3 +129,17 @@ def test_bad_batch_for_grid_is_rejected():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--grids", "2,1,1,1", "--batch", "3"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "--batch 3 must be divisible" in proc.stderr
+
+
+def test_watchdog_cost_mode(tmp_path):
+    """--watchdog: step time with and without the fail-stop watchdog, per model and grid."""
+    out = tmp_path / "watchdog.json"
+    cmd = [sys.executable, str(SCRIPT), "--watchdog", "--quick", "--model", "cosmoflow", "--grids", "2,1,1,1",
+           "--size", "8", "--steps", "1", "--watchdog-rounds", "2", "--json", str(out)] + TINY["cosmoflow"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())["watchdog"]
+    assert row["model"] == "cosmoflow" and row["grid"] == [2, 1, 1, 1] and row["steps"] == 2
+    assert row["step_s_on"] > 0 and row["step_s_off"] > 0
+    assert row["overhead"] == pytest.approx(row["step_s_on"] / row["step_s_off"] - 1)
+    assert re.search(r"cosmoflow +2,1,1,1 +2 +2 .*%", proc.stdout), proc.stdout
