@@ -210,7 +210,7 @@ def _grid(key, value, config):
                                                   for p in value):
         check_dims(value)
     else:
-        raise ValueError(f"grid must be 'Pn,Pd,Ph,Pw' or a list of 4 integers >= 1 (or unset), "
+        raise ValueError(f"grid must be 'Pn,Pd,Ph,Pw[,Pm]' or a list of 4 or 5 integers >= 1 (or unset), "
                          f"got {value!r}")
 
 

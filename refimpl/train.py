@@ -104,11 +104,11 @@ def resolve_run(config: dict, world_size: int) -> dict:
     The defaults resolved here (optimizer, lr, base batch, warmup epochs) are
     written back into ``config``, so config.json and the checkpoint say what ran.
     """
-    from .parallel.grid import parse_grid
+    from .parallel.grid import format_grid, parse_grid
     dims = parse_grid(config["grid"]) if config["grid"] else (world_size, 1, 1, 1)
-    product = dims[0] * dims[1] * dims[2] * dims[3]
+    product = math.prod(dims)
     if product != world_size:
-        raise ValueError(f"--grid {','.join(map(str, dims))} holds {product} ranks but mpiexec started "
+        raise ValueError(f"--grid {format_grid(dims)} holds {product} ranks but mpiexec started "
                          f"{world_size}; run 'mpiexec -n {product} ...' or change --grid")
     batch = config["global_batch"]
     if batch is None:

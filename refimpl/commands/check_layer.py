@@ -29,6 +29,10 @@ import numpy
 from ..failstop import atomic_write, check_writable
 
 LAYERS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d")
+MODEL_MODES = ("none", "filter", "channel")
+#: the --model-parallel modes each layer can take
+LAYER_MODES = {"conv3d": MODEL_MODES, "conv_transpose3d": ("none",), "max_pool3d": ("none", "channel"),
+               "avg_pool3d": ("none", "channel"), "batch_norm3d": ("none", "channel")}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 #: float32 tolerance where a conv may run Winograd: its rounding depends on where the
 #: 4x4x4 tiles fall, which differs between a rank's block and the whole volume
@@ -61,8 +65,13 @@ def add_arguments(parser):
                         help="dilation (conv3d, conv_transpose3d, max_pool3d; default 1)")
     parser.add_argument("--output-padding", default="0", metavar="op|opd,oph,opw",
                         help="output_padding of conv_transpose3d (default 0)")
-    parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw",
-                        help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw")
+    parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw[,Pm]",
+                        help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw[*Pm] (Pm: model axis)")
+    parser.add_argument("--model-parallel", choices=MODEL_MODES, default="none",
+                        help="split the layer over the model axis Pm: conv3d by 'filter' (output "
+                             "channels) or 'channel' (input channels); batch_norm3d and the poolings "
+                             "by 'channel' (channel-split activations); 'none': every model rank "
+                             "computes the whole layer (default)")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float64",
                         help="float64 (tolerance 1e-10) or float32 (1e-5; 1e-3 for a conv that may "
                              "run Winograd)")
@@ -113,6 +122,15 @@ class LayerSpec:
         if shape[0] < self.grid_dims[0]:
             raise ValueError(f"--grid puts {self.grid_dims[0]} sample groups on a batch of {shape[0]}: "
                              "every data-parallel rank needs at least one sample")
+        self.model_parallel = getattr(args, "model_parallel", "none") or "none"
+        if self.model_parallel not in LAYER_MODES[self.layer]:
+            raise ValueError(f"--model-parallel {self.model_parallel} does not apply to {self.layer} "
+                             f"(it takes: {', '.join(LAYER_MODES[self.layer])})")
+        pm = self.grid_dims[4] if len(self.grid_dims) == 5 else 1
+        split = {"filter": self.out_channels, "channel": shape[1]}.get(self.model_parallel)
+        if split is not None and pm > split:
+            raise ValueError(f"--grid puts Pm={pm} model ranks on a layer that splits {split} channels "
+                             f"(--model-parallel {self.model_parallel}): at most one rank per channel")
         self.seed, self.save = args.seed, args.save
         if self.save is not None:
             check_writable(self.save, "--save")
@@ -135,9 +153,16 @@ class LayerSpec:
                                            c * f / (c + f) >= winograd.MIN_CHANNEL_PRODUCT_RATIO)
 
     def make_layer(self, grid, rng):
-        from ..nn import spatial
+        from ..nn import model_parallel, spatial
         n, c = self.shape[:2]
         dt = self.dtype
+        if self.layer == "conv3d" and self.model_parallel != "none":
+            cls = model_parallel.FilterParallelConv3d if self.model_parallel == "filter" else \
+                model_parallel.ChannelParallelConv3d
+            return cls(c, self.out_channels, self.kernel, self.stride, self.padding, self.dilation,
+                       grid=grid, rng=rng, dtype=dt)
+        if self.layer == "batch_norm3d" and self.model_parallel == "channel":
+            return model_parallel.ModelParallelBatchNorm3d(c, grid=grid, dtype=dt)
         if self.layer == "conv3d":
             return spatial.SpatialConv3d(c, self.out_channels, self.kernel, self.stride, self.padding,
                                          self.dilation, grid=grid, rng=rng, dtype=dt)
@@ -188,6 +213,7 @@ def check_layer(spec: LayerSpec, comm):
     from ..backend import asarray, to_host
     from ..parallel.collectives import allreduce
     from ..parallel.grid import ProcessGrid
+    from ..parallel.channels import channel_range
     from ..parallel.partition import block_range
 
     grid = ProcessGrid(comm, spec.grid_dims)   # ValueError on every rank if the sizes differ
@@ -198,23 +224,41 @@ def check_layer(spec: LayerSpec, comm):
     x = rng.standard_normal(spec.shape).astype(spec.dtype)                 # (N, C, D, H, W) global
     params = [p for p in (getattr(layer, "weight", None), getattr(layer, "bias", None)) if p is not None]
     if spec.layer == "batch_norm3d":         # random scale and shift, not the identity init
-        for p in params:
-            p.data[...] = asarray(rng.uniform(0.5, 1.5, p.shape).astype(spec.dtype))
+        for p in params:    # drawn whole (the same on every rank), then this rank's slice
+            full = rng.uniform(0.5, 1.5, (p.shard[3],) if p.shard else p.shape).astype(spec.dtype)
+            p.data[...] = asarray(full[p.shard[1]:p.shard[2]] if p.shard else full)
     n_out = spec.out_channels if spec.layer.startswith("conv") else spec.shape[1]
     # dy has mean 1: db sums dy over the whole batch, and a sum that cancels to near zero
     # would make its float32 relative error measure luck rather than correctness
     dy = (1.0 + rng.standard_normal((spec.shape[0], n_out) + tuple(out_dhw))).astype(spec.dtype)
 
     samples = slice(*block_range(spec.shape[0], grid.dims[0], grid.sample_coord))
-    in_block = (samples, slice(None)) + tuple(grid.local_block(spec.shape[2:]))
-    out_block = (samples, slice(None)) + tuple(grid.local_block(out_dhw))
+    pm, m = grid.model_dims, grid.model_coord
+    split_in = spec.model_parallel != "none"                   # every mode here takes split input
+    in_channels = slice(*channel_range(spec.shape[1], pm, m)) if split_in else slice(None)
+    out_channels = slice(*channel_range(n_out, pm, m)) if split_in else slice(None)
+    in_block = (samples, in_channels) + tuple(grid.local_block(spec.shape[2:]))
+    out_block = (samples, out_channels) + tuple(grid.local_block(out_dhw))
     y_local = layer.forward(asarray(x[in_block]))
     dx_local = layer.backward(asarray(dy[out_block]))
 
-    grads = []
+    def whole(p, a):
+        """A parameter-shaped array of this rank placed into the unsplit shape (zeros elsewhere)."""
+        if p.shard is None:
+            return a
+        axis, start, stop, size = p.shard
+        out = numpy.zeros(a.shape[:axis] + (size,) + a.shape[axis + 1:], spec.dtype)
+        out[(slice(None),) * axis + (slice(start, stop),)] = to_host(a)
+        return asarray(out)
+
+    grads, values = [], []
     for p in params:   # the unpartitioned gradient sums over every sample and voxel
         g = p.grad if p.grad is not None else asarray(numpy.zeros(p.shape, spec.dtype))
-        grads.append(to_host(allreduce(g, grid.comm)))
+        # slices of a split parameter are disjoint: summed over the whole grid they make the
+        # whole; an unsplit one is the same on every model rank: summed over one copy's ranks
+        grads.append(to_host(allreduce(whole(p, g), grid.comm if p.shard else grid.batch_comm)))
+        values.append(to_host(allreduce(whole(p, p.data.copy()), grid.model_comm)) if p.shard else
+                      to_host(p.data))
     pieces = grid.comm.gather((in_block, out_block, to_host(y_local), to_host(dx_local)), root=0)
     if grid.rank != 0:
         return None
@@ -222,13 +266,14 @@ def check_layer(spec: LayerSpec, comm):
     dx = numpy.zeros(x.shape, spec.dtype)
     for ib, ob, yl, dxl in pieces:
         y[ob], dx[ib] = yl, dxl
-    w = to_host(params[0].data) if params else None
-    b = to_host(params[1].data) if len(params) > 1 else None
+    w = values[0] if params else None
+    b = values[1] if len(params) > 1 else None
     dw, db = (grads + [None, None])[:2]
     ref = spec.oracle(x, w, b, dy)
     names = ("y", "dx", "dw", "db")
     errors = {k: _rel_err(got, want) for k, got, want in zip(names, (y, dx, dw, db), ref)}
     report = {"layer": spec.layer, "input": list(spec.shape), "grid": list(grid.dims),
+              "model_parallel": spec.model_parallel,
               "dtype": numpy.dtype(spec.dtype).name, "tolerance": spec.tolerance,
               "conv_algorithm": os.environ.get("REFIMPL_CONV_ALGORITHM", "auto"),
               "max_rel_err": errors,

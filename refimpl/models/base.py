@@ -208,11 +208,12 @@ class Model(Module):
 
     # ------------------------------------------------------------ reductions
     def reduce_sums(self, sums, over: str):
-        """Sum a float64 array of local sums over 'data' (data_comm) or 'grid' (grid.comm)."""
+        """Sum a float64 array of local sums over 'data' (data_comm) or 'grid' (the whole global
+        batch: grid.batch_comm, which leaves out the copies a model axis holds)."""
         if self.grid is None:
             return sums
         from ..parallel.collectives import allreduce
-        comm = self.grid.data_comm if over == "data" else self.grid.comm
+        comm = self.grid.data_comm if over == "data" else self.grid.batch_comm
         xp = array_module(sums)
         return allreduce(xp.ascontiguousarray(sums), comm)
 

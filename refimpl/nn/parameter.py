@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class Parameter:
-    __slots__ = ("data", "grad", "name", "on_grad_ready", "spatial_replicated")
+    __slots__ = ("data", "grad", "name", "on_grad_ready", "spatial_replicated", "shard")
 
     def __init__(self, data, name: str = ""):
         self.data = data
@@ -17,6 +17,7 @@ class Parameter:
         self.name = name
         self.on_grad_ready = None  # callback(param), set by gradient synchronisation
         self.spatial_replicated = False
+        self.shard = None          # model-parallel: (axis, start, stop, full length) of the whole
 
     def accumulate_grad(self, g) -> None:
         """grad += g (grad starts as None after zero_grad)."""

@@ -229,7 +229,7 @@ class SpatialBatchNorm3d(BatchNorm3d):
     """Batch norm whose statistics are those of the whole (unpartitioned) tensor.
 
     The per-channel sums and the element count are allreduced over the spatial
-    group, or over the whole grid (spatial x data) with ``global_stats=True``,
+    group, or over the whole batch (spatial x data: ``grid.batch_comm``) with ``global_stats=True``,
     in forward (mean, variance) and backward (sum dy, sum dy*xhat).  The biased
     variance normalises; the unbiased one updates the running variance.
     """
@@ -237,7 +237,7 @@ class SpatialBatchNorm3d(BatchNorm3d):
     def __init__(self, *args, grid, global_stats=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.grid, self.global_stats = grid, bool(global_stats)
-        self.stats_comm = grid.comm if global_stats else grid.spatial_comm
+        self.stats_comm = grid.batch_comm if global_stats else grid.spatial_comm
 
     def setup(self, global_in_shape):
         return tuple(global_in_shape)

@@ -1,0 +1,172 @@
+"""Model-parallel layers: convolutions split by filters or by channels over ``grid.model_comm``,
+composed with the spatial halo exchange, and batch norm on channel-split activations.
+
+Layouts.  Between model-parallel layers an activation is **channel-split**: model
+rank ``m`` holds channels ``channel_range(C, Pm, m)`` of its spatial block of its
+samples (``parallel/channels.py``).  Outside them (``input_split=False``) it is
+**replicated**: every model rank holds all channels and computes the same thing,
+and the gradient flowing back into a replicated activation is the whole gradient,
+the same on every model rank (as everywhere else in refimpl: the loss is computed
+identically on every copy).
+
+Weights are split with the data they meet, so a rank stores 1/Pm of them.  The
+whole weight is drawn first, in the unpartitioned layer's order, and each rank
+keeps its slice: a seed gives the same model on every grid.  ``Parameter.shard``
+records which slice ``(axis, start, stop, whole)`` a rank holds.
+
+    layer                   weight slice            forward                     backward (adjoints)
+    FilterParallelConv3d    W[f_m, :]   b[f_m]      allgather_channels(x)       dx: reduce_scatter_channels
+                            (output slice)          -> conv -> y[f_m]           (input_split=False: allreduce,
+                                                                                 the replicated gradient)
+    ChannelParallelConv3d   W[:, c_m]   b[f_m]      conv(x[c_m]) = partial y    dy: allgather_channels
+                            (input slice)           -> reduce_scatter_channels  -> conv backward -> dx[c_m]
+                                                    + b[f_m]
+
+The spatial halo exchange runs inside each (``SpatialConv3d``) on the channels the
+rank computes with: the whole input for the filter-parallel conv, its slice for the
+channel-parallel one.  dW and db of a slice are summed over the spatial group and
+averaged over the data group, like any parameter (``GradientSynchronizer`` reduces
+over the ranks that share ``m``); the slices never meet.
+
+Batch norm, pooling, activations and dropout act per channel: on channel-split
+activations they need no change but the channel slice of batch norm's parameters
+and statistics (``ModelParallelBatchNorm3d``; its sums are reduced over
+``grid.batch_comm``, the ranks holding the same channels).
+"""
+from __future__ import annotations
+
+from ..backend import array_module
+from ..failstop import phase
+from ..parallel.channels import allgather_channels, channel_range, reduce_scatter_channels
+from ..parallel.collectives import allreduce
+from .spatial import SpatialBatchNorm3d, SpatialConv3d
+
+MODES = ("none", "filter", "channel")
+
+
+def keep_slice(param, axis: int, start: int, stop: int) -> None:
+    """Keep ``param``'s slice [start, stop) along ``axis`` (a copy: the whole is dropped)."""
+    xp = array_module(param.data)
+    whole = param.data.shape[axis]
+    index = [slice(None)] * param.data.ndim
+    index[axis] = slice(start, stop)
+    param.data = xp.ascontiguousarray(param.data[tuple(index)])
+    param.shard = (axis, start, stop, whole)
+
+
+def check_model_split(channels: int, grid, what: str) -> None:
+    """Pm must not exceed the channels a layer splits (ValueError, the same on every rank)."""
+    if grid.model_dims > channels:
+        raise ValueError(f"{what} splits {channels} channels over Pm={grid.model_dims} model ranks: "
+                         f"at most one rank per channel (lower Pm, or keep this layer unsplit)")
+
+
+class FilterParallelConv3d(SpatialConv3d):
+    """Conv3d whose output channels (filters) are split over the model group.
+
+    ``input_split``: the input is channel-split (allgathered first; dx reduce-scattered)
+    or replicated (used as is; dx, a partial sum over the filters of each rank,
+    allreduced over the model group so every copy holds the whole gradient).
+    Output: channel-split, ``channel_range(out_channels, Pm, m)``.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, bias=True,
+                 *, grid, rng, input_split=True, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, bias,
+                         grid=grid, rng=rng, **kwargs)
+        check_model_split(out_channels, grid, "a filter-parallel conv")
+        self.input_split = bool(input_split)
+        self.total_out = self.out_channels
+        self.out_slice = channel_range(self.out_channels, grid.model_dims, grid.model_coord)
+        keep_slice(self.weight, 0, *self.out_slice)                       # (F_m, C, k, k, k)
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)                     # (F_m,)
+        self.out_channels = self.out_slice[1] - self.out_slice[0]
+
+    def forward(self, x):
+        if self.input_split:
+            phase("channel allgather of {layer} (forward)", self)
+            x = allgather_channels(x, self.in_channels, self.grid.model_comm)    # (N, C, block)
+        return super().forward(x)                                         # (N, F_m, out block)
+
+    def backward(self, dy):
+        dx = super().backward(dy)                                         # (N, C, block): partial sum
+        if dx is None:
+            return None
+        phase("channel reduce-scatter of {layer} (backward)" if self.input_split else
+              "input-gradient allreduce of {layer} (backward)", self)
+        if self.input_split:
+            return reduce_scatter_channels(dx, self.grid.model_comm)      # (N, c_m, block)
+        xp = array_module(dx)
+        dx = xp.ascontiguousarray(dx)
+        allreduce(dx, self.grid.model_comm)                               # the replicated whole
+        return dx
+
+
+class ChannelParallelConv3d(SpatialConv3d):
+    """Conv3d whose input channels are split over the model group: partial sums of every
+    output channel, reduce-scattered into channel-split outputs (bias added by the owner)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, bias=True,
+                 *, grid, rng, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, bias,
+                         grid=grid, rng=rng, **kwargs)
+        check_model_split(in_channels, grid, "a channel-parallel conv")
+        pm, m = grid.model_dims, grid.model_coord
+        self.total_in, self.total_out = self.in_channels, self.out_channels
+        self.in_slice = channel_range(self.in_channels, pm, m)
+        self.out_slice = channel_range(self.out_channels, pm, m)
+        keep_slice(self.weight, 1, *self.in_slice)                        # (F, C_m, k, k, k)
+        self.owned_bias = self.bias
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)                     # (F_m,)
+        self.in_channels = self.in_slice[1] - self.in_slice[0]
+
+    def local_forward(self, x, padding):
+        bias, self.bias = self.bias, None             # partial sums carry no bias
+        try:
+            return super().local_forward(x, padding)
+        finally:
+            self.bias = bias
+
+    def forward(self, x):
+        partial = super().forward(x)                                      # (N, F, out block), partial
+        phase("channel reduce-scatter of {layer} (forward)", self)
+        y = reduce_scatter_channels(array_module(partial).ascontiguousarray(partial), self.grid.model_comm)
+        if self.bias is not None:
+            y += self.bias.data.reshape(1, -1, 1, 1, 1)                   # (N, F_m, out block)
+        return y
+
+    def backward(self, dy):
+        phase("channel allgather of {layer} (backward)", self)
+        dy_full = allgather_channels(dy, self.total_out, self.grid.model_comm)    # (N, F, out block)
+        bias, self.bias = self.bias, None
+        try:
+            dx = super().backward(dy_full)                                # dW[:, c_m]; dx (N, c_m, block)
+        finally:
+            self.bias = bias
+        if self.bias is not None:
+            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))          # db[f_m]
+        return dx
+
+
+class ModelParallelBatchNorm3d(SpatialBatchNorm3d):
+    """Batch norm of a channel-split activation: this rank's channels, statistics of the whole
+    global batch (reduced over ``grid.batch_comm``: the ranks that hold the same channels)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, *, grid, **kwargs):
+        super().__init__(num_features, eps, momentum, grid=grid, global_stats=True, **kwargs)
+        check_model_split(num_features, grid, "a model-parallel batch norm")
+        self.total_features = self.num_features
+        start, stop = channel_range(self.num_features, grid.model_dims, grid.model_coord)
+        for param in (self.weight, self.bias):
+            keep_slice(param, 0, start, stop)
+        for name in ("running_mean", "running_var"):
+            buf = getattr(self, name)[start:stop].copy()
+            setattr(self, name, buf)
+            self._buffers[name] = buf
+        self.num_features = stop - start
+
+
+__all__ = ["MODES", "keep_slice", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
+           "ModelParallelBatchNorm3d"]
