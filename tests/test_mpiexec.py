@@ -1,4 +1,4 @@
-"""Run the distributed tests (tests/mpi/) under real ``mpiexec`` with 1, 2, 3, 4, 8 ranks.
+"""Run the distributed tests (tests/mpi/) under real ``mpiexec`` with 1, 2, 3, 4, 6, 8 ranks.
 
 Each rank count is one pytest case that launches
 ``mpiexec -n N python -m pytest tests/mpi`` in a subprocess with a timeout, so
@@ -36,7 +36,7 @@ def mpi_env() -> dict:
     return env
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 6, 8])
 def test_mpi_suite(nranks):
     files = sorted(str(p) for p in MPI_TESTS.glob("test_*.py"))
     assert files, "no MPI test files found"

@@ -1,6 +1,6 @@
 """Setup for tests that run under ``mpiexec -n N python -m pytest tests/mpi``.
 
-tests/test_mpiexec.py launches these files with 1, 2, 3, 4 and 8 ranks; they
+tests/test_mpiexec.py launches these files with 1, 2, 3, 4, 6 and 8 ranks; they
 also run in a plain ``pytest`` as a 1-rank world.  Rules for writing them:
 
 - every rank must take the same code path and call the same collectives in the
