@@ -39,7 +39,9 @@ from ..backend import array_module
 from ..failstop import phase
 from ..parallel.channels import allgather_channels, channel_range, reduce_scatter_channels
 from ..parallel.collectives import allreduce
-from .spatial import SpatialBatchNorm3d, SpatialConv3d
+from .linear import Linear
+from .module import Module
+from .spatial import SpatialBatchNorm3d, SpatialConv3d, SpatialFlattenLinear
 
 MODES = ("none", "filter", "channel")
 
@@ -168,5 +170,120 @@ class ModelParallelBatchNorm3d(SpatialBatchNorm3d):
         self.num_features = stop - start
 
 
+# ---------------------------------------------------------------- Gholami's 1.5-D dense layers
+
+class RowParallelLinear(Linear):
+    """Gholami et al.'s 1.5-D fully connected layer on the Pr x Pc = Pm x Pn grid.
+
+    ``Y = W X`` with ``W`` (d_out x d_in), a batch of B samples.  ``W`` is split by
+    rows over the model group (rank m keeps ``W[f_m, :]``: d_out/Pm rows) and
+    replicated over the data group; the batch is split over the data group
+    (B/Pn per rank); activations between such layers are feature-split over the
+    model group, exactly the channel-split layout of the convs above.  Messages,
+    with the alpha-beta costs of the paper (allgather / reduce-scatter of n words
+    over p ranks: ``alpha ceil(log2 p) + beta (p-1)/p n``; allreduce: twice that):
+
+    - forward, ``input_split=True``: allgather of X over the model group,
+      n = d_in * B/Pn words: ``alpha log Pm + beta (Pm-1)/Pm d_in B/Pn``;
+      then ``Y[f_m] = W[f_m] X`` locally (no message after it);
+    - backward, dX = W^T dY: each rank's ``W[f_m]^T dY[f_m]`` is a partial sum over
+      the model group: reduce-scatter, n = d_in * B/Pn, the same cost;
+      (``input_split=False``: X is replicated, nothing to gather; dX is allreduced
+      over the model group so every copy holds the whole gradient);
+    - backward, dW = dY X^T: summed over the batch, i.e. allreduced over the data
+      group (``GradientSynchronizer``), n = d_out d_in / Pm words:
+      ``2 alpha log Pn + 2 beta (Pn-1)/Pn d_out d_in / Pm``.
+
+    The paper's point: the per-layer volume ``d_in B/Pn`` (model axis) trades against
+    ``d_out d_in / Pm`` (data axis), so for a fixed batch the cheapest grid is usually
+    neither pure data (Pm = 1) nor pure model (Pn = 1) parallel.  The bias is split
+    with the rows.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, grid, rng, input_split=True, **kwargs):
+        super().__init__(in_features, out_features, bias, rng=rng, **kwargs)
+        check_model_split(out_features, grid, "a 1.5-D dense layer")
+        self.grid, self.input_split = grid, bool(input_split)
+        self.total_out = self.out_features
+        self.out_slice = channel_range(self.out_features, grid.model_dims, grid.model_coord)
+        keep_slice(self.weight, 0, *self.out_slice)                       # (out_m, in)
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)
+        self.out_features = self.out_slice[1] - self.out_slice[0]
+        for param in self.parameters():       # the head runs replicated over the spatial group
+            param.spatial_replicated = True
+
+    def forward(self, x):
+        if self.input_split:
+            phase("feature allgather of {layer} (forward)", self)
+            x = allgather_channels(x, self.in_features, self.grid.model_comm)    # (N/Pn, d_in)
+        return super().forward(x)                                          # (N/Pn, d_out/Pm)
+
+    def backward(self, dy):
+        dx = super().backward(dy)                                          # (N/Pn, d_in), partial
+        phase("feature reduce-scatter of {layer} (backward)" if self.input_split else
+              "input-gradient allreduce of {layer} (backward)", self)
+        if self.input_split:
+            return reduce_scatter_channels(dx, self.grid.model_comm)
+        dx = array_module(dx).ascontiguousarray(dx)
+        allreduce(dx, self.grid.model_comm)
+        return dx
+
+
+class RowParallelFlattenLinear(SpatialFlattenLinear):
+    """The first dense layer after the conv stack, rows split over the model group.
+
+    Its input is replicated over the model group (every model rank holds its
+    spatial block of every channel); the columns are split over the spatial group
+    as in ``SpatialFlattenLinear`` (partial products allreduced over it), the rows
+    over the model group (rank m computes output features f_m).  Backward: dX of
+    the rank's rows is a partial sum over the model group, allreduced there (the
+    replicated input's whole gradient).  The output is feature-split: the layout
+    ``RowParallelLinear(input_split=True)`` takes.
+    """
+
+    def __init__(self, in_channels, in_features, out_features, *, grid, rng, **kwargs):
+        super().__init__(in_channels, in_features, out_features, grid=grid, rng=rng, **kwargs)
+        check_model_split(out_features, grid, "a 1.5-D dense layer")
+        self.total_out = self.out_features
+        self.out_slice = channel_range(self.out_features, grid.model_dims, grid.model_coord)
+        keep_slice(self.weight, 0, *self.out_slice)
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)
+        self.out_features = self.out_slice[1] - self.out_slice[0]
+
+    def backward(self, dy):
+        dx = super().backward(dy)                                          # (N, C, block), partial
+        if self.grid.model_dims == 1:
+            return dx
+        phase("input-gradient allreduce of {layer} (backward)", self)
+        dx = array_module(dx).ascontiguousarray(dx)
+        allreduce(dx, self.grid.model_comm)
+        return dx
+
+
+class GatherFeatures(Module):
+    """Feature-split (N, d_m) -> replicated (N, d): the end of a model-parallel head.
+
+    Forward: ``allgather_channels`` over the model group.  Backward: what follows is
+    computed identically on every model rank (the loss), so each rank's gradient is
+    already the whole one and the rank keeps its slice: no message.  (Read as a sum
+    over copies, the adjoint is the reduce-scatter of Pm equal gradients, each counted
+    1/Pm: the same numbers, for nothing sent.)
+    """
+
+    def __init__(self, features: int, *, grid):
+        super().__init__()
+        self.features, self.grid = int(features), grid
+        self.own = channel_range(self.features, grid.model_dims, grid.model_coord)
+
+    def forward(self, x):
+        phase("feature allgather of {layer} (forward)", self)
+        return allgather_channels(x, self.features, self.grid.model_comm)
+
+    def backward(self, dy):
+        return array_module(dy).ascontiguousarray(dy[:, self.own[0]:self.own[1]])
+
+
 __all__ = ["MODES", "keep_slice", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
-           "ModelParallelBatchNorm3d"]
+           "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]

@@ -153,3 +153,89 @@ def test_model_split_wider_than_the_channels_is_refused_on_every_rank(comm, all_
     except ValueError as err:
         raised = str(err)
     all_ranks_agree("does not apply to conv_transpose3d" in raised, raised)
+
+
+@given(st.data())
+def test_one_point_five_d_head_equals_unpartitioned(comm, all_ranks_agree, data):
+    """flatten -> fc1 (rows over Pm, columns over the spatial blocks) -> LeakyReLU -> fc2 (1.5-D:
+    allgather / reduce-scatter) -> gather the features: outputs, dx and every weight gradient
+    equal the unpartitioned head's (float64), on every model grid of the world size."""
+    from refimpl.nn.activation import LeakyReLU
+    from refimpl.nn.linear import FlattenLinear, Linear
+    from refimpl.nn.model_parallel import GatherFeatures, RowParallelFlattenLinear, RowParallelLinear
+    from refimpl.parallel.collectives import allreduce
+
+    dims = data.draw(st.sampled_from(model_grids(comm.Get_size())))
+    grid = ProcessGrid(comm, dims)
+    pm = grid.model_dims
+    c, f1, f2 = data.draw(st.integers(1, 3)), data.draw(st.integers(pm, pm + 4)), data.draw(st.integers(pm, pm + 3))
+    batch = data.draw(st.integers(1, 2)) * dims[0]
+    extent = tuple(data.draw(st.sampled_from([1, 2, 3, 4])) for _ in range(3))
+    seed = data.draw(st.integers(0, 2**16))
+    features = c * extent[0] * extent[1] * extent[2]
+
+    def head(parallel):
+        rng = np.random.default_rng(seed)
+        if parallel:
+            layers = [RowParallelFlattenLinear(c, features, f1, grid=grid, rng=rng, dtype=np.float64),
+                      LeakyReLU(0.3), RowParallelLinear(f1, f2, grid=grid, rng=rng, dtype=np.float64),
+                      GatherFeatures(f2, grid=grid)]
+            layers[0].setup(extent)
+        else:
+            layers = [FlattenLinear(c, features, f1, rng=rng, dtype=np.float64), LeakyReLU(0.3),
+                      Linear(f1, f2, rng=rng, dtype=np.float64)]
+        return layers
+
+    def run(layers, x, dy):
+        for layer in layers:
+            x = layer.forward(x)
+        out = x
+        for layer in reversed(layers):
+            dy = layer.backward(dy)
+        return out, dy
+
+    try:                      # local work first: an exception on one rank cannot split the collectives
+        pieces, failure = local_heads(grid, dims, head, run, batch, c, f2, extent, seed), ""
+    except Exception as err:  # noqa: BLE001
+        pieces, failure = None, f"rank {comm.Get_rank()}: {type(err).__name__}: {err}"
+    failures = [f for f in comm.allgather(failure) if f]
+    errors = {} if failures else compare_heads(grid, pieces)
+    ok = not failures and all(e <= 1e-10 for e in errors.values())
+    failure = "; ".join(failures)
+    all_ranks_agree(ok, f"dims={dims} c={c} f1={f1} f2={f2} batch={batch} extent={extent}: {errors} {failure}")
+    grid.free()
+
+
+def local_heads(grid, dims, head, run, batch, c, f2, extent, seed):
+    """Both heads on this rank: output and dx errors, and each gradient placed in its whole shape."""
+    rng = np.random.default_rng([seed, 7])
+    x = rng.standard_normal((batch, c) + extent)
+    g = rng.standard_normal((batch, f2))
+    ref_layers = head(False)
+    ref_out, ref_dx = run(ref_layers, x, g)
+    samples = slice(grid.sample_coord * batch // dims[0], (grid.sample_coord + 1) * batch // dims[0])
+    block = (samples, slice(None)) + tuple(grid.local_block(extent))
+    layers = head(True)
+    out, dx = run(layers, np.ascontiguousarray(x[block]), np.ascontiguousarray(g[samples]))
+    errors = {"out": np.abs(out - ref_out[samples]).max(initial=0.0),
+              "dx": np.abs(dx - ref_dx[block]).max(initial=0.0)}     # a block may be empty
+    grads = []
+    for name, layer, ref in (("fc1", layers[0], ref_layers[0]), ("fc2", layers[2], ref_layers[2])):
+        for mine, want in ((layer.weight, ref.weight), (layer.bias, ref.bias)):
+            axis, start, stop, whole = mine.shard
+            full = np.zeros((whole,) + mine.grad.shape[1:])
+            full[start:stop] = mine.grad
+            grads.append((f"{name} {mine.name}", full, mine.spatial_replicated, want.grad))
+    return errors, grads
+
+
+def compare_heads(grid, pieces):
+    """Sum the placed gradients over the grid (rows disjoint over m, summed over the batch; a
+    spatially replicated one counted once) and compare with the unpartitioned gradients."""
+    from refimpl.parallel.collectives import allreduce
+    errors, grads = pieces
+    spatial = grid.spatial_comm.Get_size()
+    for key, full, replicated, want in grads:
+        total = allreduce(full, grid.comm) / (spatial if replicated else 1)
+        errors[key] = np.abs(total - want).max() / max(1e-300, np.abs(want).max())
+    return errors

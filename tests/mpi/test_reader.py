@@ -95,7 +95,7 @@ def test_hyperslabs_reassemble_the_global_batch(comm, all_ranks_agree, dataset):
 
 def test_blocks_are_the_row_major_map(comm, all_ranks_agree):
     """Gathered (rank -> block) equals the row-major map computed on rank 0 alone."""
-    dims = (1, comm.size, 1, 1) if comm.size < 4 else (1, 2, 2, comm.size // 4)
+    dims = (1, 2, 2, comm.size // 4) if comm.size % 4 == 0 else (1, comm.size, 1, 1)
     n, d, h, w = coords_of(comm.rank, dims)
     mine = block_slices(SIZE, dims[1:], (d, h, w))
     blocks = comm.allgather(mine)
