@@ -25,8 +25,9 @@ rank's slice is one contiguous run in rank order, and MPI's ``Allgatherv`` /
 host-staged).  Bytes: each rank exchanges ``(C - c_m) * N * V * itemsize``
 (``V`` = voxels of its block): the slices of the others it receives in the
 allgather, its partial sums of the others' slices it contributes to the
-reduce-scatter.  ``moved_bytes`` is that formula; ``ChannelTraffic`` counts what
-the calls hand to MPI, so a test can compare the two exactly.  Gholami et al.'s
+reduce-scatter.  ``moved_bytes`` is that formula, from the shapes alone;
+``ChannelTraffic`` counts the buffers the calls hand to MPI (received in the
+allgather, contributed in the reduce-scatter), so a test compares the two.  Gholami et al.'s
 bandwidth term for either collective of ``n`` words over ``p`` ranks is
 ``beta * (p - 1) / p * n``: the same number when the slices are even.
 """
@@ -58,7 +59,7 @@ def moved_bytes(channels: int, parts: int, index: int, others: int, itemsize: in
 
 
 class ChannelTraffic:
-    """Bytes each call hands over (``moved_bytes`` of its shape), summed; one per process."""
+    """Bytes the channel collectives of this process exchanged with other ranks, summed."""
 
     def __init__(self):
         self.bytes = 0
@@ -95,8 +96,9 @@ def allgather_channels(x_local, channels: int, comm):
     sizes = [c * per_channel for c in counts]
     displs = [sum(sizes[:r]) for r in range(parts)]
     flat = recv_buffer((sum(sizes),), x_local.dtype, like=x_local)
-    comm.Allgatherv(send_buffer(_front(x_local)), [flat, (sizes, displs)])
-    TRAFFIC.add(moved_bytes(channels, parts, me, per_channel, x_local.dtype.itemsize))
+    send = send_buffer(_front(x_local))
+    comm.Allgatherv(send, [flat, (sizes, displs)])
+    TRAFFIC.add(flat.nbytes - send.nbytes)          # what this rank received from the others
     full = finish_recv(flat, like=x_local).reshape((channels,) + rest)     # (C, N, ...)
     return _back(full)                                                     # (N, C, ...)
 
@@ -112,9 +114,9 @@ def reduce_scatter_channels(y_full, comm):
     rest = tuple(y_full.shape[:1]) + tuple(y_full.shape[2:])
     per_channel = math.prod(rest)
     own = recv_buffer((counts[me],) + rest, y_full.dtype, like=y_full)
-    comm.Reduce_scatter(send_buffer(_front(y_full)), own, recvcounts=[c * per_channel for c in counts],
-                        op=MPI.SUM)
-    TRAFFIC.add(moved_bytes(channels, parts, me, per_channel, y_full.dtype.itemsize))
+    send = send_buffer(_front(y_full))
+    comm.Reduce_scatter(send, own, recvcounts=[c * per_channel for c in counts], op=MPI.SUM)
+    TRAFFIC.add(send.nbytes - own.nbytes)           # its partial sums of the others' slices
     return _back(finish_recv(own, like=y_full))                            # (N, c_m, ...)
 
 
