@@ -15,7 +15,10 @@ the state of every ``numpy.random.Generator`` a module holds, the optimiser's
 name / step count / lr, the full run config, the grid and the world size.
 
 Which rank saves what: after gradient synchronisation every rank holds the same
-parameters and optimiser state, so rank 0 writes them.  Buffers may differ
+parameters and optimiser state (or, for a layer split over the model axis, the
+same slice as the other ranks of its position in the model group: these are
+gathered whole first, ``nn.model_parallel.whole_of``), so rank 0 writes them,
+and the file is the same whatever the grid; on resume each rank takes its slice.  Buffers may differ
 between data-parallel ranks (batch norm with per-sample-group statistics), so
 each data rank's buffers are gathered to rank 0 and stored separately (the
 models in refimpl.models use global statistics, where they coincide).  Every
@@ -157,14 +160,22 @@ def save(path, model, optimizer, grid, meta: dict) -> None:
     optimiser, dropout and generator states and the grid are added here.
     Returns after the file is complete on every rank (barrier).
     """
+    from .nn.model_parallel import whole_of
     buffers = {name: to_host(b).copy() for name, b in model.named_buffers()}
     per_data_rank = grid.data_comm.gather(buffers, root=0)       # data rank 0 of each spatial group
+    # parameters split over the model axis (and their optimiser state) are saved whole:
+    # gathered over the model group, in the same order on every rank
+    shards = [p.shard for p in model.parameters()]
+    whole = {name: to_host(whole_of(p.data, p.shard, grid.model_comm)).copy()
+             for name, p in model.named_parameters()}
+    opt = optimizer.state_dict()
+    opt_arrays = {key: to_host(whole_of(a, shards[int(key.rpartition(".")[2])], grid.model_comm))
+                  for key, a in sorted(opt["arrays"].items())}
     if grid.rank == 0:
-        opt = optimizer.state_dict()
-        arrays = {f"model/{name}": to_host(p.data).copy() for name, p in model.named_parameters()}
+        arrays = {f"model/{name}": a for name, a in whole.items()}
         for n, bufs in enumerate(per_data_rank):
             arrays.update({f"buffers/{n}/{name}": b for name, b in bufs.items()})
-        arrays.update({f"optimizer/{key}": a for key, a in opt["arrays"].items()})
+        arrays.update({f"optimizer/{key}": a for key, a in opt_arrays.items()})
         meta = dict(meta, optimizer={"name": opt["name"], "step_count": opt["step_count"], "lr": opt["lr"]},
                     dropout=dropout_state(model), generators=generator_states(model),
                     grid=list(grid.dims), world_size=grid.comm.Get_size(),
@@ -197,9 +208,16 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
         notes.append(f"checkpoint has buffers of {saved_pn} data-parallel ranks, this grid has "
                      f"{grid.dims[0]}: using data rank {n}'s")
     buffers = {k[len(f"buffers/{n}/"):]: a for k, a in arrays.items() if k.startswith(f"buffers/{n}/")}
+    from .nn.model_parallel import slice_of
+    shards = [p.shard for p in model.parameters()]
+    own = {name: p.shard for name, p in model.named_parameters()}
+    params = {name: slice_of(a, own.get(name)) for name, a in params.items()}   # split: this rank's slice
     try:
         model.load_state_dict({**params, **buffers})
         opt_arrays = {k[len("optimizer/"):]: a for k, a in arrays.items() if k.startswith("optimizer/")}
+        index = {k: int(k.rpartition(".")[2]) for k in opt_arrays}      # "<slot>.<parameter index>"
+        opt_arrays = {k: slice_of(a, shards[index[k]]) if 0 <= index[k] < len(shards) else a
+                      for k, a in opt_arrays.items()}
         optimizer.load_state_dict(dict(meta["optimizer"], arrays=opt_arrays))
     except ValueError as err:
         raise CheckpointError(f"checkpoint does not fit this model / optimizer: {err}") from None

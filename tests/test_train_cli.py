@@ -237,3 +237,25 @@ def test_unet_trains_on_a_spatial_grid_and_resumes(tmp_path):
     proc = train(4, *common, "--steps", 5, "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r["step"] for r in metric_rows(out) if r["split"] == "train"] == [1, 2, 3, 4, 5]
+
+
+def test_model_parallel_run_saves_whole_parameters_and_resumes_on_another_grid(tmp_path, data_dir):
+    """--grid with a model axis and --model-parallel filter: the checkpoint holds every parameter
+    whole (the file does not depend on the grid), and a run resumed on a grid without the model
+    axis ends where the uninterrupted model-parallel run ends (not bit for bit: sums reorder)."""
+    common = ("--data", data_dir, "--global-batch", 2, "--optimizer", "sgd", "--lr", 0.01,
+              "--checkpoint-every", 3, "--no-plot", "--model-parallel", "filter")
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    assert train(2, *common, "--grid", "1,1,1,1,2", "--steps", 6, "--out", whole).returncode == 0
+    assert train(2, *common, "--grid", "1,1,1,1,2", "--steps", 3, "--out", moved).returncode == 0
+    proc = train(2, "--out", moved, "--resume", "--steps", 6, "--grid", "2,1,1,1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, meta_a = model_arrays(whole / "checkpoint.h5")
+    b, meta_b = model_arrays(moved / "checkpoint.h5")
+    assert meta_a["grid"] == [1, 1, 1, 1, 2] and meta_b["grid"] == [2, 1, 1, 1]
+    assert a["model/features.3.weight"].shape == (8, 4, 3, 3, 3)        # whole, not a slice
+    for key in a:
+        assert numpy.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
+    proc = train(2, "--grid", "1,1,1,1,2", "--data", data_dir, "--model-parallel", "filter",
+                 "--model", "unet3d", "--out", tmp_path / "u")
+    expect_error(proc, "--model-parallel", "unet3d")

@@ -69,6 +69,42 @@ class Layers:
     def linear(self, in_features, out_features):
         return Linear(in_features, out_features, rng=self.rng, dtype=self.dtype)
 
+    # ---------------------------------------------------------------- model-parallel placement
+    def model_conv(self, c_in, c_out, kernel_size, padding, mode, first):
+        """A conv split over the model axis: filter-parallel (the first split block: its input is
+        replicated), channel-parallel after it in "channel" mode; unsplit without a grid."""
+        if self.grid is None:
+            return self.conv(c_in, c_out, kernel_size, padding=padding)
+        from ..nn import model_parallel as mp
+        if mode == "channel" and not first:
+            return mp.ChannelParallelConv3d(c_in, c_out, kernel_size, padding=padding, grid=self.grid,
+                                            rng=self.rng, dtype=self.dtype)
+        return mp.FilterParallelConv3d(c_in, c_out, kernel_size, padding=padding, grid=self.grid,
+                                       rng=self.rng, dtype=self.dtype, input_split=not first)
+
+    def gather(self, channels):
+        """Channel-split -> replicated (an identity without a grid, so names stay the same)."""
+        if self.grid is None:
+            from ..nn.module import Sequential
+            return Sequential()
+        from ..nn.model_parallel import GatherFeatures
+        return GatherFeatures(channels, grid=self.grid)
+
+    def row_flatten_linear(self, in_channels, in_features, out_features):
+        """Flatten + dense, rows split over the model axis (Gholami's Pr), columns over the blocks."""
+        if self.grid is None:
+            return self.flatten_linear(in_channels, in_features, out_features)
+        from ..nn.model_parallel import RowParallelFlattenLinear
+        return RowParallelFlattenLinear(in_channels, in_features, out_features, grid=self.grid,
+                                        rng=self.rng, dtype=self.dtype)
+
+    def row_linear(self, in_features, out_features):
+        """Gholami's 1.5-D dense layer: rows over the model axis, feature-split input and output."""
+        if self.grid is None:
+            return self.linear(in_features, out_features)
+        from ..nn.model_parallel import RowParallelLinear
+        return RowParallelLinear(in_features, out_features, grid=self.grid, rng=self.rng, dtype=self.dtype)
+
     def dropout(self, p):
         """Mask drawn in global-batch coordinates (``set_block`` each forward)."""
         return spatial.SpatialDropout(p, seed=int(self.rng.integers(2 ** 63)))

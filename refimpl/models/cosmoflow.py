@@ -29,7 +29,9 @@ from ..backend import array_module
 from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
 from ..nn.activation import LeakyReLU, ScaledTanh
 from ..nn.module import Sequential
-from .base import Layers, Model, check_input_shape, check_number, check_positive_int, merge_config
+from .base import Layers, Model, check_choice, check_input_shape, check_number, check_positive_int, merge_config
+
+MODEL_MODES = ("none", "filter", "channel")
 
 DEFAULTS = {
     "input_shape": (4, 128, 128, 128),   # (C, D, H, W)
@@ -42,6 +44,12 @@ DEFAULTS = {
     "dropout": 0.5,
     "leaky_slope": 0.3,
     "output_scale": 1.2,
+    # the model axis Pm (grids of 5 entries): "none" runs every layer on every model rank;
+    # "filter" / "channel" split the last `model_parallel_blocks` conv blocks (the first of them
+    # filter-parallel, its input being replicated; the others filter- or channel-parallel) and
+    # the dense head (Gholami's 1.5-D layers; docs/model_parallel.md)
+    "model_parallel": "none",
+    "model_parallel_blocks": 1,
 }
 
 
@@ -59,6 +67,10 @@ def check_config(config: dict, where: str = "config") -> dict:
     check_number(config, "dropout", lambda p: 0.0 <= p < 1.0, "in [0, 1)", where)
     check_number(config, "leaky_slope", lambda a: True, "(the slope for x < 0)", where)
     check_number(config, "output_scale", lambda s: s > 0, "> 0", where)
+    check_choice(config, "model_parallel", MODEL_MODES, where)
+    blocks = check_positive_int(config, "model_parallel_blocks", where=where)
+    if blocks > n_layers:
+        raise ValueError(f"{where}['model_parallel_blocks'] = {blocks} exceeds n_conv_layers = {n_layers}")
     config["input_shape"] = check_input_shape(config, 2 ** n_layers,
                                               f"{n_layers} conv blocks each halve it", where)
     return config
@@ -77,24 +89,40 @@ class CosmoFlow(Model):
         slope = float(config["leaky_slope"])
         make = Layers(grid, numpy.random.default_rng(seed), dtype)
 
+        mode = config["model_parallel"]
+        split_from = n_layers - config["model_parallel_blocks"] if mode != "none" else n_layers
         blocks, c_in = [], self.input_shape[0]
         for i in range(n_layers):
             c_out = width * 2 ** i
-            blocks += [make.conv(c_in, c_out, k, padding=k // 2),   # (B, c_out, s, s, s)
+            conv = make.conv(c_in, c_out, k, padding=k // 2) if i < split_from else \
+                make.model_conv(c_in, c_out, k, k // 2, mode, first=i == split_from)
+            blocks += [conv,                                          # (B, c_out, s, s, s)
                        LeakyReLU(slope),
                        make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
             c_in = c_out
+        if mode != "none":
+            blocks.append(make.gather(c_in))                          # channel-split -> replicated
         self.features = self.add_module("features", Sequential(*blocks))
         self.first_conv = blocks[0]
         self.needs_input_grad = False
         final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
         n_flat = c_in * final[0] * final[1] * final[2]
         self.dropouts = [make.dropout(config["dropout"]), make.dropout(config["dropout"])]
-        flatten_dense = make.flatten_linear(c_in, n_flat, fc1)   # weight: each rank's columns
-        self.head = self.add_module("head", Sequential(
-            flatten_dense, LeakyReLU(slope), self.dropouts[0],                          # (B, fc1)
-            make.linear(fc1, fc2), LeakyReLU(slope), self.dropouts[1],                  # (B, fc2)
-            make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))     # (B, 4)
+        if mode == "none":
+            flatten_dense = make.flatten_linear(c_in, n_flat, fc1)   # weight: each rank's columns
+            self.head = self.add_module("head", Sequential(
+                flatten_dense, LeakyReLU(slope), self.dropouts[0],                      # (B, fc1)
+                make.linear(fc1, fc2), LeakyReLU(slope), self.dropouts[1],              # (B, fc2)
+                make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))  # (B, 4)
+            self.dropout_offsets = (0, 0)
+        else:                       # 1.5-D: rows over the model axis, features split between layers
+            flatten_dense, dense = make.row_flatten_linear(c_in, n_flat, fc1), make.row_linear(fc1, fc2)
+            self.head = self.add_module("head", Sequential(
+                flatten_dense, LeakyReLU(slope), self.dropouts[0],                      # (B, fc1/Pm)
+                dense, LeakyReLU(slope), self.dropouts[1],                              # (B, fc2/Pm)
+                make.gather(fc2),                                                       # (B, fc2)
+                make.linear(fc2, self.num_outputs), ScaledTanh(config["output_scale"])))  # (B, 4)
+            self.dropout_offsets = tuple(getattr(layer, "out_slice", (0, 0))[0] for layer in (flatten_dense, dense))
         for param in self.head.parameters():     # after the flatten the head runs replicated
             param.spatial_replicated = param is not flatten_dense.weight
         self.setup_layers([self.features, self.head])
@@ -107,8 +135,9 @@ class CosmoFlow(Model):
         """(n_local, C, local block) -> (n_local, num_outputs), the same on every spatial rank."""
         batch = self.check_input(x_local)
         offset = self.sample_offset(x_local.shape[0])
-        for dropout, width in zip(self.dropouts, (self.config["fc1_size"], self.config["fc2_size"])):
-            dropout.set_block((batch, width), (offset, 0))
+        for dropout, width, first in zip(self.dropouts, (self.config["fc1_size"], self.config["fc2_size"]),
+                                         self.dropout_offsets):
+            dropout.set_block((batch, width), (offset, first))     # mask of the global (B, width)
         return self.head.forward(self.features.forward(x_local))
 
     def backward(self, dout_local):

@@ -56,6 +56,23 @@ def keep_slice(param, axis: int, start: int, stop: int) -> None:
     param.shard = (axis, start, stop, whole)
 
 
+def whole_of(array, shard, comm):
+    """The whole of a split array (collective over ``comm``, the model group): the ranks' slices
+    along the shard's axis, in rank order.  ``shard`` None: ``array`` itself."""
+    if shard is None:
+        return array
+    xp = array_module(array)
+    return xp.concatenate(comm.allgather(array), axis=shard[0])
+
+
+def slice_of(array, shard):
+    """This rank's slice of a whole array (the inverse of ``whole_of``)."""
+    if shard is None:
+        return array
+    axis, start, stop, _ = shard
+    return array[(slice(None),) * axis + (slice(start, stop),)]
+
+
 def check_model_split(channels: int, grid, what: str) -> None:
     """Pm must not exceed the channels a layer splits (ValueError, the same on every rank)."""
     if grid.model_dims > channels:
@@ -285,5 +302,5 @@ class GatherFeatures(Module):
         return array_module(dy).ascontiguousarray(dy[:, self.own[0]:self.own[1]])
 
 
-__all__ = ["MODES", "keep_slice", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
+__all__ = ["MODES", "keep_slice", "whole_of", "slice_of", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
            "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]

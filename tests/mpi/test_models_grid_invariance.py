@@ -143,3 +143,62 @@ def test_global_batch_not_divisible_by_pn_raises_on_every_rank(comm, all_ranks_a
         raised = "divisible" in str(err)
     all_ranks_agree(raised, "build_model accepted a global batch that Pn does not divide")
     grid.free()
+
+
+# ---------------------------------------------------------------- with the model axis
+
+MODEL_GRIDS = {1: [(1, 1, 1, 1, 1)], 2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)],
+               4: [(1, 1, 1, 1, 4), (2, 1, 1, 1, 2), (1, 2, 1, 1, 2)], 6: [(2, 1, 1, 1, 3), (1, 2, 1, 1, 3)],
+               8: [(2, 2, 1, 1, 2), (1, 1, 1, 1, 8), (1, 2, 1, 2, 2)]}
+
+
+@pytest.mark.parametrize("mode", ["filter", "channel"])
+@pytest.mark.parametrize("dims", MODEL_GRIDS.get(SIZE, []), ids=lambda d: "x".join(map(str, d)))
+def test_model_parallel_cosmoflow_is_grid_invariant(comm, all_ranks_agree, dims, mode):
+    """CosmoFlow with its last conv blocks filter- or channel-parallel and a 1.5-D head: the same
+    parameters after 3 SGD steps as the unpartitioned model (float64), the split ones gathered."""
+    from refimpl.nn.model_parallel import whole_of
+    pm = dims[4]
+    blocks = 2 if pm <= 4 else 1           # a split block needs at least Pm channels (4 and 8 here)
+    config = {**CONFIGS["cosmoflow"], "model_parallel": mode, "model_parallel_blocks": blocks}
+    if mode == "channel" and pm > 4:
+        pytest.skip("the channel-parallel block splits 4 input channels: Pm <= 4")
+    grid = ProcessGrid(comm, dims)
+    batch = global_batch(dims[0])
+    model, history = train_config(config, grid, batch)
+    ref_model, ref_history = train_config(config, None, batch)
+    worst, where = 0.0, ""
+    for (key, param), (_, want) in zip(model.named_parameters(), ref_model.named_parameters()):
+        got = whole_of(param.data, param.shard, grid.model_comm)
+        err = rel_err(got, want.data)
+        if err > worst:
+            worst, where = err, key
+    for step, ((loss, _), (ref_loss, _)) in enumerate(zip(history, ref_history)):
+        err = abs(loss - ref_loss) / abs(ref_loss)
+        if err > worst:
+            worst, where = err, f"step {step} loss"
+    split = sum(p.shard is not None for p in model.parameters())
+    all_ranks_agree(worst <= 1e-10 and (pm == 1 or split > 0),
+                    f"{mode} on grid {dims}: max rel err {worst:.3g} at {where}; {split} split parameters")
+    grid.free()
+
+
+def train_config(config, grid, batch):
+    """STEPS float64 SGD steps of cosmoflow with ``config`` (as ``_train``; the gradients reduced
+    over the ranks holding the same slice: ``grid.batch_comm``)."""
+    model = build_model("cosmoflow", config, grid, SEED, np.float64, global_batch=batch)
+    sync = None if grid is None else GradientSynchronizer(
+        model.parameters(), grid.data_comm, grid.spatial_comm, reduce_comm=grid.batch_comm)
+    history = []
+    for step in range(STEPS):
+        x, target = data(model, batch, step, np.float64)
+        model.zero_grad()
+        out = model.forward(model.local_input(x))
+        loss, dout, metrics = model.loss(out, model.local_target(target))
+        model.backward(dout)
+        if sync is not None:
+            sync.finish()
+        for p in model.parameters():
+            p.data -= LR * p.grad
+        history.append((loss, metrics))
+    return model, history
