@@ -75,10 +75,11 @@ def train(name, grid, batch, dtype):
             os.environ["REFIMPL_CONV_ALGORITHM"] = algorithm
 
 
-def _train(name, grid, batch, dtype):
-    model = build_model(name, CONFIGS[name], grid, SEED, np.dtype(dtype).type, global_batch=batch)
+def _train(name, grid, batch, dtype, config=None):
+    model = build_model(name, config or CONFIGS[name], grid, SEED, np.dtype(dtype).type, global_batch=batch)
+    # gradients are reduced over the ranks holding the same slice (the whole grid without a model axis)
     sync = None if grid is None else GradientSynchronizer(
-        model.parameters(), grid.data_comm, grid.spatial_comm, reduce_comm=grid.comm)
+        model.parameters(), grid.data_comm, grid.spatial_comm, reduce_comm=grid.batch_comm)
     history = []
     for step in range(STEPS):
         x, target = data(model, batch, step, dtype)
@@ -184,21 +185,5 @@ def test_model_parallel_cosmoflow_is_grid_invariant(comm, all_ranks_agree, dims,
 
 
 def train_config(config, grid, batch):
-    """STEPS float64 SGD steps of cosmoflow with ``config`` (as ``_train``; the gradients reduced
-    over the ranks holding the same slice: ``grid.batch_comm``)."""
-    model = build_model("cosmoflow", config, grid, SEED, np.float64, global_batch=batch)
-    sync = None if grid is None else GradientSynchronizer(
-        model.parameters(), grid.data_comm, grid.spatial_comm, reduce_comm=grid.batch_comm)
-    history = []
-    for step in range(STEPS):
-        x, target = data(model, batch, step, np.float64)
-        model.zero_grad()
-        out = model.forward(model.local_input(x))
-        loss, dout, metrics = model.loss(out, model.local_target(target))
-        model.backward(dout)
-        if sync is not None:
-            sync.finish()
-        for p in model.parameters():
-            p.data -= LR * p.grad
-        history.append((loss, metrics))
-    return model, history
+    """STEPS float64 SGD steps of cosmoflow with ``config`` (``_train``)."""
+    return _train("cosmoflow", grid, batch, np.float64, config)
