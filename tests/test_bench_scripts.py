@@ -91,3 +91,21 @@ def test_comparisons_only_where_ranks_fit_the_cores():
     assert [r["efficiency"] for r in reports] == [1.0, 0.8, None]
     assert [r["peak_ideal_bytes"] for r in reports] == [800, 400, 200]
     assert reports[2]["peak_over_ideal"] == 230 / 200
+
+
+def test_model_parallel_bytes_match_the_formulas(tmp_path):
+    """scripts/bench_model_parallel.py on 4 ranks: every layer's measured bytes equal the cost
+    formula's on every rank and every grid, and the head's parameters fall as 1/Pm."""
+    script = SCRIPT.parent / "bench_model_parallel.py"
+    out = tmp_path / "mp.json"
+    proc = run([shutil.which("mpiexec"), "--oversubscribe", "-n", "4", sys.executable, str(script),
+                "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    grids = {tuple(g["grid"]): g for g in json.loads(out.read_text())["grids"]}
+    assert set(grids) == {(4, 1, 1, 1), (1, 2, 2, 1), (1, 1, 1, 1, 4), (2, 1, 1, 1, 2)}
+    assert all(g["all_ranks_agree"] for g in grids.values())
+    kinds = {key.split("|")[1] for key in grids[(1, 1, 1, 1, 4)]["rows"]}
+    assert kinds >= {"channel", "allreduce"} and "halo|halo" not in grids[(4, 1, 1, 1)]["rows"]
+    assert any(key.endswith("|halo") for key in grids[(1, 2, 2, 1)]["rows"])
+    head = {dims: g["head_bytes"] for dims, g in grids.items()}
+    assert head[(1, 1, 1, 1, 4)] < 0.3 * head[(4, 1, 1, 1)] and head[(2, 1, 1, 1, 2)] < 0.55 * head[(4, 1, 1, 1)]
