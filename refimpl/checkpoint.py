@@ -160,8 +160,10 @@ def save(path, model, optimizer, grid, meta: dict) -> None:
     optimiser, dropout and generator states and the grid are added here.
     Returns after the file is complete on every rank (barrier).
     """
-    from .nn.model_parallel import whole_of
-    buffers = {name: to_host(b).copy() for name, b in model.named_buffers()}
+    from .nn.model_parallel import buffer_shards, whole_of
+    split = buffer_shards(model)
+    buffers = {name: to_host(whole_of(b, split.get(name), grid.model_comm)).copy()
+               for name, b in model.named_buffers()}
     per_data_rank = grid.data_comm.gather(buffers, root=0)       # data rank 0 of each spatial group
     # parameters split over the model axis (and their optimiser state) are saved whole:
     # gathered over the model group, in the same order on every rank
@@ -208,10 +210,12 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
         notes.append(f"checkpoint has buffers of {saved_pn} data-parallel ranks, this grid has "
                      f"{grid.dims[0]}: using data rank {n}'s")
     buffers = {k[len(f"buffers/{n}/"):]: a for k, a in arrays.items() if k.startswith(f"buffers/{n}/")}
-    from .nn.model_parallel import slice_of
+    from .nn.model_parallel import buffer_shards, slice_of
     shards = [p.shard for p in model.parameters()]
     own = {name: p.shard for name, p in model.named_parameters()}
+    own.update(buffer_shards(model))
     params = {name: slice_of(a, own.get(name)) for name, a in params.items()}   # split: this rank's slice
+    buffers = {name: slice_of(a, own.get(name)) for name, a in buffers.items()}
     try:
         model.load_state_dict({**params, **buffers})
         opt_arrays = {k[len("optimizer/"):]: a for k, a in arrays.items() if k.startswith("optimizer/")}

@@ -256,6 +256,12 @@ def test_model_parallel_run_saves_whole_parameters_and_resumes_on_another_grid(t
     assert a["model/features.3.weight"].shape == (8, 4, 3, 3, 3)        # whole, not a slice
     for key in a:
         assert numpy.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
-    proc = train(2, "--grid", "1,1,1,1,2", "--data", data_dir, "--model-parallel", "filter",
-                 "--model", "unet3d", "--out", tmp_path / "u")
-    expect_error(proc, "--model-parallel", "unet3d")
+    narrow = tmp_path / "narrow.toml"                 # a split block of 1 channel on Pm = 2: refused
+    narrow.write_text("[model_config]\nconv_size = 1\nn_conv_layers = 1\n")
+    proc = train(2, "--config", narrow, "--grid", "1,1,1,1,2", "--data", data_dir, "--model-parallel",
+                 "filter", "--out", tmp_path / "bad")
+    expect_error(proc, "at most one rank per channel")
+    proc = train(2, "--model", "unet3d", "--grid", "1,1,1,1,2", "--model-parallel", "channel",
+                 "--gen-samples", 4, "--gen-val-samples", 0, "--global-batch", 2, "--steps", 2,
+                 "--out", tmp_path / "u")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -46,9 +46,9 @@ def add_arguments(parser):
     a("--grid", metavar="Pn,Pd,Ph,Pw[,Pm]", help="process grid; must multiply to the number of ranks "
       "(default: all ranks data parallel); Pm: the model axis (see --model-parallel)")
     a("--model-parallel", choices=("none", "filter", "channel"),
-      help="cosmoflow: split the last [model_config] model_parallel_blocks conv blocks (default 1) "
-           "by filters or channels over the grid's Pm, and the dense head as Gholami's 1.5-D layers "
-           "(docs/model_parallel.md; default none: every model rank runs every layer)")
+      help="split layers by filters or channels over the grid's Pm: cosmoflow its last [model_config] "
+           "model_parallel_blocks conv blocks (default 1) and its dense head (Gholami's 1.5-D layers), "
+           "unet3d its bottleneck (docs/model_parallel.md; default none: every model rank runs every layer)")
     a("--global-batch", type=int, metavar="B", help="samples per step over all sample groups; "
       "divisible by Pn (default 4 rounded up to a multiple of Pn)")
     a("--steps", type=int, help="train this many steps in total (default: --epochs)")
@@ -113,9 +113,6 @@ def given_settings(args) -> dict:
     flags = {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k) is not None}
     given = {**given, **flags}
     if args.model_parallel is not None:       # a model setting: it goes into [model_config]
-        if given.get("model", "cosmoflow") != "cosmoflow":
-            raise ValueError(f"--model-parallel: {given['model']} has no model-parallel placement yet "
-                             "(cosmoflow has: docs/model_parallel.md)")
         given["model_config"] = {**given.get("model_config", {}), "model_parallel": args.model_parallel}
     return given
 

@@ -70,17 +70,24 @@ class Layers:
         return Linear(in_features, out_features, rng=self.rng, dtype=self.dtype)
 
     # ---------------------------------------------------------------- model-parallel placement
-    def model_conv(self, c_in, c_out, kernel_size, padding, mode, first):
+    def model_conv(self, c_in, c_out, kernel_size, padding, mode, first, bias=True):
         """A conv split over the model axis: filter-parallel (the first split block: its input is
         replicated), channel-parallel after it in "channel" mode; unsplit without a grid."""
         if self.grid is None:
-            return self.conv(c_in, c_out, kernel_size, padding=padding)
+            return self.conv(c_in, c_out, kernel_size, padding=padding, bias=bias)
         from ..nn import model_parallel as mp
         if mode == "channel" and not first:
-            return mp.ChannelParallelConv3d(c_in, c_out, kernel_size, padding=padding, grid=self.grid,
-                                            rng=self.rng, dtype=self.dtype)
-        return mp.FilterParallelConv3d(c_in, c_out, kernel_size, padding=padding, grid=self.grid,
+            return mp.ChannelParallelConv3d(c_in, c_out, kernel_size, padding=padding, bias=bias,
+                                            grid=self.grid, rng=self.rng, dtype=self.dtype)
+        return mp.FilterParallelConv3d(c_in, c_out, kernel_size, padding=padding, bias=bias, grid=self.grid,
                                        rng=self.rng, dtype=self.dtype, input_split=not first)
+
+    def model_batch_norm(self, channels, eps=1e-5, momentum=0.1):
+        """Batch norm of a channel-split activation (statistics of the global batch)."""
+        if self.grid is None:
+            return self.batch_norm(channels, eps, momentum)
+        from ..nn.model_parallel import ModelParallelBatchNorm3d
+        return ModelParallelBatchNorm3d(channels, eps, momentum, grid=self.grid, dtype=self.dtype)
 
     def gather(self, channels):
         """Channel-split -> replicated (an identity without a grid, so names stay the same)."""

@@ -50,6 +50,11 @@ DEFAULTS = {
     "dice_eps": 1e-5,
     "bn_eps": 1e-5,
     "bn_momentum": 0.1,
+    # the model axis Pm (grids of 5 entries): "filter" / "channel" split the bottleneck block
+    # (its first conv filter-parallel, the second filter- or channel-parallel, batch norm on the
+    # channel slices) and gather its output before the first upsampling; "none": every model
+    # rank runs every layer (docs/model_parallel.md)
+    "model_parallel": "none",
 }
 
 
@@ -70,6 +75,7 @@ def check_config(config: dict, where: str = "config") -> dict:
     check_number(config, "dice_eps", lambda e: e > 0, "> 0", where)
     check_number(config, "bn_eps", lambda e: e > 0, "> 0", where)
     check_number(config, "bn_momentum", lambda m: 0.0 <= m <= 1.0, "in [0, 1]", where)
+    check_choice(config, "model_parallel", ("none", "filter", "channel"), where)
     config["input_shape"] = check_input_shape(config, 2 ** levels, f"{levels} levels each halve it",
                                               where)
     return config
@@ -104,7 +110,17 @@ class UNet3D(Model):
             self.enc.append(self.add_module(f"enc{i}", conv_block(c_in, self.widths[i])))
             self.pool.append(self.add_module(f"pool{i}", make.max_pool(2)))
             c_in = self.widths[i]
-        self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
+        mode = config["model_parallel"]
+        if mode == "none":
+            self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
+        else:                        # the widest, smallest activations: split over the model axis
+            w, eps, momentum = self.widths[-1], config["bn_eps"], config["bn_momentum"]
+            self.bottleneck = self.add_module("bottleneck", Sequential(
+                make.model_conv(c_in, w, 3, 1, mode, first=True, bias=False),    # (n, w/Pm, ...)
+                make.model_batch_norm(w, eps, momentum), ReLU(),
+                make.model_conv(w, w, 3, 1, mode, first=False, bias=False),
+                make.model_batch_norm(w, eps, momentum), ReLU(),
+                make.gather(w)))                                                 # (n, w, ...)
         self.first_conv = self.enc[0][0]
         self.needs_input_grad = False
         for i in reversed(range(self.levels)):

@@ -73,6 +73,12 @@ def slice_of(array, shard):
     return array[(slice(None),) * axis + (slice(start, stop),)]
 
 
+def buffer_shards(model) -> dict:
+    """{buffer name: shard} of the buffers split over the model axis (batch norm's running stats)."""
+    return {f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
+            for name, shard in getattr(module, "buffer_shards", {}).items()}
+
+
 def check_model_split(channels: int, grid, what: str) -> None:
     """Pm must not exceed the channels a layer splits (ValueError, the same on every rank)."""
     if grid.model_dims > channels:
@@ -180,10 +186,12 @@ class ModelParallelBatchNorm3d(SpatialBatchNorm3d):
         start, stop = channel_range(self.num_features, grid.model_dims, grid.model_coord)
         for param in (self.weight, self.bias):
             keep_slice(param, 0, start, stop)
+        self.buffer_shards = {}              # checkpoints save the running statistics whole
         for name in ("running_mean", "running_var"):
             buf = getattr(self, name)[start:stop].copy()
             setattr(self, name, buf)
             self._buffers[name] = buf
+            self.buffer_shards[name] = (0, start, stop, self.total_features)
         self.num_features = stop - start
 
 
@@ -302,5 +310,5 @@ class GatherFeatures(Module):
         return array_module(dy).ascontiguousarray(dy[:, self.own[0]:self.own[1]])
 
 
-__all__ = ["MODES", "keep_slice", "whole_of", "slice_of", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
+__all__ = ["MODES", "keep_slice", "whole_of", "slice_of", "buffer_shards", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
            "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]

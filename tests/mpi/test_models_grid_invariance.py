@@ -154,36 +154,42 @@ MODEL_GRIDS = {1: [(1, 1, 1, 1, 1)], 2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)],
 
 
 @pytest.mark.parametrize("mode", ["filter", "channel"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dims", MODEL_GRIDS.get(SIZE, []), ids=lambda d: "x".join(map(str, d)))
-def test_model_parallel_cosmoflow_is_grid_invariant(comm, all_ranks_agree, dims, mode):
-    """CosmoFlow with its last conv blocks filter- or channel-parallel and a 1.5-D head: the same
-    parameters after 3 SGD steps as the unpartitioned model (float64), the split ones gathered."""
-    from refimpl.nn.model_parallel import whole_of
+def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, name, mode):
+    """CosmoFlow with its last conv blocks filter- or channel-parallel and a 1.5-D head, the U-Net
+    with a model-parallel bottleneck (batch norm on channel slices): the same parameters and
+    batch-norm statistics after 3 SGD steps as the unpartitioned model (float64), the split ones
+    gathered whole."""
+    from refimpl.nn.model_parallel import buffer_shards, whole_of
     pm = dims[4]
-    blocks = 2 if pm <= 4 else 1           # a split block needs at least Pm channels (4 and 8 here)
-    config = {**CONFIGS["cosmoflow"], "model_parallel": mode, "model_parallel_blocks": blocks}
-    if mode == "channel" and pm > 4:
-        pytest.skip("the channel-parallel block splits 4 input channels: Pm <= 4")
+    config = {**CONFIGS[name], "model_parallel": mode}
+    if name == "cosmoflow":
+        config["model_parallel_blocks"] = 2 if pm <= 4 else 1    # a split block needs >= Pm channels
+        if mode == "channel" and pm > 4:
+            pytest.skip("the channel-parallel block splits 4 input channels: Pm <= 4")
     grid = ProcessGrid(comm, dims)
     batch = global_batch(dims[0])
-    model, history = train_config(config, grid, batch)
-    ref_model, ref_history = train_config(config, None, batch)
+    model, history = train_config(name, config, grid, batch)
+    ref_model, ref_history = train_config(name, config, None, batch)
     worst, where = 0.0, ""
-    for (key, param), (_, want) in zip(model.named_parameters(), ref_model.named_parameters()):
-        got = whole_of(param.data, param.shard, grid.model_comm)
-        err = rel_err(got, want.data)
+    ref_state, split = ref_model.state_dict(), buffer_shards(model)
+    mine = [(key, whole_of(p.data, p.shard, grid.model_comm)) for key, p in model.named_parameters()]
+    mine += [(key, whole_of(b, split.get(key), grid.model_comm)) for key, b in model.named_buffers()]
+    for key, got in mine:
+        err = rel_err(got, ref_state[key])
         if err > worst:
             worst, where = err, key
     for step, ((loss, _), (ref_loss, _)) in enumerate(zip(history, ref_history)):
         err = abs(loss - ref_loss) / abs(ref_loss)
         if err > worst:
             worst, where = err, f"step {step} loss"
-    split = sum(p.shard is not None for p in model.parameters())
-    all_ranks_agree(worst <= 1e-10 and (pm == 1 or split > 0),
-                    f"{mode} on grid {dims}: max rel err {worst:.3g} at {where}; {split} split parameters")
+    n_split = sum(p.shard is not None for p in model.parameters())
+    all_ranks_agree(worst <= 1e-10 and (pm == 1 or n_split > 0),
+                    f"{name} {mode} on grid {dims}: max rel err {worst:.3g} at {where}; {n_split} split parameters")
     grid.free()
 
 
-def train_config(config, grid, batch):
-    """STEPS float64 SGD steps of cosmoflow with ``config`` (``_train``)."""
-    return _train("cosmoflow", grid, batch, np.float64, config)
+def train_config(name, config, grid, batch):
+    """STEPS float64 SGD steps of model ``name`` with ``config`` (``_train``)."""
+    return _train(name, grid, batch, np.float64, config)
