@@ -31,7 +31,7 @@ from ..failstop import atomic_write, check_writable
 LAYERS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d")
 MODEL_MODES = ("none", "filter", "channel")
 #: the --model-parallel modes each layer can take
-LAYER_MODES = {"conv3d": MODEL_MODES, "conv_transpose3d": ("none",), "max_pool3d": ("none", "channel"),
+LAYER_MODES = {"conv3d": MODEL_MODES, "conv_transpose3d": MODEL_MODES, "max_pool3d": ("none", "channel"),
                "avg_pool3d": ("none", "channel"), "batch_norm3d": ("none", "channel")}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 #: float32 tolerance where a conv may run Winograd: its rounding depends on where the
@@ -68,8 +68,9 @@ def add_arguments(parser):
     parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw[,Pm]",
                         help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw[*Pm] (Pm: model axis)")
     parser.add_argument("--model-parallel", choices=MODEL_MODES, default="none",
-                        help="split the layer over the model axis Pm: conv3d by 'filter' (output "
-                             "channels) or 'channel' (input channels); batch_norm3d and the poolings "
+                        help="split the layer over the model axis Pm: conv3d and conv_transpose3d by "
+                             "'filter' (output channels) or 'channel' (input channels); batch_norm3d and "
+                             "the poolings "
                              "by 'channel' (channel-split activations); 'none': every model rank "
                              "computes the whole layer (default)")
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float64",
@@ -161,6 +162,11 @@ class LayerSpec:
                 model_parallel.ChannelParallelConv3d
             return cls(c, self.out_channels, self.kernel, self.stride, self.padding, self.dilation,
                        grid=grid, rng=rng, dtype=dt)
+        if self.layer == "conv_transpose3d" and self.model_parallel != "none":
+            cls = model_parallel.FilterParallelConvTranspose3d if self.model_parallel == "filter" else \
+                model_parallel.ChannelParallelConvTranspose3d
+            return cls(c, self.out_channels, self.kernel, self.stride, self.padding, self.output_padding,
+                       self.dilation, grid=grid, rng=rng, dtype=dt)
         if self.layer == "batch_norm3d" and self.model_parallel == "channel":
             return model_parallel.ModelParallelBatchNorm3d(c, grid=grid, dtype=dt)
         if self.layer == "conv3d":

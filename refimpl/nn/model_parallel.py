@@ -41,7 +41,7 @@ from ..parallel.channels import allgather_channels, channel_range, reduce_scatte
 from ..parallel.collectives import allreduce
 from .linear import Linear
 from .module import Module
-from .spatial import SpatialBatchNorm3d, SpatialConv3d, SpatialFlattenLinear
+from .spatial import SpatialBatchNorm3d, SpatialConv3d, SpatialConvTranspose3d, SpatialFlattenLinear
 
 MODES = ("none", "filter", "channel")
 
@@ -172,6 +172,75 @@ class ChannelParallelConv3d(SpatialConv3d):
             self.bias = bias
         if self.bias is not None:
             self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))          # db[f_m]
+        return dx
+
+
+class FilterParallelConvTranspose3d(SpatialConvTranspose3d):
+    """ConvTranspose3d whose output channels are split over the model group (weight (C, F_m, k)):
+    the input's channels allgathered first, dx (a partial sum over the filters) reduce-scattered."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0,
+                 dilation=1, bias=True, *, grid, rng, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, output_padding, dilation,
+                         bias, grid=grid, rng=rng, **kwargs)
+        check_model_split(out_channels, grid, "a filter-parallel transposed conv")
+        self.total_out = self.out_channels
+        self.out_slice = channel_range(self.out_channels, grid.model_dims, grid.model_coord)
+        keep_slice(self.weight, 1, *self.out_slice)                       # (C, F_m, k, k, k)
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)
+        self.out_channels = self.out_slice[1] - self.out_slice[0]
+
+    def forward(self, x):
+        phase("channel allgather of {layer} (forward)", self)
+        return super().forward(allgather_channels(x, self.in_channels, self.grid.model_comm))
+
+    def backward(self, dy):
+        dx = super().backward(dy)                                         # (N, C, block): partial
+        phase("channel reduce-scatter of {layer} (backward)", self)
+        return reduce_scatter_channels(array_module(dx).ascontiguousarray(dx), self.grid.model_comm)
+
+
+class ChannelParallelConvTranspose3d(SpatialConvTranspose3d):
+    """ConvTranspose3d whose input channels are split over the model group (weight (C_m, F, k)):
+    partial sums of every output channel, reduce-scattered; dy allgathered in backward."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0,
+                 dilation=1, bias=True, *, grid, rng, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, output_padding, dilation,
+                         bias, grid=grid, rng=rng, **kwargs)
+        check_model_split(in_channels, grid, "a channel-parallel transposed conv")
+        pm, m = grid.model_dims, grid.model_coord
+        self.total_out = self.out_channels
+        self.in_slice = channel_range(self.in_channels, pm, m)
+        self.out_slice = channel_range(self.out_channels, pm, m)
+        keep_slice(self.weight, 0, *self.in_slice)                        # (C_m, F, k, k, k)
+        if self.bias is not None:
+            keep_slice(self.bias, 0, *self.out_slice)
+        self.in_channels = self.in_slice[1] - self.in_slice[0]
+
+    def forward(self, x):
+        bias, self.bias = self.bias, None             # partial sums carry no bias
+        try:
+            partial = super().forward(x)                                  # (N, F, out block)
+        finally:
+            self.bias = bias
+        phase("channel reduce-scatter of {layer} (forward)", self)
+        y = reduce_scatter_channels(array_module(partial).ascontiguousarray(partial), self.grid.model_comm)
+        if self.bias is not None:
+            y += self.bias.data.reshape(1, -1, 1, 1, 1)                   # (N, F_m, out block)
+        return y
+
+    def backward(self, dy):
+        phase("channel allgather of {layer} (backward)", self)
+        dy_full = allgather_channels(dy, self.total_out, self.grid.model_comm)
+        bias, self.bias = self.bias, None
+        try:
+            dx = super().backward(dy_full)                                # dW[c_m]; dx (N, c_m, block)
+        finally:
+            self.bias = bias
+        if self.bias is not None:
+            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))
         return dx
 
 
@@ -311,4 +380,4 @@ class GatherFeatures(Module):
 
 
 __all__ = ["MODES", "keep_slice", "whole_of", "slice_of", "buffer_shards", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
-           "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]
+           "FilterParallelConvTranspose3d", "ChannelParallelConvTranspose3d", "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]

@@ -5,7 +5,7 @@
 - ``allgather_channels`` and ``reduce_scatter_channels`` are each other's adjoint
   (dot-product test, float64), with channel counts that do not divide by Pm or are smaller
   than it (empty slices), and the bytes they count equal ``moved_bytes``;
-- filter- and channel-parallel conv3d, channel-split batch norm and pooling equal the
+- filter- and channel-parallel conv3d and conv_transpose3d, channel-split batch norm and pooling equal the
   unpartitioned layer (forward, dx, dw, db; float64, 1e-10) on every grid with a model axis
   of the world size, alone and with spatial and data axes (Hypothesis, same example on every
   rank).
@@ -18,7 +18,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from refimpl.commands.check_layer import LayerSpec, check_layer
-from refimpl.functional._args import window_out_size
+from refimpl.functional._args import transposed_out_size, window_out_size
 from refimpl.parallel.channels import TRAFFIC, allgather_channels, channel_range, moved_bytes, reduce_scatter_channels
 from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.partition import grid_coords
@@ -93,11 +93,13 @@ def test_channel_collectives_are_adjoint(comm, all_ranks_agree, data):
     grid.free()
 
 
-def spec(layer, shape, grid, kernel, stride, padding, dilation, out_channels, mode, seed=0):
+def spec(layer, shape, grid, kernel, stride, padding, dilation, out_channels, mode, seed=0,
+         output_padding=(0, 0, 0)):
     csv = lambda t: ",".join(map(str, t))  # noqa: E731
     return LayerSpec(Namespace(
         layer=layer, input=csv(shape), out_channels=out_channels, kernel=csv(kernel), stride=csv(stride),
-        padding=csv(padding), dilation=csv(dilation), output_padding="0", grid=csv(grid), dtype="float64",
+        padding=csv(padding), dilation=csv(dilation), output_padding=csv(output_padding), grid=csv(grid),
+        dtype="float64",
         seed=seed, save=None, model_parallel=mode), world_size=int(np.prod(grid)))
 
 
@@ -106,26 +108,34 @@ def model_cases(draw, size):
     grid = draw(st.sampled_from(model_grids(size)))
     pm = grid[4]
     layer, mode = draw(st.sampled_from([("conv3d", "filter"), ("conv3d", "channel"), ("conv3d", "none"),
+                                        ("conv_transpose3d", "filter"), ("conv_transpose3d", "channel"),
                                         ("batch_norm3d", "channel"), ("max_pool3d", "channel")]))
-    c = draw(st.integers(pm if (layer, mode) != ("conv3d", "filter") else 1, pm + 3))
+    c = draw(st.integers(pm if mode != "filter" else 1, pm + 3))
     f = draw(st.integers(pm if mode == "filter" else 1, pm + 3))
     n = draw(st.integers(grid[0], grid[0] + 1))
     extent = tuple(draw(st.sampled_from([2, 3, 5, 7])) for _ in range(3))
-    if layer == "conv3d":
+    output_padding = (0, 0, 0)
+    if layer.startswith("conv"):
         kernel = tuple(draw(st.integers(1, 3)) for _ in range(3))
         stride = tuple(draw(st.integers(1, 2)) for _ in range(3))
         dilation = tuple(draw(st.integers(1, 2)) for _ in range(3))
         padding = tuple(draw(st.integers(0, k)) for k in kernel)
+        if layer == "conv_transpose3d":
+            output_padding = tuple(draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
     elif layer == "max_pool3d":
         kernel, dilation = (2, 2, 2), (1, 1, 1)
         stride, padding = kernel, (0, 0, 0)
     else:
         kernel = stride = dilation = (1, 1, 1)
         padding = (0, 0, 0)
-    out = [window_out_size(e, k, s, p, d) for e, k, s, p, d in zip(extent, kernel, stride, padding, dilation)]
+    if layer == "conv_transpose3d":
+        out = [transposed_out_size(e, k, s, p, d, op) for e, k, s, p, d, op
+               in zip(extent, kernel, stride, padding, dilation, output_padding)]
+    else:
+        out = [window_out_size(e, k, s, p, d) for e, k, s, p, d in zip(extent, kernel, stride, padding, dilation)]
     assume(min(out) >= 1 and n * extent[0] * extent[1] * extent[2] >= 2)
     return dict(layer=layer, shape=(n, c) + extent, grid=grid, kernel=kernel, stride=stride, padding=padding,
-                dilation=dilation, out_channels=f, mode=mode)
+                dilation=dilation, out_channels=f, mode=mode, output_padding=output_padding)
 
 
 @given(model_cases(__import__("mpi4py.MPI").MPI.COMM_WORLD.Get_size()))
@@ -148,11 +158,11 @@ def test_model_split_wider_than_the_channels_is_refused_on_every_rank(comm, all_
             raised = str(err)
         all_ranks_agree("at most one rank per channel" in raised, f"{mode}: {raised!r}")
     try:
-        spec("conv_transpose3d", (1, 2, 3, 3, 3), grid, (1, 1, 1), (1, 1, 1), (0, 0, 0), (1, 1, 1), 2, "filter")
+        spec("avg_pool3d", (1, 2, 3, 3, 3), grid, (1, 1, 1), (1, 1, 1), (0, 0, 0), (1, 1, 1), 2, "filter")
         raised = ""
     except ValueError as err:
         raised = str(err)
-    all_ranks_agree("does not apply to conv_transpose3d" in raised, raised)
+    all_ranks_agree("does not apply to avg_pool3d" in raised, raised)
 
 
 @given(st.data())
