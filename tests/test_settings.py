@@ -192,9 +192,9 @@ def test_good_values_accepted(layer):
 def test_grid_and_stall_timeout():
     assert merge({"grid": [1, 2, 2, 1]})["grid"] == "1,2,2,1"
     assert merge({})["stall_timeout"] == 600.0 and "stall_timeout" not in config.IDENTITY_KEYS
-    with pytest.raises(ValueError, match="grid must be 4 comma-separated integers"):
+    with pytest.raises(ValueError, match="grid must be 4 or 5 comma-separated integers"):
         merge({"grid": "2,x,1,1"})
-    with pytest.raises(ValueError, match="grid dims must have 4 entries"):
+    with pytest.raises(ValueError, match="grid dims must have 4 entries .* or 5"):
         merge({"grid": "2,2"})
     with pytest.raises(ValueError, match="grid dims entry Pd must be an integer >= 1"):
         merge({"grid": [1, 0, 1, 1]})
