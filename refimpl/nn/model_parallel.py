@@ -128,7 +128,37 @@ class FilterParallelConv3d(SpatialConv3d):
         return dx
 
 
-class ChannelParallelConv3d(SpatialConv3d):
+class _InputChannelSplit:
+    """What the channel-parallel conv and transposed conv share: this rank's input channels give
+    partial sums of every output channel (the bias withheld), reduce-scattered into the output
+    slice, which its owner biases; backward allgathers dy and runs the layer's own backward."""
+
+    def forward(self, x):
+        bias, self.bias = self.bias, None             # partial sums carry no bias
+        try:
+            partial = super().forward(x)                                  # (N, F, out block), partial
+        finally:
+            self.bias = bias
+        phase("channel reduce-scatter of {layer} (forward)", self)
+        y = reduce_scatter_channels(array_module(partial).ascontiguousarray(partial), self.grid.model_comm)
+        if self.bias is not None:
+            y += self.bias.data.reshape(1, -1, 1, 1, 1)                   # (N, F_m, out block)
+        return y
+
+    def backward(self, dy):
+        phase("channel allgather of {layer} (backward)", self)
+        dy_full = allgather_channels(dy, self.total_out, self.grid.model_comm)    # (N, F, out block)
+        bias, self.bias = self.bias, None
+        try:
+            dx = super().backward(dy_full)                                # dW of c_m; dx (N, c_m, block)
+        finally:
+            self.bias = bias
+        if self.bias is not None:
+            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))          # db[f_m]
+        return dx
+
+
+class ChannelParallelConv3d(_InputChannelSplit, SpatialConv3d):
     """Conv3d whose input channels are split over the model group: partial sums of every
     output channel, reduce-scattered into channel-split outputs (bias added by the owner)."""
 
@@ -142,37 +172,9 @@ class ChannelParallelConv3d(SpatialConv3d):
         self.in_slice = channel_range(self.in_channels, pm, m)
         self.out_slice = channel_range(self.out_channels, pm, m)
         keep_slice(self.weight, 1, *self.in_slice)                        # (F, C_m, k, k, k)
-        self.owned_bias = self.bias
         if self.bias is not None:
             keep_slice(self.bias, 0, *self.out_slice)                     # (F_m,)
         self.in_channels = self.in_slice[1] - self.in_slice[0]
-
-    def local_forward(self, x, padding):
-        bias, self.bias = self.bias, None             # partial sums carry no bias
-        try:
-            return super().local_forward(x, padding)
-        finally:
-            self.bias = bias
-
-    def forward(self, x):
-        partial = super().forward(x)                                      # (N, F, out block), partial
-        phase("channel reduce-scatter of {layer} (forward)", self)
-        y = reduce_scatter_channels(array_module(partial).ascontiguousarray(partial), self.grid.model_comm)
-        if self.bias is not None:
-            y += self.bias.data.reshape(1, -1, 1, 1, 1)                   # (N, F_m, out block)
-        return y
-
-    def backward(self, dy):
-        phase("channel allgather of {layer} (backward)", self)
-        dy_full = allgather_channels(dy, self.total_out, self.grid.model_comm)    # (N, F, out block)
-        bias, self.bias = self.bias, None
-        try:
-            dx = super().backward(dy_full)                                # dW[:, c_m]; dx (N, c_m, block)
-        finally:
-            self.bias = bias
-        if self.bias is not None:
-            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))          # db[f_m]
-        return dx
 
 
 class FilterParallelConvTranspose3d(SpatialConvTranspose3d):
@@ -201,7 +203,7 @@ class FilterParallelConvTranspose3d(SpatialConvTranspose3d):
         return reduce_scatter_channels(array_module(dx).ascontiguousarray(dx), self.grid.model_comm)
 
 
-class ChannelParallelConvTranspose3d(SpatialConvTranspose3d):
+class ChannelParallelConvTranspose3d(_InputChannelSplit, SpatialConvTranspose3d):
     """ConvTranspose3d whose input channels are split over the model group (weight (C_m, F, k)):
     partial sums of every output channel, reduce-scattered; dy allgathered in backward."""
 
@@ -218,30 +220,6 @@ class ChannelParallelConvTranspose3d(SpatialConvTranspose3d):
         if self.bias is not None:
             keep_slice(self.bias, 0, *self.out_slice)
         self.in_channels = self.in_slice[1] - self.in_slice[0]
-
-    def forward(self, x):
-        bias, self.bias = self.bias, None             # partial sums carry no bias
-        try:
-            partial = super().forward(x)                                  # (N, F, out block)
-        finally:
-            self.bias = bias
-        phase("channel reduce-scatter of {layer} (forward)", self)
-        y = reduce_scatter_channels(array_module(partial).ascontiguousarray(partial), self.grid.model_comm)
-        if self.bias is not None:
-            y += self.bias.data.reshape(1, -1, 1, 1, 1)                   # (N, F_m, out block)
-        return y
-
-    def backward(self, dy):
-        phase("channel allgather of {layer} (backward)", self)
-        dy_full = allgather_channels(dy, self.total_out, self.grid.model_comm)
-        bias, self.bias = self.bias, None
-        try:
-            dx = super().backward(dy_full)                                # dW[c_m]; dx (N, c_m, block)
-        finally:
-            self.bias = bias
-        if self.bias is not None:
-            self.bias.accumulate_grad(dy.sum(axis=(0, 2, 3, 4)))
-        return dx
 
 
 class ModelParallelBatchNorm3d(SpatialBatchNorm3d):
