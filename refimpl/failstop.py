@@ -179,6 +179,11 @@ def on_root(comm, fn, *args, error=WriteError, root=0, **kwargs):
 _ERRORS = {cls.__name__: cls for cls in (RunError, InputError, Diverged, WriteError, InternalError)}
 
 
+def refuse(message: str):
+    """Raise InputError for bad input that every rank finds identically (no message needed to agree)."""
+    raise InputError(message, agreed=True)
+
+
 def check_writable(path, what: str, directory: bool = False) -> None:
     """Raise ValueError unless ``path`` can be written (created) by this process.
 
@@ -381,13 +386,11 @@ class Watchdog:
         self.sends[dest] = self.comm.isend(payload, dest=dest, tag=tag)
 
     def _beat(self) -> None:
+        """Rank 0 tells everyone (rank 1 watches it); the others tell rank 0 (rank 0 notes itself
+        in ``_check``)."""
         record = (PROGRESS.count, PROGRESS.where())
-        if self.rank == 0:
-            self._note(0, record, time.monotonic())
-            for dest in range(1, self.size):
-                self._send(dest, _BEAT, record)
-        else:
-            self._send(0, _BEAT, record)
+        for dest in (range(1, self.size) if self.rank == 0 else (0,)):
+            self._send(dest, _BEAT, record)
 
     def _note(self, rank: int, record, now: float) -> None:
         self.last_beat[rank] = now
@@ -494,9 +497,7 @@ class Watchdog:
         self.end_job(code, line)                      # rank 0 did not answer: it is gone or stuck
 
     def _exit_quietly(self, code: int) -> None:
-        _clean_up()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _leave()
         os._exit(code)
 
 
@@ -527,10 +528,15 @@ _watchdog: Watchdog | None = None
 DEBUG = False
 
 
-def _abort(code: int) -> None:
+def _leave() -> None:
+    """What every way out of the job does first: remove temporaries being written, flush output."""
     _clean_up()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _abort(code: int) -> None:
+    _leave()
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(code)
 
@@ -612,6 +618,6 @@ def install_excepthook(command: str = "") -> None:
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
            "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError",
-           "Diverged", "WriteError", "InternalError", "agree", "on_root", "check_writable", "PROGRESS",
+           "Diverged", "WriteError", "InternalError", "agree", "on_root", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
            "fail_stop", "run_command", "set_stall_timeout", "install_excepthook"]

@@ -43,7 +43,7 @@ from . import checkpoint
 from .backend import asarray, resolve_dtype, set_backend
 from .config import effective_settings
 from .failstop import (Diverged, InputError, WriteError, agree, atomic_write, check_writable, describe,
-                       label_layers, on_root, phase, set_step)
+                       label_layers, on_root, phase, refuse, set_step)
 from .optim import Schedule, make_optimizer, parse_decay, scaled_lr
 from .parallel.objects import allreduce_sum
 
@@ -53,11 +53,6 @@ PLOT = "loss.png"
 CONFIG = "config.json"
 SUMMARY = "summary.json"
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, CONFIG, SUMMARY)      # what a run writes into OUT
-
-
-def refuse(message: str):
-    """Bad input found identically on every rank (no message needed to agree)."""
-    raise InputError(message, agreed=True)
 
 
 def preflight(config: dict) -> None:

@@ -75,12 +75,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def refuse(message: str):
-    """Bad input (exit 2): datagen runs as one process, so the error is agreed by construction."""
-    from ..failstop import InputError
-    raise InputError(message, agreed=True)
-
-
 def run(args) -> int:
     from ..failstop import run_command
     return run_command("datagen", None, lambda: generate(args))
@@ -95,7 +89,7 @@ def generate(args) -> int:
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
-    from refimpl.failstop import WriteError, check_writable, describe
+    from refimpl.failstop import WriteError, check_writable, describe, refuse
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
