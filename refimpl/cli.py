@@ -14,6 +14,8 @@ COMMANDS = {
     "check-layer": ("refimpl.commands.check_layer",
                     "run one spatially partitioned layer under mpiexec and compare it with the unpartitioned oracle"),
     "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
+    "oracle": ("refimpl.commands.oracle",
+               "reference cases per layer, grid and rank; check another implementation's results shard by shard"),
     "train": ("refimpl.commands.train",
               "train CosmoFlow or 3D U-Net data x spatial parallel under mpiexec (checkpoints, metrics, plot)"),
 }
@@ -54,6 +56,15 @@ def launcher_rank() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+def launcher_size() -> int:
+    """How many processes the launcher started (1 when not under one), without starting MPI."""
+    import os
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 def main(argv=None) -> int:

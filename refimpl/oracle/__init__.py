@@ -1,0 +1,26 @@
+"""The oracle toolkit: reference cases per layer, per grid and per rank, and a shard-by-shard
+diagnosis of another implementation's results (``refimpl oracle``; docs/oracle.md).
+
+    suite.py          TOML suites of layer cases (``hard`` ships with refimpl)
+    expect.py         expected global arrays and every rank's blocks (pure math, no MPI)
+    casefile.py       case and results files (HDF5): write, load, validate
+    compare.py        errors, tolerances and why, first mismatch and its owner
+    diagnose.py       known mistakes recognised from the error pattern
+    torch_adapter.py  PyTorch as the implementation under test (run-torch; --plant)
+
+Python API::
+
+    from refimpl.oracle import load_case, load_results, compare
+    case = load_case("cases/conv_even_kernel.1-2-2-1.h5")
+    x = case.inputs["float64"]["x"]; lo = case.layouts[2]   # rank 2's ranges
+    ...                                                     # run your implementation
+    write_results("mine.h5", case, global_={"float64": {"y": y, "dx": dx, "dw": dw, "db": db}})
+    report = compare(case, load_results("mine.h5", case))
+    print(report.ok, [f.as_dict() for f in report.findings if not f.ok])
+"""
+from .casefile import Case, Results, UnusableInput, load_case, load_results, write_case, write_results
+from .compare import CaseReport, Finding, compare, tolerance
+from .suite import CaseSpec, load_suite, parse_suite
+
+__all__ = ["Case", "Results", "UnusableInput", "load_case", "load_results", "write_case", "write_results",
+           "CaseReport", "Finding", "compare", "tolerance", "CaseSpec", "load_suite", "parse_suite"]

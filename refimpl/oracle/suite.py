@@ -1,0 +1,185 @@
+"""Oracle suites: a small TOML spec of layer cases, each run on one or more process grids.
+
+A suite lists ``[[case]]`` tables; every case names a layer and its arguments exactly as
+``refimpl check-layer`` takes them, and ``grids``, the process grids it is partitioned
+over.  One *case file* is written per (case, grid) pair, named ``NAME.G.h5`` with the grid
+written ``Pn-Pd-Ph-Pw[-Pm]``.  Example::
+
+    seed = 0                      # optional: default seed of every case
+    dtypes = ["float64", "float32"]
+
+    [[case]]
+    name = "conv_even_kernel"     # letters, digits, '_' and '-'
+    layer = "conv3d"              # conv3d | conv_transpose3d | max_pool3d | avg_pool3d | batch_norm3d
+    input = [2, 3, 9, 8, 7]       # N, C, D, H, W (global)
+    out_channels = 4              # conv layers (default C)
+    kernel = [2, 4, 2]            # int or [kd, kh, kw]; likewise stride, padding, dilation,
+    padding = [0, 1, 1]           #   output_padding (conv_transpose3d)
+    grids = [[1, 2, 2, 1], [2, 1, 3, 1]]   # 4 entries, or 5 with the model axis Pm
+    model_parallel = "none"       # none | filter | channel (as check-layer --model-parallel)
+    values = "normal"             # normal | ties (small integers: many equal maxima)
+    seed = 3                      # optional
+
+Every case is validated by the same code as ``check-layer`` (``LayerSpec``), so a suite
+case that loads is one check-layer would run; any unknown key or bad value is a
+``ValueError`` naming the case and the key.
+"""
+from __future__ import annotations
+
+import re
+from argparse import Namespace
+from dataclasses import dataclass
+from importlib import resources
+
+from ..commands.check_layer import LAYERS
+from ..parallel.grid import format_grid
+
+#: keys a case may set, with their defaults (None: check-layer's default)
+CASE_KEYS = {"name": None, "layer": None, "input": None, "out_channels": None, "kernel": 3,
+             "stride": None, "padding": 0, "dilation": 1, "output_padding": 0, "grids": None,
+             "model_parallel": "none", "values": "normal", "seed": None, "dtypes": None}
+SUITE_KEYS = {"seed", "dtypes", "case", "description"}
+DTYPES = ("float64", "float32")
+VALUES = ("normal", "ties")
+SHIPPED = ("hard",)
+NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One layer case on one grid: everything needed to regenerate its arrays."""
+    name: str
+    layer: str
+    input: tuple
+    out_channels: int
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    output_padding: tuple
+    grid: tuple
+    model_parallel: str
+    values: str
+    seed: int
+    dtypes: tuple
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.{format_grid(self.grid).replace(',', '-')}.h5"
+
+    @property
+    def ranks(self) -> int:
+        size = 1
+        for p in self.grid:
+            size *= p
+        return size
+
+    def layer_spec(self):
+        """check-layer's validated ``LayerSpec`` of this case (the single source of its rules)."""
+        from ..commands.check_layer import LayerSpec
+
+        def text(v):
+            return None if v is None else ",".join(str(i) for i in (v if isinstance(v, (list, tuple)) else [v]))
+        args = Namespace(layer=self.layer, input=text(self.input), out_channels=self.out_channels,
+                         kernel=text(self.kernel), stride=text(self.stride), padding=text(self.padding),
+                         dilation=text(self.dilation), output_padding=text(self.output_padding),
+                         grid=format_grid(self.grid), model_parallel=self.model_parallel,
+                         dtype="float64", seed=self.seed, save=None, algorithm=None)
+        return LayerSpec(args, self.ranks)
+
+    def arguments(self) -> dict:
+        """The layer's arguments as stored in a case file (JSON-able)."""
+        return {"kernel": list(self.kernel), "stride": list(self.stride), "padding": list(self.padding),
+                "dilation": list(self.dilation), "output_padding": list(self.output_padding),
+                "out_channels": self.out_channels, "model_parallel": self.model_parallel,
+                "values": self.values}
+
+
+def _int_list(value, where, key):
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{where}: {key} must be an integer or a list of integers, got {value!r}")
+    return values
+
+
+def parse_suite(table: dict, where: str) -> list[CaseSpec]:
+    """The (case, grid) specs of a suite table; ValueError naming the case and key."""
+    unknown = sorted(set(table) - SUITE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown top-level key(s) {unknown}; known: {sorted(SUITE_KEYS)}")
+    cases = table.get("case")
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, dict) for c in cases):
+        raise ValueError(f"{where}: needs at least one [[case]] table")
+    default_seed = table.get("seed", 0)
+    default_dtypes = table.get("dtypes", list(DTYPES))
+    specs, names = [], set()
+    for index, case in enumerate(cases):
+        label = f"{where}: case {case.get('name', index + 1)!r}"
+        unknown = sorted(set(case) - set(CASE_KEYS))
+        if unknown:
+            raise ValueError(f"{label}: unknown key(s) {unknown}; known: {sorted(CASE_KEYS)}")
+        for key in ("name", "layer", "input", "grids"):
+            if key not in case:
+                raise ValueError(f"{label}: missing key {key!r}")
+        name = case["name"]
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"{label}: name must be letters, digits, '_' or '-', got {name!r}")
+        if name in names:
+            raise ValueError(f"{label}: the name is used twice")
+        names.add(name)
+        values = case.get("values", "normal")
+        if values not in VALUES:
+            raise ValueError(f"{label}: values must be one of {', '.join(VALUES)}, got {values!r}")
+        seed = case.get("seed", default_seed)
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"{label}: seed must be a non-negative integer, got {seed!r}")
+        dtypes = case.get("dtypes", default_dtypes)
+        if not isinstance(dtypes, list) or not dtypes or any(d not in DTYPES for d in dtypes) \
+                or len(set(dtypes)) != len(dtypes):
+            raise ValueError(f"{label}: dtypes must be a list of distinct {', '.join(DTYPES)}, got {dtypes!r}")
+        grids = case["grids"]
+        if not isinstance(grids, list) or not grids:
+            raise ValueError(f"{label}: grids must be a non-empty list of grids like [1, 2, 2, 1]")
+        for grid in grids:
+            g = _int_list(grid, label, "grids")
+            spec = CaseSpec(name=name, layer=case["layer"], input=tuple(_int_list(case["input"], label, "input")),
+                            out_channels=case.get("out_channels"),
+                            kernel=tuple(_int_list(case.get("kernel", 3), label, "kernel")),
+                            stride=None if case.get("stride") is None else
+                            tuple(_int_list(case["stride"], label, "stride")),
+                            padding=tuple(_int_list(case.get("padding", 0), label, "padding")),
+                            dilation=tuple(_int_list(case.get("dilation", 1), label, "dilation")),
+                            output_padding=tuple(_int_list(case.get("output_padding", 0), label, "output_padding")),
+                            grid=tuple(g), model_parallel=case.get("model_parallel", "none"),
+                            values=values, seed=seed, dtypes=tuple(dtypes))
+            try:
+                if spec.layer not in LAYERS:
+                    raise ValueError(f"layer must be one of {', '.join(LAYERS)}, got {spec.layer!r}")
+                layer = spec.layer_spec()          # check-layer's rules, e.g. pooling padding
+            except ValueError as err:
+                raise ValueError(f"{label}, grid {list(g)}: {err}".replace("--", "")) from None
+            specs.append(CaseSpec(**{**spec.__dict__, "out_channels": layer.out_channels,
+                                     "kernel": layer.kernel, "stride": layer.stride,
+                                     "padding": layer.padding, "dilation": layer.dilation,
+                                     "output_padding": layer.output_padding,
+                                     "grid": tuple(layer.grid_dims)}))
+    return specs
+
+
+def load_suite(name_or_path: str) -> list[CaseSpec]:
+    """A shipped suite by name (``hard``) or a TOML file; ValueError naming the problem."""
+    import tomllib
+    if name_or_path in SHIPPED:
+        text = resources.files("refimpl.oracle.suites").joinpath(f"{name_or_path}.toml").read_text()
+        return parse_suite(tomllib.loads(text), f"suite {name_or_path}")
+    try:
+        with open(name_or_path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"suite {name_or_path!r}: no such file, and not a shipped suite "
+                         f"({', '.join(SHIPPED)})") from None
+    except OSError as err:
+        raise ValueError(f"suite {name_or_path}: cannot read ({err.strerror})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"suite {name_or_path}: not valid TOML ({err})") from None
+    return parse_suite(table, f"suite {name_or_path}")
