@@ -144,7 +144,7 @@ def _fmt(finding) -> str:
 def check(args) -> int:
     from ..failstop import EXIT_CHECK_FAILED, atomic_write, check_writable
     from ..oracle import casefile
-    from ..oracle.compare import compare
+    from ..oracle.compare import compare, root_cause
     if not args.tolerance_factor >= 1.0:
         raise ValueError(f"--tolerance-factor must be >= 1, got {args.tolerance_factor}")
     if args.json:
@@ -167,6 +167,10 @@ def check(args) -> int:
             ratio = f.max_rel / f.tolerance if f.tolerance else 0.0
             if f.dtype not in worst or ratio > worst[f.dtype][0]:
                 worst[f.dtype] = (ratio, f)
+        cause = root_cause(report)
+        if cause is not None:
+            where = "global" if cause.rank is None else f"rank {cause.rank}"
+            print(f"    most likely cause ({cause.dtype} {cause.tensor}, {where}): {cause.diagnosis}")
         if report.ok and not args.verbose:
             print("    " + "; ".join(f"{d}: worst {f.tensor}{'' if f.rank is None else f'[rank {f.rank}]'} "
                                      f"max_rel {f.max_rel:.1e} = {r:.2f} of its tolerance"

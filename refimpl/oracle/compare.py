@@ -176,4 +176,32 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> Case
                     finding.diagnosis = diagnose.rank_tensor(case, dtype, tensor, r, arrays[tensor], want,
                                                              bad, tol * scale)
                 report.findings.append(finding)
+    trace_consequences(report)
     return report
+
+
+#: the order in which a partitioned layer computes its tensors: an error upstream spoils
+#: everything computed from it
+CAUSAL_ORDER = ("x_needed", "sum_partial", "sumsq_partial", "y_partial", "y", "dx_needed", "dw_partial",
+                "db_partial", "dx", "dw", "db")
+
+
+def root_cause(report: CaseReport):
+    """The first diagnosed failure in causal order (None if no failure was diagnosed)."""
+    failed = [f for f in report.findings if not f.ok and f.diagnosis and not f.diagnosis.startswith("follows")]
+    return min(failed, key=lambda f: (CAUSAL_ORDER.index(f.tensor), f.rank is None, f.rank or 0, f.dtype != "float64"),
+               default=None)
+
+
+def trace_consequences(report: CaseReport) -> None:
+    """An undiagnosed failure downstream of a diagnosed one is most likely its consequence."""
+    for f in report.findings:
+        if f.ok or f.diagnosis:
+            continue
+        upstream = [u for u in report.findings if not u.ok and u.diagnosis and u.dtype == f.dtype
+                    and not u.diagnosis.startswith("follows")
+                    and CAUSAL_ORDER.index(u.tensor) < CAUSAL_ORDER.index(f.tensor)]
+        if upstream:
+            u = min(upstream, key=lambda u: (CAUSAL_ORDER.index(u.tensor), u.rank is None, u.rank or 0))
+            where = "global" if u.rank is None else f"rank {u.rank}"
+            f.diagnosis = f"follows from the error in {u.tensor} ({where}) diagnosed above"

@@ -32,6 +32,11 @@ def _err(a, b):
         return numpy.where(a == b, 0.0, numpy.abs(a - b))
 
 
+def _key(index):
+    """A hashable form of a tuple of slices (slices are hashable only from Python 3.12)."""
+    return tuple((s.start, s.stop) for s in index)
+
+
 def _matches(got, cand, atol) -> bool:
     return cand is not None and got.shape == cand.shape and (not got.size or float(_err(got, cand).max()) <= atol)
 
@@ -103,8 +108,8 @@ def halo_forward(case, lo, bad) -> str | None:
                 faces.append(f"{AXES[a]} {side}")
     if (where & ~mask).any():
         return None
-    return (f"errors only in rank {lo.rank}'s outputs whose windows read ghost cells ({', '.join(faces)} "
-            f"face): the forward halo exchange gave rank {lo.rank} wrong ghost values")
+    return (f"errors only in outputs whose windows read ghost cells ({', '.join(faces)} face) of {{who}}: "
+            f"the forward halo exchange delivered wrong ghost values")
 
 
 def _peers(case, lo):
@@ -143,15 +148,15 @@ def halo_adjoint(case, dtype, lo, got, want, bad, atol) -> str | None:
     own, received = _ghost_gradients(case, dtype, lo)
     err = numpy.asarray(got, numpy.float64) - numpy.asarray(want, numpy.float64)
     if received.any() and float(numpy.abs(err - received).max()) <= atol:
-        return (f"doubled gradient on ghost cells: rank {lo.rank}'s dx holds the ghost gradients of its "
-                f"neighbours twice; the adjoint halo exchange added them into their owner without clearing "
-                f"the ghosts, so they were added again")
+        return ("doubled gradient on ghost cells of {who}: dx holds the neighbours' ghost gradients "
+                "twice; the adjoint halo exchange added them into their owner without clearing the "
+                "ghosts, so they were added again")
     if received.any() and float(numpy.abs(err + received).max()) <= atol:
-        return (f"rank {lo.rank}'s dx lacks the ghost gradients of its neighbours: the adjoint halo exchange "
-                f"(adding ghost gradients back into their owners) is missing")
+        return ("dx of {who} lacks the neighbours' ghost gradients: the adjoint halo exchange (adding "
+                "ghost gradients back into their owners) is missing")
     if received.any() and not (bad & (received == 0)).any():
-        return (f"errors only on rank {lo.rank}'s cells that other ranks read as ghosts: the adjoint halo "
-                f"exchange (backward) returned wrong ghost gradients")
+        return ("errors only on cells of {who} that other ranks read as ghosts: the adjoint halo "
+                "exchange (backward) returned wrong ghost gradients")
     return None
 
 
@@ -197,8 +202,9 @@ def bn_statistics(case, dtype, tensor, got, want, index, atol) -> str | None:
     if case.spec.layer != "batch_norm3d" or tensor not in ("y", "dx"):
         return None
     part = 0 if tensor == "y" else 1
-    blocks = list({lo.index("x") for lo in case.layouts})
-    groups = list({(slice(*lo.samples), slice(*lo.in_channels)) + (slice(None),) * 3 for lo in case.layouts})
+    blocks = list({_key(lo.index("x")): lo.index("x") for lo in case.layouts}.values())
+    groups = [(slice(*s), slice(*c)) + (slice(None),) * 3
+              for s, c in dict.fromkeys((lo.samples, lo.in_channels) for lo in case.layouts)]
     dims = expect.grid5(case.spec.grid)
     candidates = [("batch-norm statistics computed over each rank's own block: not reduced over the "
                    "spatial group (every rank holds a different part of the same samples)", blocks)]
@@ -296,21 +302,28 @@ def global_tensor(case, dtype, tensor, got, want, bad, atol) -> str | None:
     if found:
         return found
     # split into the ranks' blocks (one copy per block) and test each rank's pattern
-    messages, seen = [], set()
+    groups, seen = {}, set()
     for lo in case.layouts:
         index = lo.index("y" if tensor == "y" else "x")
-        if index in seen:
+        if _key(index) in seen:
             continue
-        seen.add(index)
+        seen.add(_key(index))
         block_bad = bad[index]
         if not block_bad.any():
             continue
-        message = halo_forward(case, lo, block_bad) if tensor == "y" else \
-            halo_adjoint(case, dtype, lo, got[index], want[index], block_bad, atol)
+        message = shift(got[index], want[index], block_bad, atol) or (
+            halo_forward(case, lo, block_bad) if tensor == "y" else
+            halo_adjoint(case, dtype, lo, got[index], want[index], block_bad, atol))
         if message is None:
             return None
-        messages.append(message)
-    return "; ".join(messages) if messages else None
+        groups.setdefault(message, []).append(lo.rank)
+    if len(groups) == 1 and "{who}" not in next(iter(groups)):       # one shift in every block
+        return next(iter(groups)) + " (in every rank's block)"
+    return "; ".join(text.format(who=_who(ranks)) for text, ranks in groups.items()) or None
+
+
+def _who(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(str(r) for r in ranks)}"
 
 
 def rank_tensor(case, dtype, tensor, r, got, want, bad, atol) -> str | None:
@@ -328,6 +341,7 @@ def rank_tensor(case, dtype, tensor, r, got, want, bad, atol) -> str | None:
         found = bn_statistics(case, dtype, tensor, got, want, index, atol) or shift(got, want, bad, atol)
         if found:
             return found
-        return halo_forward(case, lo, bad) if tensor == "y" else \
+        found = halo_forward(case, lo, bad) if tensor == "y" else \
             halo_adjoint(case, dtype, lo, got, want, bad, atol)
+        return found and found.format(who=_who([r]))
     return shift(got, want, bad, atol)

@@ -288,7 +288,7 @@ def gathered(case, dtype, ranks) -> dict:
     if "dw" in case.expected[dtype]:
         for name in ("dw", "db"):
             whole = numpy.zeros(case.expected[dtype][name].shape, dtype)
-            for lo in case.layouts:
+            for lo in reversed(case.layouts):     # the lowest rank's copy is reported
                 _, offset = case.ranks[dtype][lo.rank][name]
                 array = ranks[lo.rank][name]
                 whole[tuple(slice(o, o + n) for o, n in zip(offset, array.shape))] = array
