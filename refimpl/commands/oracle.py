@@ -66,6 +66,9 @@ def add_arguments(parser):
     chk.add_argument("--tolerance-factor", type=float, default=1.0, metavar="F",
                      help="multiply every tolerance by F (>= 1; for inexact algorithms such as Winograd)")
     chk.add_argument("--verbose", action="store_true", help="one line per tensor, passing ones too")
+    for p in (gen, run, chk):           # --debug after the action too ('refimpl oracle check ... --debug')
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
 
 
 def case_paths(path: str) -> list[str]:
@@ -144,7 +147,7 @@ def _fmt(finding) -> str:
 def check(args) -> int:
     from ..failstop import EXIT_CHECK_FAILED, atomic_write, check_writable
     from ..oracle import casefile
-    from ..oracle.compare import compare, root_cause
+    from ..oracle.compare import CAUSAL_ORDER, compare, root_cause
     if not args.tolerance_factor >= 1.0:
         raise ValueError(f"--tolerance-factor must be >= 1, got {args.tolerance_factor}")
     if args.json:
@@ -160,17 +163,23 @@ def check(args) -> int:
     reports = [compare(case, results, args.tolerance_factor) for case, results in loaded]
     for report in reports:
         print(f"{'PASS' if report.ok else 'FAIL'} {report.case}")
-        worst = {}
-        for f in report.findings:
-            if not f.ok or args.verbose:
-                print(_fmt(f))
-            ratio = f.max_rel / f.tolerance if f.tolerance else 0.0
-            if f.dtype not in worst or ratio > worst[f.dtype][0]:
-                worst[f.dtype] = (ratio, f)
         cause = root_cause(report)
         if cause is not None:
             where = "global" if cause.rank is None else f"rank {cause.rank}"
             print(f"    most likely cause ({cause.dtype} {cause.tensor}, {where}): {cause.diagnosis}")
+        worst, consequences = {}, {}
+        for f in sorted(report.findings, key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor),
+                                                         f.rank is not None, f.rank or 0)):
+            ratio = f.max_rel / f.tolerance if f.tolerance else 0.0
+            if f.dtype not in worst or ratio > worst[f.dtype][0]:
+                worst[f.dtype] = (ratio, f)
+            if not f.ok and f.diagnosis and f.diagnosis.startswith("follows") and not args.verbose:
+                consequences.setdefault((f.dtype, f.tensor, f.diagnosis), []).append(
+                    "global" if f.rank is None else f"rank {f.rank}")
+            elif not f.ok or args.verbose:
+                print(_fmt(f))
+        for (dtype, tensor, diagnosis), where in consequences.items():
+            print(f"    {dtype} {tensor:<13} {', '.join(where)}: {diagnosis}")
         if report.ok and not args.verbose:
             print("    " + "; ".join(f"{d}: worst {f.tensor}{'' if f.rank is None else f'[rank {f.rank}]'} "
                                      f"max_rel {f.max_rel:.1e} = {r:.2f} of its tolerance"

@@ -171,8 +171,8 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> Case
                     continue
                 want, offset = expected[r][tensor]
                 finding, bad = _finding(dtype, tensor, r, arrays[tensor], want, scale, tol, why, offset)
-                if not finding.ok:
-                    finding.owner = r
+                if not finding.ok:   # a ghost cell's owner is the rank that sent it
+                    finding.owner = owner_of(case, "dx", finding.first_index) if tensor.endswith("needed") else r
                     finding.diagnosis = diagnose.rank_tensor(case, dtype, tensor, r, arrays[tensor], want,
                                                              bad, tol * scale)
                 report.findings.append(finding)
