@@ -348,3 +348,16 @@ def test_write_case_is_deterministic(tmp_path):
             np.testing.assert_array_equal(a.expected[dtype][k], b.expected[dtype][k])
     with pytest.raises(UnusableInput, match="no such file"):
         load_case(str(tmp_path / "missing.h5"))
+
+
+def test_only_the_adapter_imports_torch():
+    """refimpl's math never calls PyTorch: the one torch import in refimpl/ is the run-torch
+    adapter (the implementation under test), and importing the oracle does not load it."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "refimpl"
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "import torch" in p.read_text() or "from torch" in p.read_text())
+    assert importers == ["oracle/torch_adapter.py"]
+    code = "import sys, refimpl.oracle, refimpl.commands.oracle; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV).stdout.strip()
+    assert out == "False"
