@@ -361,3 +361,10 @@ def test_only_the_adapter_imports_torch():
     code = "import sys, refimpl.oracle, refimpl.commands.oracle; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV).stdout.strip()
     assert out == "False"
+
+
+def test_dataset_where_a_group_belongs(good):
+    def spoil(h5):
+        del h5["float64/global"]
+        h5["float64/global"] = np.ones(3)
+    assert "/float64/global must be a group of datasets" in spoil_and_check(good, spoil)

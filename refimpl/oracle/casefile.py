@@ -177,10 +177,44 @@ def required(case: Case) -> tuple:
     return ("y", "dx") + (("dw", "db") if "dw" in next(iter(case.expected.values())) else ())
 
 
+def _read_tensors(h5, path, where, need, expected) -> dict:
+    """The datasets of group ``where``: every name in ``need`` present, none outside
+    ``expected`` ({name: expected array}), each of the expected dtype, shape and finite."""
+    import h5py
+    if not isinstance(h5[where], h5py.Group):
+        raise UnusableInput(f"results file {path}: /{where} must be a group of datasets, found a dataset")
+    names = set(h5[where])
+    unknown = sorted(names - set(expected))
+    missing = [n for n in need if n not in names]
+    if unknown or missing:
+        raise UnusableInput(f"results file {path}: /{where}: "
+                            + (f"missing dataset(s) {missing}" if missing else "")
+                            + ("; " if missing and unknown else "")
+                            + (f"unknown dataset(s) {unknown} (this case has: {sorted(expected)})"
+                               if unknown else ""))
+    arrays = {}
+    for name in sorted(names):
+        array = numpy.asarray(_read(h5, f"{where}/{name}", path))
+        _check_array(array, expected[name], f"results file {path}: /{where}/{name}")
+        arrays[name] = array
+    return arrays
+
+
 def load_results(path: str, case: Case) -> Results:
     """Read a results file for ``case`` and validate it against the case's expectations."""
+    try:
+        return _load_results(path, case)
+    except (TypeError, AttributeError, KeyError, OSError) as err:    # e.g. a dataset where a group belongs
+        raise UnusableInput(f"results file {path}: not laid out as docs/oracle.md describes "
+                            f"({type(err).__name__}: {err})") from None
+
+
+def _load_results(path: str, case: Case) -> Results:
+    import h5py
     with _open(path, "results file") as h5:
         got = h5.attrs.get("case_digest")
+        if isinstance(got, (bytes, numpy.bytes_)):         # a fixed-length string from another writer
+            got = got.decode()
         if got is None:
             raise UnusableInput(f"results file {path}: no root attribute 'case_digest' (copy the case "
                                 f"file's 'digest' attribute, {case.digest!r})")
@@ -199,26 +233,16 @@ def load_results(path: str, case: Case) -> Results:
         need = required(case)
         for dtype in h5:
             group = h5[dtype]
+            if not isinstance(group, h5py.Group):
+                raise UnusableInput(f"results file {path}: /{dtype} must be a group, found a dataset")
             extra = sorted(set(group) - {"global", "rank"})
             if extra or not len(group):
                 raise UnusableInput(f"results file {path}: /{dtype} must hold 'global' and/or 'rank', "
                                     f"found {sorted(group)}")
             if "global" in group:
-                names = set(group["global"])
-                unknown = sorted(names - set(GLOBAL_TENSORS))
-                missing = [n for n in need if n not in names]
-                if unknown or missing:
-                    raise UnusableInput(f"results file {path}: /{dtype}/global: "
-                                        + (f"missing dataset(s) {missing}" if missing else "")
-                                        + ("; " if missing and unknown else "")
-                                        + (f"unknown dataset(s) {unknown} (known: {list(GLOBAL_TENSORS)})"
-                                           if unknown else ""))
-                results.global_[dtype] = {}
-                for name in need:
-                    array = _read(h5, f"{dtype}/global/{name}", path)
-                    _check_array(numpy.asarray(array), case.expected[dtype][name],
-                                 f"results file {path}: /{dtype}/global/{name}")
-                    results.global_[dtype][name] = array
+                expected = case.expected[dtype]
+                results.global_[dtype] = _read_tensors(h5, path, f"{dtype}/global", need,
+                                                       {k: expected[k] for k in GLOBAL_TENSORS if k in expected})
             if "rank" in group:
                 present = sorted(group["rank"], key=lambda s: (len(s), s))
                 expected_ranks = [str(r) for r in range(case.spec.ranks)]
@@ -226,24 +250,10 @@ def load_results(path: str, case: Case) -> Results:
                     raise UnusableInput(f"results file {path}: /{dtype}/rank must hold groups "
                                         f"0..{case.spec.ranks - 1} (one per rank of grid "
                                         f"{list(case.spec.grid)}), found {present}")
-                results.ranks[dtype] = {}
-                for r in range(case.spec.ranks):
-                    want = case.ranks[dtype][r]
-                    names = set(group[f"rank/{r}"])
-                    allowed = set(RANK_TENSORS) & set(want)
-                    unknown = sorted(names - allowed)
-                    missing = [n for n in need if n not in names]
-                    if unknown or missing:
-                        raise UnusableInput(f"results file {path}: /{dtype}/rank/{r}: "
-                                            + (f"missing dataset(s) {missing}" if missing else "")
-                                            + ("; " if missing and unknown else "")
-                                            + (f"unknown dataset(s) {unknown} (this case has: "
-                                               f"{sorted(allowed)})" if unknown else ""))
-                    results.ranks[dtype][r] = {}
-                    for name in sorted(names):
-                        array = numpy.asarray(_read(h5, f"{dtype}/rank/{r}/{name}", path))
-                        _check_array(array, want[name][0], f"results file {path}: /{dtype}/rank/{r}/{name}")
-                        results.ranks[dtype][r][name] = array
+                results.ranks[dtype] = {
+                    r: _read_tensors(h5, path, f"{dtype}/rank/{r}", need,
+                                     {k: a for k, (a, _) in case.ranks[dtype][r].items() if k in RANK_TENSORS})
+                    for r in range(case.spec.ranks)}
     return results
 
 
