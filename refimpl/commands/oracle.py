@@ -92,6 +92,16 @@ def results_path(results: str, case_path: str, single: bool) -> str:
     return results
 
 
+def make_out_dir(path: str) -> None:
+    """Create the --out directory; ValueError (exit 2) if a file is in the way or it cannot be made."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {path}: cannot create the directory ({err.strerror})") from None
+
+
 def generate(args) -> int:
     from ..failstop import check_writable
     from ..oracle.casefile import write_case
@@ -103,7 +113,7 @@ def generate(args) -> int:
             raise ValueError(f"--case {unknown[0]}: not in suite {args.suite} "
                              f"(it has: {', '.join(sorted({s.name for s in specs}))})")
         specs = [s for s in specs if s.name in args.case]
-    os.makedirs(args.out, exist_ok=True)
+    make_out_dir(args.out)
     check_writable(os.path.join(args.out, specs[0].file_name), "--out")
     start, size = time.perf_counter(), 0
     for spec in specs:
@@ -111,7 +121,7 @@ def generate(args) -> int:
         size += os.path.getsize(path)
         print(f"wrote {path}  ({spec.layer}, input {list(spec.input)}, grid {list(spec.grid)}, "
               f"{spec.ranks} rank{'s' * (spec.ranks > 1)})", flush=True)
-    print(f"{len(specs)} case files, {size / 2**20:.1f} MiB, in {time.perf_counter() - start:.1f} s")
+    print(f"{len(specs)} case file{'s' * (len(specs) != 1)}, {size / 2**20:.1f} MiB, in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -123,7 +133,7 @@ def run_torch(args) -> int:
     plants = [torch_adapter.parse_plant(args.plant, case) for case in cases]
     if args.global_mode == "none" and args.no_ranks:
         raise ValueError("--global none and --no-ranks leave nothing to write")
-    os.makedirs(args.out, exist_ok=True)
+    make_out_dir(args.out)
     check_writable(os.path.join(args.out, os.path.basename(paths[0])), "--out")
     for case, plant in zip(cases, plants):
         glob, ranks = torch_adapter.run_case(case, plant, args.global_mode, not args.no_ranks)

@@ -3,7 +3,9 @@
 Case file ``NAME.GRID.h5`` (written by ``refimpl oracle generate``)::
 
     /  attrs  format = "refimpl-oracle-case", format_version, refimpl_version, digest,
-              case (JSON: layer, arguments, input, grid, seed, values, dtypes), output_shape
+              case (JSON: every CaseSpec field: name, layer, input, out_channels, kernel, stride,
+              padding, dilation, output_padding, grid, model_parallel, values, seed, dtypes),
+              output_shape
     /<dtype>/inputs/{x, dy, w, b}            global inputs (w, b: conv weight/bias, or
                                              batch norm's scale/shift)
     /<dtype>/global/{y, dx, dw, db}          expected global outputs and gradients

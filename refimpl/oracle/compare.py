@@ -176,6 +176,8 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> Case
                     finding.diagnosis = diagnose.rank_tensor(case, dtype, tensor, r, arrays[tensor], want,
                                                              bad, tol * scale)
                 report.findings.append(finding)
+    report.findings.sort(key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor), f.rank is not None,
+                                        f.rank or 0))
     trace_consequences(report)
     return report
 
@@ -202,6 +204,8 @@ def trace_consequences(report: CaseReport) -> None:
                     and not u.diagnosis.startswith("follows")
                     and CAUSAL_ORDER.index(u.tensor) < CAUSAL_ORDER.index(f.tensor)]
         if upstream:
-            u = min(upstream, key=lambda u: (CAUSAL_ORDER.index(u.tensor), u.rank is None, u.rank or 0))
+            # the same rank's error first (its own y spoils its own dw_partial), then the earliest
+            u = min(upstream, key=lambda u: (f.rank is not None and u.rank != f.rank, CAUSAL_ORDER.index(u.tensor), u.rank is None,
+                                             u.rank or 0))
             where = "global" if u.rank is None else f"rank {u.rank}"
             f.diagnosis = f"follows from the error in {u.tensor} ({where}) diagnosed above"

@@ -5,8 +5,9 @@ A suite lists ``[[case]]`` tables; every case names a layer and its arguments ex
 over.  One *case file* is written per (case, grid) pair, named ``NAME.G.h5`` with the grid
 written ``Pn-Pd-Ph-Pw[-Pm]``.  Example::
 
+    description = "what the suite is for"     # optional
     seed = 0                      # optional: default seed of every case
-    dtypes = ["float64", "float32"]
+    dtypes = ["float64", "float32"]   # optional: default dtypes of every case
 
     [[case]]
     name = "conv_even_kernel"     # letters, digits, '_' and '-'
@@ -86,13 +87,6 @@ class CaseSpec:
                          grid=format_grid(self.grid), model_parallel=self.model_parallel,
                          dtype="float64", seed=self.seed, save=None, algorithm=None)
         return LayerSpec(args, self.ranks)
-
-    def arguments(self) -> dict:
-        """The layer's arguments as stored in a case file (JSON-able)."""
-        return {"kernel": list(self.kernel), "stride": list(self.stride), "padding": list(self.padding),
-                "dilation": list(self.dilation), "output_padding": list(self.output_padding),
-                "out_channels": self.out_channels, "model_parallel": self.model_parallel,
-                "values": self.values}
 
 
 def _int_list(value, where, key):

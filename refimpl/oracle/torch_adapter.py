@@ -132,8 +132,6 @@ def run_ranks(case, dtype, torch, plant=None):
     out = {lo.rank: {} for lo in case.layouts}
     if spec.layer == "batch_norm3d":
         return _run_bn(case, g, torch, plant, out)
-    empty = any(o0 == o1 for o0, o1 in _outputs_all(case))
-    del empty
     leaves = {}
     for lo in case.layouts:
         xn = g["x"][lo.index("needed")].clone()
@@ -182,17 +180,11 @@ def run_ranks(case, dtype, torch, plant=None):
         if w is not None:
             r["dw_partial"] = w.grad.numpy() if w.grad is not None else numpy.zeros(tuple(w.shape), dtype)
             r["db_partial"] = b.grad.numpy() if b.grad is not None else numpy.zeros(tuple(b.shape), dtype)
-        if "y_partial" in r:
-            r["y_partial"] = r["y_partial"]
         result[lo.rank] = r
     _adjoint_exchange(case, dtype, result, plant)
     if "w" in g:
         _allreduce_params(case, result, plant)
     return result
-
-
-def _outputs_all(case):
-    return [r for lo in case.layouts for r in lo.outputs]
 
 
 def _shape(lo, which):
@@ -223,14 +215,12 @@ def _adjoint_exchange(case, dtype, result, plant):
 
 
 def _allreduce_params(case, result, plant):
-    dims = expect.grid5(case.spec.grid)
     for name in ("dw", "db"):
         for lo in case.layouts:
             same = [q for q in case.layouts if q.coords[4] == lo.coords[4]]
             if plant and plant[0] == "dw-unsummed":         # over the sample groups only
                 same = [q for q in same if q.coords[1:4] == lo.coords[1:4]]
             result[lo.rank][name] = sum(result[q.rank][f"{name}_partial"] for q in same)
-    del dims
 
 
 def _run_bn(case, g, torch, plant, out):
