@@ -46,12 +46,8 @@ from dataclasses import dataclass
 import numpy
 
 from .. import functional as F
-from ..parallel.partition import (block_range, conv_halo_plan, grid_coords, transposed_conv_halo_plan,
-                                  window_output_extent, transposed_output_extent)
-
-#: a model rank's channel slice: the balanced block (``parallel.channels.channel_range``, which
-#: is this same function; imported from the pure index math so the oracle needs no MPI)
-channel_range = block_range
+from ..parallel.partition import (block_range, channel_range, conv_halo_plan, grid_coords,
+                                  transposed_conv_halo_plan, window_output_extent, transposed_output_extent)
 
 CONV_LAYERS = ("conv3d", "conv_transpose3d")
 #: the plain algorithm for expectations: exact summation order independent of tiling

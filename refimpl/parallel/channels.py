@@ -39,23 +39,7 @@ from mpi4py import MPI
 
 from ..backend import array_module
 from .buffers import finish_recv, recv_buffer, send_buffer
-from .partition import block_range
-
-
-def channel_range(channels: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of model rank ``index``'s slice of ``channels`` over ``parts`` ranks."""
-    return block_range(channels, parts, index)
-
-
-def channel_counts(channels: int, parts: int) -> list[int]:
-    return [b - a for a, b in (channel_range(channels, parts, m) for m in range(parts))]
-
-
-def moved_bytes(channels: int, parts: int, index: int, others: int, itemsize: int) -> int:
-    """Bytes rank ``index`` exchanges in one channel allgather or reduce-scatter:
-    ``(C - c_m) * others * itemsize``, ``others`` = the elements per channel (N * voxels)."""
-    start, stop = channel_range(channels, parts, index)
-    return (channels - (stop - start)) * others * itemsize if parts > 1 else 0
+from .partition import block_range, channel_counts, channel_range, moved_bytes  # noqa: F401 (re-exported)
 
 
 class ChannelTraffic:

@@ -46,6 +46,7 @@ from mpi4py import MPI
 
 from ..backend import array_module
 from .collectives import ALGORITHMS, start_allreduce
+from .partition import pack_buckets
 
 MIB = 1 << 20
 
@@ -73,18 +74,10 @@ def make_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[Buc
     (``first_bucket_bytes`` for the first, ``bucket_bytes`` after), or has another
     dtype; a parameter larger than the cap gets a bucket of its own.
     """
-    groups, current, size = [], [], 0
-    for param in params:
-        cap = first_bucket_bytes if not groups else bucket_bytes
-        same_kind = not current or (param.data.dtype == current[0].data.dtype
-                                    and array_module(param.data) is array_module(current[0].data))
-        if current and (size + param.data.nbytes > cap or not same_kind):
-            groups.append(current)
-            current, size = [], 0
-        current.append(param)
-        size += param.data.nbytes
-    if current:
-        groups.append(current)
+    params = list(params)
+    kinds = [(p.data.dtype, array_module(p.data)) for p in params]
+    groups = [[params[i] for i in group] for group in
+              pack_buckets([p.data.nbytes for p in params], kinds, bucket_bytes, first_bucket_bytes)]
     buckets = []
     for group in groups:
         offsets = [0]

@@ -55,6 +55,7 @@ class HaloExchange:
         self.needed = plan.needed(self.coords)
         self.frame = tuple(_hull(o, n) for o, n in zip(self.owned, self.needed))
         self.bytes_sent = 0  # cumulative, forward and adjoint
+        self.messages_sent = 0
         # nothing to exchange and nothing to reshape (one rank, or a window that reads
         # exactly the owned block): forward and adjoint are the identity, skip the copies
         self.identity = self.needed == self.owned and not any(
@@ -112,6 +113,7 @@ class HaloExchange:
             requests.append(self.comm.Isend(buf, dest=grid_rank(m.peer, self.plan.grid_dims), tag=tag))
             outgoing.append(buf)  # keep alive until Waitall
             self.bytes_sent += buf.nbytes
+            self.messages_sent += 1
         MPI.Request.Waitall(requests)
         for m, buf in incoming:
             if adjoint:

@@ -321,3 +321,44 @@ def bytes_sent(plan: HaloPlan, itemsize: int, channels: int, batch: int, adjoint
         volume = sum(m.volume for axis in range(3) for m in messages(coords, axis))
         per_rank.append(volume * itemsize * channels * batch)
     return per_rank
+
+
+# ---------------------------------------------------------------- channel slices (the model axis)
+
+def channel_range(channels: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of model rank ``index``'s slice of ``channels`` over ``parts`` ranks."""
+    return block_range(channels, parts, index)
+
+
+def channel_counts(channels: int, parts: int) -> list[int]:
+    return [b - a for a, b in (channel_range(channels, parts, m) for m in range(parts))]
+
+
+def moved_bytes(channels: int, parts: int, index: int, others: int, itemsize: int) -> int:
+    """Bytes rank ``index`` exchanges in one channel allgather or reduce-scatter:
+    ``(C - c_m) * others * itemsize``, ``others`` = the elements per channel (N * voxels)."""
+    start, stop = channel_range(channels, parts, index)
+    return (channels - (stop - start)) * others * itemsize if parts > 1 else 0
+
+
+# ---------------------------------------------------------------- gradient buckets
+
+def pack_buckets(sizes, kinds, bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
+    """Indices of the items (parameters in backward order, ``sizes`` in bytes) in each bucket.
+
+    A bucket is closed when the next item would take it past its cap (``first_bucket_bytes``
+    for the first, ``bucket_bytes`` after) or is of another kind (dtype, array module); an
+    item larger than the cap gets a bucket of its own.  ``GradientSynchronizer`` packs its
+    buckets with it, and the planner predicts them with it.
+    """
+    groups, current, size = [], [], 0
+    for i, (nbytes, kind) in enumerate(zip(sizes, kinds)):
+        cap = first_bucket_bytes if not groups else bucket_bytes
+        if current and (size + nbytes > cap or kind != kinds[current[0]]):
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
