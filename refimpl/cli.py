@@ -16,6 +16,8 @@ COMMANDS = {
     "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
     "oracle": ("refimpl.commands.oracle",
                "reference cases per layer, grid and rank; check another implementation's results shard by shard"),
+    "plan": ("refimpl.commands.plan",
+             "predict step time and memory of every grid for a model, batch and machine, and explain the best"),
     "train": ("refimpl.commands.train",
               "train CosmoFlow or 3D U-Net data x spatial parallel under mpiexec (checkpoints, metrics, plot)"),
 }

@@ -19,8 +19,8 @@ Pure math (no messages): for CosmoFlow or the 3D U-Net (any preset or config) on
   ``collectives.predicted_time`` for the chosen algorithm over the Pn x Ps ranks holding a
   copy of the parameter slice;
 - memory: saved activations (each layer keeps its input, halo included), the largest
-  transient (halo work array + the output being produced), weights, gradients and the
-  optimizer state (SGD momentum: 1 copy; Adam: 2).
+  transient (halo work array + the output being produced), weights, gradients, the
+  gradient buckets (one more copy) and the optimizer state (SGD momentum: 1 copy; Adam: 2).
 
 Time of the step = compute (FLOPs / rate) + every message's ``alpha + bytes * beta``
 (intra- or inter-node constants by where the peers sit: ranks ``r // ranks_per_node``
@@ -35,6 +35,7 @@ gradient words over Pn; collective costs after Thakur, Rabenseifner & Gropp (200
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -84,9 +85,10 @@ class Machine:
         same = a // self.ranks_per_node == b // self.ranks_per_node
         return (self.alpha, self.beta) if same else (self.alpha_inter, self.beta_inter)
 
-    def group_link(self, ranks) -> tuple[float, float]:
-        ranks = list(ranks)
-        same = len({r // self.ranks_per_node for r in ranks}) <= 1
+    def group_link(self, group) -> tuple[float, float]:
+        """(alpha, beta) of a collective over ``group`` = (size, lowest rank, highest rank)."""
+        _, lo, hi = group
+        same = lo // self.ranks_per_node == hi // self.ranks_per_node
         return (self.alpha, self.beta) if same else (self.alpha_inter, self.beta_inter)
 
 
@@ -264,20 +266,17 @@ def grid5(dims) -> tuple:
     return dims + (1,) * (5 - len(dims))
 
 
-def _allreduce_s(n_bytes, members, machine, algorithm="native"):
+def _allreduce_s(n_bytes, group, machine, algorithm="native"):
     from .parallel.collectives import predicted_time
-    alpha, beta = machine.group_link(members)
-    return predicted_time(algorithm, n_bytes, len(members), alpha, beta, machine.gamma)
+    alpha, beta = machine.group_link(group)
+    return predicted_time(algorithm, n_bytes, group[0], alpha, beta, machine.gamma)
 
 
 def _group(dims, coords, axes):
-    """World ranks that differ from ``coords`` only on ``axes``."""
-    out = []
-    for rank in range(math.prod(dims)):
-        c = grid_coords(rank, dims)
-        if all(c[a] == coords[a] for a in range(5) if a not in axes):
-            out.append(rank)
-    return out
+    """(size, lowest rank, highest rank) of the ranks that differ from ``coords`` only on ``axes``."""
+    lo = grid_rank(tuple(0 if a in axes else c for a, c in enumerate(coords)), dims)
+    hi = grid_rank(tuple(dims[a] - 1 if a in axes else c for a, c in enumerate(coords)), dims)
+    return math.prod(dims[a] for a in axes), lo, hi
 
 
 def _halo(plan, coords3, dims, coords, channels, samples, itemsize, adjoint, machine):
@@ -299,6 +298,15 @@ def _volume(ranges):
     return math.prod(b - a for a, b in ranges)
 
 
+@functools.lru_cache(maxsize=4096)
+def halo_plan_of(layer: Layer, spatial_dims: tuple):
+    """The halo plan the layer builds on a (Pd, Ph, Pw) grid (the same function the layer calls)."""
+    if layer.kind == "conv_transpose":
+        return transposed_conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1,
+                                         layer.output_padding)
+    return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
+
+
 def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost]:
     """Every layer's cost on the rank at ``coords`` (5 entries) of grid ``dims``."""
     dims, coords = grid5(dims), tuple(coords) + (0,) * (5 - len(coords))
@@ -318,11 +326,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
                 (layer.kind in ("bn", "act", "pool") and layer.split_in):
             f_local = block_range(layer.c_out, pm, m)[1] - block_range(layer.c_out, pm, m)[0]
         if layer.kind in ("conv", "conv_transpose", "pool"):
-            if layer.kind == "conv_transpose":
-                plan = transposed_conv_halo_plan(layer.in_dhw, sdims, layer.kernel, layer.stride, layer.padding, 1,
-                                                 layer.output_padding)
-            else:
-                plan = conv_halo_plan(layer.in_dhw, sdims, layer.kernel, layer.stride, layer.padding, 1)
+            plan = halo_plan_of(layer, sdims)
             v_in, v_out = _volume(plan.owned(scoords)), _volume(plan.outputs(scoords))
             v_need = _volume([(min(a, c), max(b, d)) for (a, b), (c, d) in
                               zip(plan.owned(scoords), plan.needed(scoords))])
@@ -441,9 +445,10 @@ class GridPlan:
 
 
 def _representatives(dims):
-    """Rank coordinates to evaluate: per axis the first, second, middle and last coordinate
-    (the largest block, an interior one, the last): the slowest rank is among them."""
-    axes = [sorted({0, min(1, p - 1), p // 2, p - 1}) for p in dims]
+    """Rank coordinates to evaluate: sample group and model rank 0 (the largest slices), and
+    per spatial axis the first, second and last coordinate (the largest block, an interior
+    one with halos on both sides, the last): the slowest rank is among them."""
+    axes = [[0]] + [sorted({0, min(1, p - 1), p - 1}) for p in dims[1:4]] + [[0]]
     out = [()]
     for choices in axes:
         out = [c + (x,) for c in out for x in choices]
@@ -470,7 +475,7 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
         ar = sum(_allreduce_s(sum(sizes[i] for i in g), members, machine, algorithm) for g in groups)
         weights = sum(sizes)
         memory = sum(c.saved_bytes for c in costs) + max((c.transient_bytes for c in costs), default=0) + \
-            weights * (2 + OPTIMIZER_COPIES[optimizer])
+            weights * (3 + OPTIMIZER_COPIES[optimizer])    # + gradient + bucket copy + optimizer
         compute = sum(c.compute_s for c in costs)
         halo = sum(c.halo_s for c in costs)
         comm = sum(c.comm_s for c in costs)
@@ -514,20 +519,80 @@ def factorizations(p: int, parts: int) -> list[tuple]:
     return [(d,) + rest for d in range(1, p + 1) if p % d == 0 for rest in factorizations(p // d, parts - 1)]
 
 
-def search(layers, ranks, batch, machine=Machine(), *, model_axis=True, top=None, **kw) -> list[GridPlan]:
+def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None, **kw) -> list[GridPlan]:
     """Every grid of ``ranks`` ranks, feasible ones first, by predicted step time.
 
-    Spatial splits are taken in canonical order Pd >= Ph >= Pw (the others are the same
-    up to a rotation of a cubic sample)."""
+    ``layers_mp``: the model with its model-parallel layers, used on grids with Pm > 1
+    (None: no model axis).  Spatial splits are taken in canonical order Pd >= Ph >= Pw
+    (the others are the same up to a rotation of a cubic sample)."""
     plans = []
     for dims in factorizations(ranks, 5):
         pn, pd, ph, pw, pm = dims
-        if not (pd >= ph >= pw) or (pm > 1 and not model_axis):
+        if not (pd >= ph >= pw) or (pm > 1 and layers_mp is None):
             continue
-        plans.append(plan_grid(layers, dims, batch, machine, **kw))
+        plans.append(plan_grid(layers if pm == 1 else layers_mp, dims, batch, machine, **kw))
     plans.sort(key=lambda g: (not g.feasible, g.step_s if g.feasible else g.memory_bytes))
     return plans[:top] if top else plans
 
 
+# ---------------------------------------------------------------- calibration
+
+def save_machine(machine: Machine) -> str:
+    """The machine as a TOML file ``load_machine`` reads back."""
+    lines = ["# refimpl plan machine constants (refimpl plan --calibrate; docs/planner.md)"]
+    for key, value in machine.__dict__.items():
+        if value is not None:
+            lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+    return "\n".join(lines) + "\n"
+
+
+def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
+    """Measure this machine: the conv rate of refimpl's own forward + backward on a
+    mid-sized block, and — when started under mpiexec with 2 or more ranks — alpha and beta
+    from a ping-pong between ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Returns
+    the machine on rank 0, None on the other ranks."""
+    import time
+
+    import numpy
+
+    from . import functional as F
+    from .cli import launcher_size
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((2, 16, 24, 24, 24)).astype(numpy.float32)
+    w = rng.standard_normal((32, 16, 3, 3, 3)).astype(numpy.float32)
+    flops = 3 * 2.0 * 2 * 32 * 16 * 27 * 24 ** 3
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        y = F.conv3d(x, w, None, 1, 1)
+        F.conv3d_backward(numpy.ones_like(y), x, w, 1, 1)
+        best = min(best, time.perf_counter() - start)
+    values = dict(machine.__dict__, gflops=flops / best / 1e9)
+    if launcher_size() > 1:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        rank = comm.Get_rank()
+        times = {}
+        for nbytes in (8, 8 * 2 ** 20):
+            buf = numpy.zeros(nbytes, numpy.uint8)
+            reps = 50 if nbytes < 1024 else 5
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(reps):
+                if rank == 0:
+                    comm.Send(buf, dest=1)
+                    comm.Recv(buf, source=1)
+                elif rank == 1:
+                    comm.Recv(buf, source=0)
+                    comm.Send(buf, dest=0)
+            times[nbytes] = (time.perf_counter() - start) / (2 * reps)
+        if rank != 0:
+            return None
+        alpha = times[8]
+        beta = max((times[8 * 2 ** 20] - alpha) / (8 * 2 ** 20), 1e-12)
+        values.update(alpha=alpha, beta=beta, gamma=beta / 2)
+    return Machine(**values)
+
+
 __all__ = ["Machine", "load_machine", "Layer", "model_layers", "rank_costs", "plan_grid", "search",
-           "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility"]
+           "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility", "calibrate", "save_machine"]

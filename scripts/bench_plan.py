@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""The planner against measured runs: predicted vs measured step time and peak memory per grid.
+
+For a model preset and a global batch, every grid of ``--ranks`` ranks (or ``--grids``) is
+run for real under ``mpiexec`` (float32, one BLAS thread per rank): build the model, an
+SGD-momentum optimizer and the gradient synchroniser, one warm-up training step (forward,
+loss, backward, gradient allreduce, update) and ``--repeats`` timed steps (best kept;
+slowest rank).  Memory: tracemalloc's peak over the warm-up step, started before the
+model is built (weights, gradients, optimizer state, activations, halo buffers and
+temporaries; NumPy reports its buffers to tracemalloc), max over ranks.  Next to each,
+``refimpl.plan``'s prediction for the same grid with the machine constants of
+``--machine FILE`` (default: ``refimpl plan --calibrate`` values measured here, see
+docs/planner.md).  The table ends with the two rankings (by measured and by predicted
+step time) and whether they agree.
+
+    python scripts/bench_plan.py --model cosmoflow --preset small --batch 4 --ranks 2 [--json FILE]
+    python scripts/bench_plan.py --model unet3d --preset tiny --batch 4 --ranks 4 --grids 4,1,1,1 2,2,1,1
+
+With more ranks than cores the ranks time-share the cores: times then measure the
+oversubscribed machine (report them separately); memory and bytes stay exact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def worker(args) -> None:
+    """One grid under mpiexec: prints one JSON line on rank 0."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from refimpl.models import build_model
+    from refimpl.optim import make_optimizer
+    from refimpl.parallel.grad_sync import GradientSynchronizer
+    from refimpl.parallel.grid import ProcessGrid, parse_grid
+    from refimpl.parallel.partition import block_range
+
+    comm = MPI.COMM_WORLD
+    dims = parse_grid(args.grid)
+    grid = ProcessGrid(comm, dims)
+    # the batch first (the data loader's, not the step's memory): this rank's block of it
+    from refimpl.models import PRESETS
+    c, *dhw = PRESETS[args.model][args.preset]["input_shape"]
+    rng = np.random.default_rng(0)
+    samples = slice(*block_range(args.batch, grid.dims[0], grid.sample_coord))
+    x = rng.standard_normal((args.batch, c) + tuple(dhw)).astype(np.float32)
+    x_local = np.ascontiguousarray(x[(samples, slice(None)) + grid.local_block(dhw)])
+    del x
+    tracemalloc.start()
+    model = build_model(args.model, args.preset, grid, seed=0, global_batch=args.batch)
+    optimizer = make_optimizer("sgd", model.parameters(), lr=1e-3, momentum=0.9)
+    sync = GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm)
+    if args.model == "cosmoflow":
+        target = rng.uniform(-1, 1, (args.batch, model.num_outputs)).astype(np.float32)
+    else:
+        target = rng.integers(0, model.num_classes, (args.batch,) + tuple(dhw))
+    target_local = model.local_target(target)
+
+    def step():
+        model.zero_grad()
+        out = model.forward(x_local)
+        _, dout, _ = model.loss(out, target_local)
+        model.backward(dout)
+        sync.finish()
+        optimizer.step()
+
+    step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    times = []
+    for _ in range(args.repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        step()
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    peaks = comm.gather(peak, root=0)
+    if comm.Get_rank() == 0:
+        print(json.dumps({"grid": list(dims), "step_s": min(times), "peak_bytes": max(peaks)}), flush=True)
+
+
+def run_grid(args, dims) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    n = 1
+    for p in dims:
+        n *= p
+    cmd = [shutil.which("mpiexec") or "mpiexec", "--oversubscribe", "-n", str(n), sys.executable, __file__,
+           "--worker", "--grid", ",".join(map(str, dims)), "--model", args.model, "--preset", args.preset,
+           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"grid {dims} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spearman_agree(a, b) -> bool:
+    return sorted(range(len(a)), key=a.__getitem__) == sorted(range(len(b)), key=b.__getitem__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--grids", nargs="*", default=None, metavar="Pn,Pd,Ph,Pw",
+                        help="grids to run (default: every 4-entry grid of --ranks ranks the model takes)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default=None, help="machine TOML for the predictions")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--grid", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    from refimpl.parallel.grid import all_grids, parse_grid
+    from refimpl.plan import Machine, format_bytes, load_machine, model_layers, plan_grid
+    machine = load_machine(args.machine) if args.machine else Machine()
+    layers = model_layers(args.model, args.preset)
+    grids = [parse_grid(g) for g in args.grids] if args.grids else \
+        [g for g in all_grids(args.ranks) if args.batch % g[0] == 0 and all(
+            layers[0].in_dhw[a] % g[1 + a] == 0 for a in range(3))]
+    load = os.getloadavg()[0]
+    rows = []
+    print(f"# {args.model} {args.preset}, batch {args.batch}, {args.ranks} rank(s), load average {load:.2f}, "
+          f"machine {machine}")
+    print(f"{'grid':<14}{'measured s':>11}{'predicted s':>12}{'ratio':>7}{'peak MiB':>10}{'predicted':>10}"
+          f"{'ratio':>7}")
+    for dims in grids:
+        got = run_grid(args, dims)
+        plan = plan_grid(layers, dims, args.batch, machine, every_rank=True)
+        row = {"grid": list(dims), "measured_s": got["step_s"], "predicted_s": plan.step_s,
+               "measured_peak_bytes": got["peak_bytes"], "predicted_peak_bytes": plan.memory_bytes}
+        rows.append(row)
+        print(f"{str(tuple(dims)):<14}{row['measured_s']:>11.4f}{row['predicted_s']:>12.4f}"
+              f"{row['predicted_s'] / row['measured_s']:>7.2f}{row['measured_peak_bytes'] / 2**20:>10.1f}"
+              f"{row['predicted_peak_bytes'] / 2**20:>10.1f}"
+              f"{row['predicted_peak_bytes'] / row['measured_peak_bytes']:>7.2f}")
+    measured = [r["measured_s"] for r in rows]
+    predicted = [r["predicted_s"] for r in rows]
+    order = lambda v: [tuple(rows[i]["grid"]) for i in sorted(range(len(v)), key=v.__getitem__)]  # noqa: E731
+    agree = spearman_agree(measured, predicted)
+    print(f"# measured ranking:  {order(measured)}\n# predicted ranking: {order(predicted)}\n"
+          f"# rankings agree: {agree}; memory within 15%: "
+          f"{all(abs(r['predicted_peak_bytes'] / r['measured_peak_bytes'] - 1) <= 0.15 for r in rows)}")
+    del format_bytes
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "load_average": load, "rows": rows, "rankings_agree": agree}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The planner (refimpl/plan.py, refimpl plan): its layer lists are the models refimpl builds,
+its paper-scale conclusions hold, and bad input is refused with exit 2.
+
+Byte and message counts against real runs: tests/mpi/test_plan_mpi.py; step time and
+memory against measured runs: scripts/bench_plan.py (docs/planner.md)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from refimpl.models import PRESETS, build_model
+from refimpl.plan import (Machine, factorizations, load_machine, model_layers, parse_bytes, plan_grid,
+                          save_machine, search)
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}
+GIB = 2 ** 30
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "refimpl", "plan", *args], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+
+
+@pytest.mark.parametrize("model, config", [
+    ("cosmoflow", "tiny"), ("cosmoflow", "small"), ("cosmoflow", "mlperf"), ("unet3d", "tiny"),
+    ("unet3d", "default"),
+    ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="channel", model_parallel_blocks=2)),
+    ("unet3d", dict(PRESETS["unet3d"]["small"], model_parallel="filter"))])
+def test_layer_lists_are_the_models(model, config):
+    """Every planned layer with parameters is the built model's module of that name, with
+    as many parameters; and the model has no parameters the plan misses."""
+    layers = model_layers(model, config)
+    built = build_model(model, config, None)
+    modules = dict(built.named_modules())
+    counts = {name: sum(p.data.size for p in mod.parameters()) for name, mod in modules.items()
+              if not list(mod.named_modules())[1:] and list(mod.parameters())}
+    planned = {lay.name: lay.weights for lay in layers if lay.weights}
+    assert planned == counts
+    assert all(lay.name in modules for lay in layers)
+
+
+def test_factorizations():
+    assert sorted(factorizations(4, 2)) == [(1, 4), (2, 2), (4, 1)]
+    assert len(factorizations(2048, 5)) == 1365 and all(a * b * c * d * e == 2048
+                                                        for a, b, c, d, e in factorizations(2048, 5))
+
+
+def test_512_cube_cosmoflow_needs_spatial_splitting():
+    """Oyama et al.: a 512^3 CosmoFlow sample does not fit a 16 GiB rank without splitting it."""
+    layers = model_layers("cosmoflow", dict(PRESETS["cosmoflow"]["mlperf"], input_shape=(4, 512, 512, 512)))
+    machine = Machine(mem_per_rank=16 * GIB)
+    for pn in (1, 8, 64):                      # one sample per rank, or more: never fits
+        plan = plan_grid(layers, (pn, 1, 1, 1, 1), pn, machine)
+        assert not plan.feasible and "per rank" in plan.why and plan.memory_bytes > 16 * GIB
+    assert plan_grid(layers, (1, 2, 2, 2, 1), 1, machine).feasible          # split 8 ways, it fits
+
+
+def test_2048_ranks_batch_64_mix_spatial_and_data():
+    layers = model_layers("cosmoflow", dict(PRESETS["cosmoflow"]["mlperf"], input_shape=(4, 512, 512, 512)))
+    plans = search(layers, 2048, 64, Machine(mem_per_rank=16 * GIB), top=5)
+    best = plans[0]
+    pn, pd, ph, pw, pm = best.dims
+    assert best.feasible and pn > 1 and pd * ph * pw > 1 and best.family == "hybrid data+spatial"
+    # pure data parallelism cannot even use the ranks: at most one sample group per sample
+    assert not any(p.dims == (2048, 1, 1, 1, 1) and p.feasible for p in search(layers, 2048, 64))
+
+
+def test_fc_heavy_model_prefers_a_model_split():
+    """Gholami et al.: with a large dense layer, Pr > 1 (the model axis) beats pure data
+    parallelism, and the optimum is neither pure data nor pure model parallel."""
+    cfg = {"input_shape": (4, 64, 64, 64), "conv_size": 8, "n_conv_layers": 2, "fc1_size": 2048,
+           "fc2_size": 1024}
+    plain, split = model_layers("cosmoflow", cfg), model_layers("cosmoflow", dict(cfg, model_parallel="filter"))
+    times = {pm: plan_grid(plain if pm == 1 else split, (16 // pm, 1, 1, 1, pm), 16, Machine()).step_s
+             for pm in (1, 2, 4, 8, 16)}
+    best = min(times, key=times.get)
+    assert 1 < best < 16 and times[best] < 0.9 * times[1]
+    # the reason: the gradient allreduce of the dense weights shrinks with Pm
+    ar = {pm: plan_grid(plain if pm == 1 else split, (16 // pm, 1, 1, 1, pm), 16, Machine()).allreduce_s
+          for pm in (1, 4)}
+    assert ar[4] < ar[1] / 3
+
+
+def test_machine_files_round_trip(tmp_path):
+    machine = Machine(gflops=12.5, alpha=3e-6, ranks_per_node=8, mem_per_rank=parse_bytes("2GiB"))
+    path = tmp_path / "m.toml"
+    path.write_text(save_machine(machine))
+    assert load_machine(str(path)) == machine
+    path.write_text("gflops = 10\nbandwidth = 3\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bandwidth'\]"):
+        load_machine(str(path))
+    path.write_text("alpha = -1\n")
+    with pytest.raises(ValueError, match="alpha must be a positive number"):
+        load_machine(str(path))
+
+
+@pytest.mark.parametrize("text, value", [("16GiB", 16 * GIB), ("512 MB", 512 * 10 ** 6), ("1.5e9", 1_500_000_000),
+                                         ("2kib", 2048)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet", "--batch", "4", "--ranks", "4"], "invalid choice"),
+    (["--batch", "4", "--ranks", "4", "--mem-per-rank", "16 gigs"], "a memory size must be"),
+    (["--batch", "4", "--ranks", "4", "--mem-per-rank=-1GiB"], "a memory size must be"),
+    (["--preset", "small", "--batch", "4", "--ranks", "8", "--grid", "2,2,1,1"], "holds 4 ranks, not --ranks 8"),
+    (["--preset", "small", "--batch", "4", "--ranks", "6", "--grid", "1,6,1,1,1", "--sample", "4"],
+     "must be divisible by 16"),
+    (["--preset", "tiny", "--batch", "2", "--ranks", "32", "--grid", "1,32,1,1"], "Pd = 32 ranks on an extent of 16"),
+    (["--preset", "tiny", "--batch", "3", "--ranks", "2", "--grid", "2,1,1,1"], "do not divide the batch"),
+    (["--preset", "nope", "--batch", "4", "--ranks", "4"], "no cosmoflow preset 'nope'"),
+    (["--batch", "4"], "--ranks is required"),
+    (["--batch", "0", "--ranks", "4"], "--batch must be a positive integer"),
+])
+def test_bad_input_exits_2(args, message):
+    proc = cli(*args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cli_table_json_and_plot(tmp_path):
+    proc = cli("--model", "unet3d", "--preset", "small", "--batch", "4", "--ranks", "8", "--top", "3",
+               "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png"), "--base-batch", "2",
+               "--critical-batch", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "why" in proc.stdout and "linear scaling" in proc.stdout and "exceeds the critical batch" in proc.stdout
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert len(report["grids"]) == 3 and report["grids"][0]["feasible"]
+    steps = [g["step_s"] for g in report["grids"]]
+    assert steps == sorted(steps)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_explicit_grid_explained():
+    proc = cli("--preset", "small", "--batch", "8", "--ranks", "8", "--grid", "2,2,2,1")
+    assert proc.returncode == 0 and "features.3" in proc.stdout and "slowest rank" in proc.stdout
+
+
+def test_calibrate_under_mpiexec(tmp_path):
+    pytest.importorskip("mpi4py")
+    env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    out = tmp_path / "here.toml"
+    proc = subprocess.run([shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl",
+                           "plan", "--calibrate", "--save-machine", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    machine = load_machine(str(out))
+    assert machine.gflops > 0.1 and 0 < machine.alpha < 1e-2 and 0 < machine.beta < 1e-6
+    assert proc.stdout.count("calibrated") == 1        # rank 0 reports
