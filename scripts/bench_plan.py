@@ -56,7 +56,7 @@ def worker(args) -> None:
     x_local = np.ascontiguousarray(x[(samples, slice(None)) + grid.local_block(dhw)])
     del x
     tracemalloc.start()
-    model = build_model(args.model, args.preset, grid, seed=0, global_batch=args.batch)
+    model = build_model(args.model, config_of(args, dims), grid, seed=0, global_batch=args.batch)
     optimizer = make_optimizer("sgd", model.parameters(), lr=1e-3, momentum=0.9)
     sync = GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm)
     if args.model == "cosmoflow":
@@ -87,6 +87,15 @@ def worker(args) -> None:
         print(json.dumps({"grid": list(dims), "step_s": min(times), "peak_bytes": max(peaks)}), flush=True)
 
 
+def config_of(args, dims):
+    """The preset, with the model axis switched on for grids with Pm > 1 (--model-parallel)."""
+    from refimpl.models import PRESETS
+    config = dict(PRESETS[args.model][args.preset])
+    if len(dims) == 5 and dims[4] > 1:
+        config["model_parallel"] = args.model_parallel
+    return config
+
+
 def run_grid(args, dims) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -95,7 +104,7 @@ def run_grid(args, dims) -> dict:
         n *= p
     cmd = [shutil.which("mpiexec") or "mpiexec", "--oversubscribe", "-n", str(n), sys.executable, __file__,
            "--worker", "--grid", ",".join(map(str, dims)), "--model", args.model, "--preset", args.preset,
-           "--batch", str(args.batch), "--repeats", str(args.repeats)]
+           "--batch", str(args.batch), "--repeats", str(args.repeats), "--model-parallel", args.model_parallel]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"grid {dims} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -104,6 +113,18 @@ def run_grid(args, dims) -> dict:
 
 def spearman_agree(a, b) -> bool:
     return sorted(range(len(a)), key=a.__getitem__) == sorted(range(len(b)), key=b.__getitem__)
+
+
+def concordance(measured, predicted, noise) -> tuple[int, int]:
+    """(pairs whose measured times differ by more than ``noise``, of those the pairs the
+    prediction orders the same way): ties within the run-to-run noise carry no ranking."""
+    pairs = concordant = 0
+    for i in range(len(measured)):
+        for j in range(i + 1, len(measured)):
+            if abs(measured[i] - measured[j]) > noise * min(measured[i], measured[j]):
+                pairs += 1
+                concordant += (measured[i] < measured[j]) == (predicted[i] < predicted[j])
+    return pairs, concordant
 
 
 def main() -> None:
@@ -115,6 +136,10 @@ def main() -> None:
     parser.add_argument("--grids", nargs="*", default=None, metavar="Pn,Pd,Ph,Pw",
                         help="grids to run (default: every 4-entry grid of --ranks ranks the model takes)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-parallel", choices=("none", "filter", "channel"), default="none",
+                        help="also run grids with a model axis Pm > 1, split this way")
+    parser.add_argument("--noise", type=float, default=0.05,
+                        help="relative step-time difference below which two grids count as tied (default 0.05)")
     parser.add_argument("--machine", default=None, help="machine TOML for the predictions")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -123,12 +148,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
     from refimpl.parallel.grid import all_grids, parse_grid
-    from refimpl.plan import Machine, format_bytes, load_machine, model_layers, plan_grid
+    from refimpl.plan import Machine, feasibility, load_machine, model_layers, plan_grid
     machine = load_machine(args.machine) if args.machine else Machine()
     layers = model_layers(args.model, args.preset)
     grids = [parse_grid(g) for g in args.grids] if args.grids else \
-        [g for g in all_grids(args.ranks) if args.batch % g[0] == 0 and all(
-            layers[0].in_dhw[a] % g[1 + a] == 0 for a in range(3))]
+        [g for g in all_grids(args.ranks, model=args.model_parallel != "none")
+         if not feasibility(model_layers(args.model, config_of(args, g)), g, args.batch)]
     load = os.getloadavg()[0]
     rows = []
     print(f"# {args.model} {args.preset}, batch {args.batch}, {args.ranks} rank(s), load average {load:.2f}, "
@@ -137,7 +162,7 @@ def main() -> None:
           f"{'ratio':>7}")
     for dims in grids:
         got = run_grid(args, dims)
-        plan = plan_grid(layers, dims, args.batch, machine, every_rank=True)
+        plan = plan_grid(model_layers(args.model, config_of(args, dims)), dims, args.batch, machine, every_rank=True)
         row = {"grid": list(dims), "measured_s": got["step_s"], "predicted_s": plan.step_s,
                "measured_peak_bytes": got["peak_bytes"], "predicted_peak_bytes": plan.memory_bytes}
         rows.append(row)
@@ -149,13 +174,15 @@ def main() -> None:
     predicted = [r["predicted_s"] for r in rows]
     order = lambda v: [tuple(rows[i]["grid"]) for i in sorted(range(len(v)), key=v.__getitem__)]  # noqa: E731
     agree = spearman_agree(measured, predicted)
+    pairs, concordant = concordance(measured, predicted, args.noise)
     print(f"# measured ranking:  {order(measured)}\n# predicted ranking: {order(predicted)}\n"
-          f"# rankings agree: {agree}; memory within 15%: "
+          f"# rankings identical: {agree}; pairs of grids whose measured times differ by more than "
+          f"{args.noise:.0%}: {pairs}, ordered alike by the planner: {concordant}\n# memory within 15%: "
           f"{all(abs(r['predicted_peak_bytes'] / r['measured_peak_bytes'] - 1) <= 0.15 for r in rows)}")
-    del format_bytes
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "load_average": load, "rows": rows, "rankings_agree": agree}, f,
+            json.dump({"settings": vars(args), "load_average": load, "rows": rows, "rankings_identical": agree,
+                   "distinguishable_pairs": pairs, "concordant_pairs": concordant}, f,
                       indent=1)
 
 

@@ -150,3 +150,19 @@ def test_calibrate_under_mpiexec(tmp_path):
     machine = load_machine(str(out))
     assert machine.gflops > 0.1 and 0 < machine.alpha < 1e-2 and 0 < machine.beta < 1e-6
     assert proc.stdout.count("calibrated") == 1        # rank 0 reports
+
+
+def test_bench_plan_smoke(tmp_path):
+    """scripts/bench_plan.py runs grids for real and reports predicted next to measured."""
+    pytest.importorskip("mpi4py")
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_plan.py"
+    env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run([sys.executable, str(script), "--model", "unet3d", "--preset", "tiny", "--batch", "2",
+                           "--ranks", "2", "--repeats", "1", "--model-parallel", "filter",
+                           "--json", str(tmp_path / "b.json")], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    grids = {tuple(r["grid"]) for r in report["rows"]}
+    assert (1, 1, 1, 1, 2) in grids and len(grids) >= 4
+    assert all(r["measured_s"] > 0 and r["predicted_peak_bytes"] > 0 for r in report["rows"])
