@@ -464,7 +464,7 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
     if why:
         return GridPlan(dims, False, why)
     coords_list = [grid_coords(r, dims) for r in range(math.prod(dims))] if every_rank else _representatives(dims)
-    best = None
+    best, peak = None, 0
     for coords in coords_list:
         costs = rank_costs(layers, dims, coords, batch, itemsize, machine)
         # gradient allreduce: the rank's parameter slices in backward order, bucketed, over the
@@ -482,8 +482,10 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
         step = compute + halo + comm + ar
         plan = GridPlan(dims, True, "", step, compute, halo, comm, ar, memory, weights, len(groups),
                         grid_rank(coords, dims), costs)
+        peak = max(peak, memory)
         if best is None or (plan.step_s, plan.memory_bytes) > (best.step_s, best.memory_bytes):
             best = plan
+    best.memory_bytes = peak            # the slowest rank's time, the fullest rank's memory
     if machine.mem_per_rank is not None and best.memory_bytes > machine.mem_per_rank:
         best.feasible = False
         best.why = (f"needs {format_bytes(best.memory_bytes)} per rank, more than the "
