@@ -549,25 +549,31 @@ def save_machine(machine: Machine) -> str:
 
 
 def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
-    """Measure this machine: the conv rate of refimpl's own forward + backward on a
-    mid-sized block, and — when started under mpiexec with 2 or more ranks — alpha and beta
+    """Measure this machine: the compute rate of refimpl's own forward + backward of a small
+    CosmoFlow (the planner's FLOPs over the measured time), and — when started under mpiexec with 2 or more ranks — alpha and beta
     from a ping-pong between ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Returns
     the machine on rank 0, None on the other ranks."""
     import time
 
     import numpy
 
-    from . import functional as F
     from .cli import launcher_size
-    rng = numpy.random.default_rng(0)
-    x = rng.standard_normal((2, 16, 24, 24, 24)).astype(numpy.float32)
-    w = rng.standard_normal((32, 16, 3, 3, 3)).astype(numpy.float32)
-    flops = 3 * 2.0 * 2 * 32 * 16 * 27 * 24 ** 3
+    from .models import build_model
+    # the compute rate of a whole step of refimpl's own layers (convs, pooling, activations,
+    # the head): the planner's FLOPs of a small CosmoFlow over its measured forward + backward
+    config = {"input_shape": (4, 32, 32, 32), "conv_size": 16, "n_conv_layers": 3, "fc1_size": 64,
+              "fc2_size": 32}
+    batch = 2
+    model = build_model("cosmoflow", config, None, seed=0)
+    x = numpy.random.default_rng(0).standard_normal((batch, 4, 32, 32, 32)).astype(numpy.float32)
+    flops = sum(c.flops for c in rank_costs(model_layers("cosmoflow", config), (1, 1, 1, 1, 1), (0,) * 5,
+                                            batch, 4, machine))
     best = float("inf")
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        y = F.conv3d(x, w, None, 1, 1)
-        F.conv3d_backward(numpy.ones_like(y), x, w, 1, 1)
+        model.zero_grad()
+        out = model.forward(x)
+        model.backward(numpy.ones_like(out))
         best = min(best, time.perf_counter() - start)
     values = dict(machine.__dict__, gflops=flops / best / 1e9)
     if launcher_size() > 1:
