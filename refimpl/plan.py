@@ -365,7 +365,8 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             cost.flops = 10.0 * n_r * f_local * v
             cost.saved_bytes = n_r * f_local * v * itemsize
             everyone = _group(dims, coords, (0, 1, 2, 3))     # statistics of the whole batch
-            cost.comm_s = 2 * _allreduce_s(16 * f_local, everyone, machine)
+            # forward: the element count and the (2, C) sums; backward: the (2, C) gradient sums
+            cost.comm_s = _allreduce_s(8, everyone, machine) + 2 * _allreduce_s(16 * f_local, everyone, machine)
         elif layer.kind == "act":
             v = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)]) if layer.in_dhw else 1
             cost.flops = 2.0 * n_r * f_local * v
@@ -401,8 +402,8 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             share = layer.weights
             if layer.split != "none" and pm > 1:
                 share = math.ceil(layer.weights / pm)
-            if layer.kind == "flatten_linear":                 # columns split over the spatial group
-                share = math.ceil(share * d_in / layer.c_in) if math.prod(sdims) > 1 else share
+            # (the flatten layer keeps its whole weight on every spatial rank, and allreduces the
+            # whole gradient, zero outside its columns: nn/spatial.py SpatialFlattenLinear)
             cost.weight_bytes = share * itemsize
         cost.compute_s = cost.flops / (machine.gflops * 1e9)
         costs.append(cost)
@@ -445,10 +446,12 @@ class GridPlan:
 
 
 def _representatives(dims):
-    """Rank coordinates to evaluate: sample group and model rank 0 (the largest slices), and
-    per spatial axis the first, second and last coordinate (the largest block, an interior
-    one with halos on both sides, the last): the slowest rank is among them."""
-    axes = [[0]] + [sorted({0, min(1, p - 1), p - 1}) for p in dims[1:4]] + [[0]]
+    """Rank coordinates to evaluate: the first and last sample group and model rank (the
+    largest slices; the smallest slice, which moves the most channel bytes; other nodes),
+    and per spatial axis the first, second and last coordinate (the largest block, an
+    interior one with halos on both sides, the last)."""
+    axes = [sorted({0, dims[0] - 1})] + [sorted({0, min(1, p - 1), p - 1}) for p in dims[1:4]] + \
+        [sorted({0, dims[4] - 1})]
     out = [()]
     for choices in axes:
         out = [c + (x,) for c in out for x in choices]
@@ -526,14 +529,15 @@ def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None,
 
     ``layers_mp``: the model with its model-parallel layers, used on grids with Pm > 1
     (None: no model axis).  Spatial splits are taken in canonical order Pd >= Ph >= Pw
-    (the others are the same up to a rotation of a cubic sample)."""
+    when the sample is cubic (the others are the same up to a rotation)."""
     plans = []
+    cubic = len(set(layers[0].in_dhw)) == 1
     for dims in factorizations(ranks, 5):
         pn, pd, ph, pw, pm = dims
-        if not (pd >= ph >= pw) or (pm > 1 and layers_mp is None):
+        if (cubic and not pd >= ph >= pw) or (pm > 1 and layers_mp is None):
             continue
         plans.append(plan_grid(layers if pm == 1 else layers_mp, dims, batch, machine, **kw))
-    plans.sort(key=lambda g: (not g.feasible, g.step_s if g.feasible else g.memory_bytes))
+    plans.sort(key=lambda g: (not g.feasible, not g.memory_bytes, g.step_s if g.feasible else g.memory_bytes))
     return plans[:top] if top else plans
 
 
@@ -598,7 +602,10 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
             return None
         alpha = times[8]
         beta = max((times[8 * 2 ** 20] - alpha) / (8 * 2 ** 20), 1e-12)
-        values.update(alpha=alpha, beta=beta, gamma=beta / 2)
+        # gamma (reducing a byte) is not measured: half a byte's transfer; links between nodes
+        # cannot be measured on one node: never faster than the measured one
+        values.update(alpha=alpha, beta=beta, gamma=beta / 2, alpha_inter=max(machine.alpha_inter, alpha),
+                      beta_inter=max(machine.beta_inter, beta))
     return Machine(**values)
 
 

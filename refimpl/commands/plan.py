@@ -122,7 +122,7 @@ def _ms(s):
 def print_table(plans, machine):
     from ..plan import format_bytes
     print(f"{'#':>3} {'grid (Pn,Pd,Ph,Pw,Pm)':<24}{'family':<22}{'step ms':>9}{'compute':>9}{'halo':>9}"
-          f"{'model+bn':>9}{'allreduce':>10}{'mem/rank':>11}  fits")
+          f"{'other':>9}{'allreduce':>10}{'mem/rank':>11}  fits")
     for i, p in enumerate(plans, 1):
         mem = format_bytes(p.memory_bytes) if p.memory_bytes else "-"
         if not p.feasible and not p.step_s:
@@ -163,7 +163,8 @@ def batch_advice(args, plans):
     if args.base_batch:
         print(f"learning rate: linear scaling from the batch of {args.base_batch}: lr = base_lr x "
               f"{args.batch}/{args.base_batch} = {args.batch / args.base_batch:g} x base_lr, with a warmup of a few "
-              f"epochs (refimpl train --base-batch {args.base_batch} --warmup-epochs N does it)")
+              f"epochs (refimpl train --base-batch {args.base_batch} --warmup-steps N, or the config key "
+              f"warmup_epochs)")
     if args.critical_batch and args.batch > args.critical_batch:
         print(f"warning: the batch of {args.batch} exceeds the critical batch {args.critical_batch}: past it a "
               f"larger batch no longer cuts the steps to converge (Zou et al. 2017); prefer spatial or model "
