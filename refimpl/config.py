@@ -85,16 +85,16 @@ CHOICES = {
 ENVIRONMENT = {"backend": "REFIMPL_BACKEND", "cuda_aware": "REFIMPL_CUDA_AWARE"}
 
 
-def load_toml(path) -> dict:
-    """The table of a TOML file, keys normalised ('-' -> '_'); ValueError naming the file."""
+def load_toml(path, flag: str = "--config") -> dict:
+    """The table of a TOML file, keys normalised ('-' -> '_'); ValueError naming ``flag`` and the file."""
     import tomllib
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
     except OSError as err:
-        raise ValueError(f"--config {path}: cannot read ({err.strerror})") from None
+        raise ValueError(f"{flag} {path}: cannot read ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--config {path}: not valid TOML ({err})") from None
+        raise ValueError(f"{flag} {path}: not valid TOML ({err})") from None
     return {key.replace("-", "_"): value for key, value in table.items()}
 
 

@@ -98,14 +98,8 @@ MACHINE_KEYS = {f for f in Machine.__dataclass_fields__}
 def load_machine(path: str) -> Machine:
     """A machine TOML file (keys of ``Machine``; mem_per_rank may be '16GiB'); ValueError naming
     the file and key."""
-    import tomllib
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except OSError as err:
-        raise ValueError(f"--machine {path}: cannot read ({err.strerror})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--machine {path}: not valid TOML ({err})") from None
+    from .config import load_toml
+    table = load_toml(path, "--machine")
     unknown = sorted(set(table) - MACHINE_KEYS)
     if unknown:
         raise ValueError(f"--machine {path}: unknown key(s) {unknown}; known: {sorted(MACHINE_KEYS)}")
@@ -152,14 +146,9 @@ def _conv_out(n, k, p):
 def model_layers(model: str, config) -> list[Layer]:
     """The layer list of CosmoFlow or the U-Net (the same architecture refimpl.models builds;
     tests/test_plan.py compares the two)."""
-    from .models import CHECK_CONFIG, PRESETS
-    if model not in CHECK_CONFIG:
-        raise ValueError(f"--model must be one of {sorted(CHECK_CONFIG)}, got {model!r}")
-    if isinstance(config, str):
-        if config not in PRESETS[model]:
-            raise ValueError(f"no {model} preset {config!r}; presets: {sorted(PRESETS[model])}")
-        config = PRESETS[model][config]
-    config = CHECK_CONFIG[model](dict(config))
+    from .models import CHECK_CONFIG, resolve_config
+    config = resolve_config(model, config)            # ValueError for an unknown model or preset
+    config = CHECK_CONFIG[model](config)
     return _cosmoflow(config) if model == "cosmoflow" else _unet(config)
 
 
@@ -256,6 +245,7 @@ class LayerCost:
     saved_bytes: int = 0           # activations kept for backward
     transient_bytes: int = 0       # work arrays alive while the layer runs
     weight_bytes: int = 0          # this rank's slice of the layer's parameters
+    param_bytes: list = field(default_factory=list)   # per parameter (weight, bias), as the module holds them
     compute_s: float = 0.0
     halo_s: float = 0.0
     comm_s: float = 0.0            # every other message of the layer
@@ -296,6 +286,42 @@ def _halo(plan, coords3, dims, coords, channels, samples, itemsize, adjoint, mac
 
 def _volume(ranges):
     return math.prod(b - a for a, b in ranges)
+
+
+def param_sizes(layer: Layer, pm: int = 1, m: int = 0) -> list[int]:
+    """Elements of each parameter (weight, then bias if any) model rank ``m`` of ``pm`` holds:
+    the slices ``nn/model_parallel.py`` keeps (filter / row splits: the output rows; channel
+    splits: the input columns of the weight and the output slice of the bias)."""
+    kvol = math.prod(layer.kernel) if layer.kind in ("conv", "conv_transpose") else 1
+    if layer.kind == "bn":
+        c = layer.c_out if layer.split == "none" or pm == 1 else _width(layer.c_out, pm, m)
+        return [c, c]
+    weight = layer.c_out * layer.c_in * kvol
+    has_bias = layer.weights > weight
+    f, c = layer.c_out, layer.c_in
+    if layer.split != "none" and pm > 1:
+        if layer.split == "channel":
+            c = _width(layer.c_in, pm, m)
+        f_bias = _width(layer.c_out, pm, m)
+        if layer.split != "channel":
+            f = f_bias
+    else:
+        f_bias = f
+    return [f * c * kvol] + ([f_bias] if has_bias else [])
+
+
+def _width(channels, pm, m):
+    a, b = block_range(channels, pm, m)
+    return b - a
+
+
+def gradient_buckets(costs, bucket_bytes=GRAD_BUCKET_BYTES, first_bucket_bytes=FIRST_BUCKET_BYTES) -> list[int]:
+    """Bytes of each gradient bucket of one rank: its parameters in backward order (the layers
+    reversed, each module's parameters reversed) packed by ``partition.pack_buckets``, exactly
+    as ``GradientSynchronizer(model.parameters(), ...)`` packs them."""
+    sizes = [b for c in reversed(costs) for b in reversed(c.param_bytes)]
+    return [sum(sizes[i] for i in group) for group in
+            pack_buckets(sizes, [0] * len(sizes), bucket_bytes, first_bucket_bytes)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -399,12 +425,10 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
                 cost.model_allreduce_bytes = n_bytes
                 cost.comm_s += _allreduce_s(n_bytes, model_group, machine)
         if layer.weights:
-            share = layer.weights
-            if layer.split != "none" and pm > 1:
-                share = math.ceil(layer.weights / pm)
             # (the flatten layer keeps its whole weight on every spatial rank, and allreduces the
             # whole gradient, zero outside its columns: nn/spatial.py SpatialFlattenLinear)
-            cost.weight_bytes = share * itemsize
+            cost.param_bytes = [n * itemsize for n in param_sizes(layer, pm, m)]
+            cost.weight_bytes = sum(cost.param_bytes)
         cost.compute_s = cost.flops / (machine.gflops * 1e9)
         costs.append(cost)
     return costs
@@ -472,18 +496,17 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
         costs = rank_costs(layers, dims, coords, batch, itemsize, machine)
         # gradient allreduce: the rank's parameter slices in backward order, bucketed, over the
         # ranks holding the same slice (data x spatial group)
-        sizes = [c.weight_bytes for c in reversed(costs) if c.weight_bytes]
-        groups = pack_buckets(sizes, [0] * len(sizes), bucket_bytes, first_bucket_bytes)
+        buckets = gradient_buckets(costs, bucket_bytes, first_bucket_bytes)
         members = _group(dims, coords, (0, 1, 2, 3))
-        ar = sum(_allreduce_s(sum(sizes[i] for i in g), members, machine, algorithm) for g in groups)
-        weights = sum(sizes)
+        ar = sum(_allreduce_s(n, members, machine, algorithm) for n in buckets)
+        weights = sum(buckets)
         memory = sum(c.saved_bytes for c in costs) + max((c.transient_bytes for c in costs), default=0) + \
             weights * (3 + OPTIMIZER_COPIES[optimizer])    # + gradient + bucket copy + optimizer
         compute = sum(c.compute_s for c in costs)
         halo = sum(c.halo_s for c in costs)
         comm = sum(c.comm_s for c in costs)
         step = compute + halo + comm + ar
-        plan = GridPlan(dims, True, "", step, compute, halo, comm, ar, memory, weights, len(groups),
+        plan = GridPlan(dims, True, "", step, compute, halo, comm, ar, memory, weights, len(buckets),
                         grid_rank(coords, dims), costs)
         peak = max(peak, memory)
         if best is None or (plan.step_s, plan.memory_bytes) > (best.step_s, best.memory_bytes):
@@ -557,6 +580,7 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
     CosmoFlow (the planner's FLOPs over the measured time), and — when started under mpiexec with 2 or more ranks — alpha and beta
     from a ping-pong between ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Returns
     the machine on rank 0, None on the other ranks."""
+    import statistics
     import time
 
     import numpy
@@ -583,23 +607,11 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
     if launcher_size() > 1:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-        rank = comm.Get_rank()
-        times = {}
-        for nbytes in (8, 8 * 2 ** 20):
-            buf = numpy.zeros(nbytes, numpy.uint8)
-            reps = 50 if nbytes < 1024 else 5
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(reps):
-                if rank == 0:
-                    comm.Send(buf, dest=1)
-                    comm.Recv(buf, source=1)
-                elif rank == 1:
-                    comm.Recv(buf, source=0)
-                    comm.Send(buf, dest=0)
-            times[nbytes] = (time.perf_counter() - start) / (2 * reps)
-        if rank != 0:
+        from .parallel.collectives import ping_pong
+        times = {nbytes: ping_pong(comm, nbytes, reps) for nbytes, reps in ((8, 50), (8 * 2 ** 20, 5))}
+        if comm.Get_rank() != 0:
             return None
+        times = {nbytes: statistics.median(t) for nbytes, t in times.items()}
         alpha = times[8]
         beta = max((times[8 * 2 ** 20] - alpha) / (8 * 2 ** 20), 1e-12)
         # gamma (reducing a byte) is not measured: half a byte's transfer; links between nodes

@@ -64,6 +64,7 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from refimpl.parallel import collectives  # noqa: E402
 from refimpl.parallel.collectives import (ALGORITHMS, Messages, allreduce, predicted_time,  # noqa: E402
                                           start_allreduce)
 from refimpl.parallel.grad_sync import GradientSynchronizer  # noqa: E402
@@ -100,19 +101,8 @@ def human(n):
 
 def ping_pong(nbytes, repeats):
     """One-way time of a native Send/Recv between ranks 0 and 1 (median of half round trips)."""
-    buf = np.zeros(max(nbytes // 4, 1), np.float32)
-    times = []
-    for _ in range(repeats + 1):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            comm.Send(buf, dest=1)
-            comm.Recv(buf, source=1)
-        elif rank == 1:
-            comm.Recv(buf, source=0)
-            comm.Send(buf, dest=0)
-        times.append((time.perf_counter() - t0) / 2)
-    return comm.bcast(statistics.median(times[1:]) if rank == 0 else None)
+    times = collectives.ping_pong(comm, max(nbytes // 4, 1) * 4, repeats)
+    return comm.bcast(statistics.median(times) if rank == 0 else None)
 
 
 def round_trip_python(repeats):

@@ -30,15 +30,22 @@ def build_model(name: str, config, grid=None, seed: int = 0, dtype=TRAIN_DTYPE,
     the grid's Pn (ValueError on every rank, before any message) and enforced on
     every forward.
     """
+    config = resolve_config(name, config)
+    if isinstance(seed, bool) or int(seed) != seed or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return MODELS[name](config, grid, int(seed), dtype, global_batch)
+
+
+def resolve_config(name: str, config) -> dict:
+    """A copy of ``config`` (a dict of overrides, or a preset name of model ``name``);
+    ValueError for an unknown model or preset."""
     if name not in MODELS:
         raise ValueError(f"model name must be one of {sorted(MODELS)}, got {name!r}")
     if isinstance(config, str):
         if config not in PRESETS[name]:
             raise ValueError(f"no {name} preset {config!r}; presets: {sorted(PRESETS[name])}")
         config = PRESETS[name][config]
-    if isinstance(seed, bool) or int(seed) != seed or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    return MODELS[name](dict(config), grid, int(seed), dtype, global_batch)
+    return dict(config)
 
 
-__all__ = ["PRESETS", "MODELS", "DEFAULTS", "CHECK_CONFIG", "build_model", "CosmoFlow", "UNet3D"]
+__all__ = ["PRESETS", "MODELS", "DEFAULTS", "CHECK_CONFIG", "build_model", "resolve_config", "CosmoFlow", "UNet3D"]

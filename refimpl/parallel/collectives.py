@@ -468,6 +468,30 @@ def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
 
 # ---------------------------------------------------------------- cost model
 
+def ping_pong(comm, nbytes: int, repeats: int) -> list[float] | None:
+    """One-way times (half round trips) of a native Send/Recv of ``nbytes`` between ranks 0
+    and 1 of ``comm``, after one warm-up round trip: the list on rank 0, None elsewhere
+    (collective: every rank joins the barriers).  alpha is the time of a tiny message,
+    beta the slope in bytes (``refimpl plan --calibrate``, scripts/bench_allreduce.py)."""
+    import time
+
+    import numpy
+    buf = numpy.zeros(max(int(nbytes), 1), numpy.uint8)
+    rank = comm.Get_rank()
+    times = []
+    for _ in range(repeats + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            comm.Send(buf, dest=1)
+            comm.Recv(buf, source=1)
+        elif rank == 1:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+        times.append((time.perf_counter() - start) / 2)
+    return times[1:] if rank == 0 else None
+
+
 def _tree_load(p: int, colors: int) -> tuple[int, int]:
     """(D, C) of the multicolor model: max over ranks of summed degree / children."""
     degree, children = [0] * p, [0] * p

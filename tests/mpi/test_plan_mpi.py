@@ -10,7 +10,8 @@ import pytest
 from refimpl.models import build_model
 from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.partition import block_range
-from refimpl.plan import Machine, model_layers, rank_costs
+from refimpl.parallel.grad_sync import GradientSynchronizer
+from refimpl.plan import Machine, gradient_buckets, model_layers, rank_costs
 
 CASES = [("cosmoflow", "tiny", 2), ("unet3d", "tiny", 2),
          ("cosmoflow", {"input_shape": (2, 12, 20, 8), "conv_size": 3, "n_conv_layers": 2, "fc1_size": 8,
@@ -39,10 +40,14 @@ def test_halo_bytes_and_messages_equal_the_plan(comm, all_ranks_agree, name, con
         out = model.forward(np.ascontiguousarray(x_local))
         model.backward(np.ones_like(out))
         got = measured(model)
-        want = {c.name: (c.halo_bytes, c.halo_messages) for c in rank_costs(layers, dims, grid.coords, batch, 4,
-                                                                           Machine())
-                if c.kind in ("conv", "conv_transpose", "pool")}
+        costs = rank_costs(layers, dims, grid.coords, batch, 4, Machine())
+        want = {c.name: (c.halo_bytes, c.halo_messages) for c in costs if c.kind in ("conv", "conv_transpose", "pool")}
         bad = {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+        # the gradient buckets the synchroniser allreduces, byte for byte
+        buckets = [b.nbytes for b in GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm,
+                                                          bucket_bytes=4096, first_bucket_bytes=1024).buckets]
+        if buckets != gradient_buckets(costs, 4096, 1024):
+            bad["gradient buckets"] = (buckets, gradient_buckets(costs, 4096, 1024))
         all_ranks_agree(not bad, f"{name} on {dims}, rank {comm.Get_rank()}: (measured, planned) {bad}")
         grid.free()
 
@@ -80,6 +85,10 @@ def test_model_axis_traffic_equals_the_plan(comm, all_ranks_agree, name, config,
         want = {c.name: (c.halo_bytes, c.halo_messages) for c in costs if c.kind in ("conv", "conv_transpose", "pool")}
         bad = {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
         traffic = (TRAFFIC.bytes - before, sum(c.model_bytes for c in costs))
+        buckets = [b.nbytes for b in GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm,
+                                                          bucket_bytes=4096, first_bucket_bytes=1024).buckets]
+        if buckets != gradient_buckets(costs, 4096, 1024):
+            bad["gradient buckets"] = (buckets, gradient_buckets(costs, 4096, 1024))
         all_ranks_agree(not bad and traffic[0] == traffic[1],
                         f"{name} on {dims}, rank {comm.Get_rank()}: halo {bad}, channel bytes (measured, planned) "
                         f"{traffic}")
