@@ -129,7 +129,8 @@ for name in ("features.0", "features.3"):
 # ## 4. The gradient allreduce
 # After backward, every parameter's gradient is reduced over the ranks that hold the same
 # parameter slice: the data x spatial group of `Pn x Ps` ranks. The planner lists the rank's
-# parameter bytes in backward order. It packs them with `partition.pack_buckets`, which is
+# parameter bytes in backward order (the layers reversed, and each layer's bias before its
+# weight, as `model.parameters()` reversed). It packs them with `partition.pack_buckets`, which is
 # the function `GradientSynchronizer` uses: a 1 MiB first bucket, then 25 MiB buckets. Each
 # bucket is priced with `collectives.predicted_time`, the Thakur-Rabenseifner-Gropp
 # alpha-beta-gamma cost. "native" is priced as the cheapest of ring, recursive doubling and
@@ -138,7 +139,7 @@ for name in ("features.0", "features.3"):
 
 # %%
 grid_plan = plan_grid(layers, dims, batch, machine)
-sizes = [c.weight_bytes for c in reversed(grid_plan.layers) if c.weight_bytes]
+sizes = [b for c in reversed(grid_plan.layers) for b in reversed(c.param_bytes)]   # bias, weight, layer by layer
 buckets = pack_buckets(sizes, [0] * len(sizes), GRAD_BUCKET_BYTES, FIRST_BUCKET_BYTES)
 p = math.prod(dims[:4])
 by_hand = sum(predicted_time("native", sum(sizes[i] for i in b), p, machine.alpha_inter, machine.beta_inter,
