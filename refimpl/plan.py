@@ -241,6 +241,7 @@ class LayerCost:
     model_bytes: int = 0           # channel allgathers / reduce-scatters (parallel/channels.py's TRAFFIC)
     model_messages: int = 0
     model_allreduce_bytes: int = 0  # replicated input gradients allreduced over the model group
+    allreduce_bytes: int = 0       # every buffer the layer allreduces (flatten, batch norm, model group)
     spatial_bytes: int = 0         # the flatten layer's allreduce of partial products
     saved_bytes: int = 0           # activations kept for backward
     transient_bytes: int = 0       # work arrays alive while the layer runs
@@ -391,8 +392,9 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             cost.flops = 10.0 * n_r * f_local * v
             cost.saved_bytes = n_r * f_local * v * itemsize
             everyone = _group(dims, coords, (0, 1, 2, 3))     # statistics of the whole batch
-            # forward: the element count and the (2, C) sums; backward: the (2, C) gradient sums
+            # forward: the element count and the (2, C) float64 sums; backward: the (2, C) gradient sums
             cost.comm_s = _allreduce_s(8, everyone, machine) + 2 * _allreduce_s(16 * f_local, everyone, machine)
+            cost.allreduce_bytes = 2 * 16 * f_local if everyone[0] > 1 else 0
         elif layer.kind == "act":
             v = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)]) if layer.in_dhw else 1
             cost.flops = 2.0 * n_r * f_local * v
@@ -429,6 +431,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             # whole gradient, zero outside its columns: nn/spatial.py SpatialFlattenLinear)
             cost.param_bytes = [n * itemsize for n in param_sizes(layer, pm, m)]
             cost.weight_bytes = sum(cost.param_bytes)
+        cost.allreduce_bytes += cost.spatial_bytes + cost.model_allreduce_bytes
         cost.compute_s = cost.flops / (machine.gflops * 1e9)
         costs.append(cost)
     return costs

@@ -452,6 +452,19 @@ def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -
     return AllreduceHandle(ALGORITHMS[algorithm](flat, msgs, **options), msgs, result)
 
 
+class AllreduceTraffic:
+    """Bytes of the buffers the blocking ``allreduce`` reduced over more than one rank, summed
+    (the layers' allreduces: batch-norm sums, the flatten layer's partial products, replicated
+    input gradients over the model group; the planner predicts them)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+
+
+LAYER_ALLREDUCES = AllreduceTraffic()
+
+
 def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
     """Sum ``buf`` over all ranks of ``comm`` with the named algorithm; returns the result.
 
@@ -459,6 +472,9 @@ def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
     "native" calls the blocking ``MPI_Allreduce`` here (MPI's tuned algorithms;
     the non-blocking ``Iallreduce`` of the handle form is usually slower).
     """
+    if comm.Get_size() > 1:
+        LAYER_ALLREDUCES.bytes += int(buf.nbytes)
+        LAYER_ALLREDUCES.calls += 1
     if algorithm == "native":
         flat, result = _checked(buf, comm, algorithm, out, options)
         Messages(comm, tag=0).allreduce(flat, blocking=True)

@@ -10,6 +10,7 @@ import pytest
 from refimpl.models import build_model
 from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.partition import block_range
+from refimpl.parallel.collectives import LAYER_ALLREDUCES
 from refimpl.parallel.grad_sync import GradientSynchronizer
 from refimpl.plan import Machine, gradient_buckets, model_layers, rank_costs
 
@@ -37,8 +38,10 @@ def test_halo_bytes_and_messages_equal_the_plan(comm, all_ranks_agree, name, con
         x = rng.standard_normal((batch, layers[0].c_in) + tuple(shape)).astype(np.float32)
         samples = slice(*block_range(batch, dims[0], grid.sample_coord))
         x_local = x[(samples, slice(None)) + grid.local_block(shape)]
+        before = LAYER_ALLREDUCES.bytes
         out = model.forward(np.ascontiguousarray(x_local))
         model.backward(np.ones_like(out))
+        reduced = LAYER_ALLREDUCES.bytes - before
         got = measured(model)
         costs = rank_costs(layers, dims, grid.coords, batch, 4, Machine())
         want = {c.name: (c.halo_bytes, c.halo_messages) for c in costs if c.kind in ("conv", "conv_transpose", "pool")}
@@ -48,6 +51,8 @@ def test_halo_bytes_and_messages_equal_the_plan(comm, all_ranks_agree, name, con
                                                           bucket_bytes=4096, first_bucket_bytes=1024).buckets]
         if buckets != gradient_buckets(costs, 4096, 1024):
             bad["gradient buckets"] = (buckets, gradient_buckets(costs, 4096, 1024))
+        if reduced != sum(c.allreduce_bytes for c in costs):      # batch norm, flatten layer
+            bad["layer allreduces"] = (reduced, sum(c.allreduce_bytes for c in costs))
         all_ranks_agree(not bad, f"{name} on {dims}, rank {comm.Get_rank()}: (measured, planned) {bad}")
         grid.free()
 
@@ -77,9 +82,10 @@ def test_model_axis_traffic_equals_the_plan(comm, all_ranks_agree, name, config,
         model = build_model(name, config, grid, seed=0, global_batch=batch)
         x = np.random.default_rng(0).standard_normal((batch, layers[0].c_in) + tuple(shape)).astype(np.float32)
         samples = slice(*block_range(batch, dims[0], grid.sample_coord))
-        before = TRAFFIC.bytes
+        before, before_ar = TRAFFIC.bytes, LAYER_ALLREDUCES.bytes
         out = model.forward(np.ascontiguousarray(x[(samples, slice(None)) + grid.local_block(shape)]))
         model.backward(np.ones_like(out))
+        reduced = LAYER_ALLREDUCES.bytes - before_ar
         costs = rank_costs(layers, dims, grid.coords, batch, 4, Machine())
         got = measured(model)
         want = {c.name: (c.halo_bytes, c.halo_messages) for c in costs if c.kind in ("conv", "conv_transpose", "pool")}
@@ -89,6 +95,8 @@ def test_model_axis_traffic_equals_the_plan(comm, all_ranks_agree, name, config,
                                                           bucket_bytes=4096, first_bucket_bytes=1024).buckets]
         if buckets != gradient_buckets(costs, 4096, 1024):
             bad["gradient buckets"] = (buckets, gradient_buckets(costs, 4096, 1024))
+        if reduced != sum(c.allreduce_bytes for c in costs):      # + the model group's dx allreduces
+            bad["layer allreduces"] = (reduced, sum(c.allreduce_bytes for c in costs))
         all_ranks_agree(not bad and traffic[0] == traffic[1],
                         f"{name} on {dims}, rank {comm.Get_rank()}: halo {bad}, channel bytes (measured, planned) "
                         f"{traffic}")
