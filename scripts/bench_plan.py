@@ -150,7 +150,6 @@ def main() -> None:
     from refimpl.parallel.grid import all_grids, parse_grid
     from refimpl.plan import Machine, feasibility, load_machine, model_layers, plan_grid
     machine = load_machine(args.machine) if args.machine else Machine()
-    layers = model_layers(args.model, args.preset)
     grids = [parse_grid(g) for g in args.grids] if args.grids else \
         [g for g in all_grids(args.ranks, model=args.model_parallel != "none")
          if not feasibility(model_layers(args.model, config_of(args, g)), g, args.batch)]

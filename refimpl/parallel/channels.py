@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from ..backend import array_module
 from .buffers import finish_recv, recv_buffer, send_buffer
-from .partition import block_range, channel_counts, channel_range, moved_bytes  # noqa: F401 (re-exported)
+from .partition import channel_counts, channel_range, moved_bytes  # noqa: F401 (re-exported)
 
 
 class ChannelTraffic:
