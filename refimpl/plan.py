@@ -346,12 +346,14 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
     costs = []
     for layer in layers:
         cost = LayerCost(layer.name, layer.kind)
-        c_local = (block_range(layer.c_in, pm, m)[1] - block_range(layer.c_in, pm, m)[0]) if layer.split_in \
-            else layer.c_in
+        c_local = _width(layer.c_in, pm, m) if layer.split_in else layer.c_in
         f_local = layer.c_out
         if layer.split in ("filter", "filter-replicated", "channel", "row", "row-split") or \
                 (layer.kind in ("bn", "act", "pool") and layer.split_in):
-            f_local = block_range(layer.c_out, pm, m)[1] - block_range(layer.c_out, pm, m)[0]
+            f_local = _width(layer.c_out, pm, m)
+        # voxels of the rank's block of the layer's input (1 for the dense head)
+        v_block = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)]) \
+            if layer.in_dhw else 1
         if layer.kind in ("conv", "conv_transpose", "pool"):
             plan = halo_plan_of(layer, sdims)
             v_in, v_out = _volume(plan.owned(scoords)), _volume(plan.outputs(scoords))
@@ -388,29 +390,24 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
                 alpha, beta = machine.group_link(model_group)
                 cost.comm_s += cost.model_messages * alpha + cost.model_bytes * beta
         elif layer.kind == "bn":
-            v = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)])
-            cost.flops = 10.0 * n_r * f_local * v
-            cost.saved_bytes = n_r * f_local * v * itemsize
+            cost.flops = 10.0 * n_r * f_local * v_block
+            cost.saved_bytes = n_r * f_local * v_block * itemsize
             everyone = _group(dims, coords, (0, 1, 2, 3))     # statistics of the whole batch
             # forward: the element count and the (2, C) float64 sums; backward: the (2, C) gradient sums
             cost.comm_s = _allreduce_s(8, everyone, machine) + 2 * _allreduce_s(16 * f_local, everyone, machine)
             cost.allreduce_bytes = 2 * 16 * f_local if everyone[0] > 1 else 0
         elif layer.kind == "act":
-            v = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)]) if layer.in_dhw else 1
-            cost.flops = 2.0 * n_r * f_local * v
-            cost.saved_bytes = n_r * f_local * v * itemsize
+            cost.flops = 2.0 * n_r * f_local * v_block
+            cost.saved_bytes = n_r * f_local * v_block * itemsize
         elif layer.kind == "gather":
-            per_channel = n_r * (_volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)])
-                                 if layer.in_dhw else 1)
+            per_channel = n_r * v_block
             if pm > 1:
                 cost.model_bytes = moved_bytes(layer.c_in, pm, m, per_channel, itemsize)
                 cost.model_messages = pm - 1
                 alpha, beta = machine.group_link(model_group)
                 cost.comm_s = cost.model_messages * alpha + cost.model_bytes * beta
         elif layer.kind in ("flatten_linear", "linear"):
-            d_in = layer.c_in if layer.kind == "linear" else \
-                layer.c_in // math.prod(layer.in_dhw) * _volume(
-                    [block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)])
+            d_in = layer.c_in if layer.kind == "linear" else layer.c_in // math.prod(layer.in_dhw) * v_block
             cost.flops = 2.0 * n_r * f_local * d_in * 3
             cost.saved_bytes = n_r * d_in * itemsize
             if layer.kind == "flatten_linear" and math.prod(sdims) > 1:

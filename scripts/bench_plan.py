@@ -111,7 +111,8 @@ def run_grid(args, dims) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def spearman_agree(a, b) -> bool:
+def same_order(a, b) -> bool:
+    """Whether a and b sort the grids in the same order."""
     return sorted(range(len(a)), key=a.__getitem__) == sorted(range(len(b)), key=b.__getitem__)
 
 
@@ -172,7 +173,7 @@ def main() -> None:
     measured = [r["measured_s"] for r in rows]
     predicted = [r["predicted_s"] for r in rows]
     order = lambda v: [tuple(rows[i]["grid"]) for i in sorted(range(len(v)), key=v.__getitem__)]  # noqa: E731
-    agree = spearman_agree(measured, predicted)
+    agree = same_order(measured, predicted)
     pairs, concordant = concordance(measured, predicted, args.noise)
     print(f"# measured ranking:  {order(measured)}\n# predicted ranking: {order(predicted)}\n"
           f"# rankings identical: {agree}; pairs of grids whose measured times differ by more than "

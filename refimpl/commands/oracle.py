@@ -156,7 +156,7 @@ def _fmt(finding) -> str:
 def check(args) -> int:
     from ..failstop import EXIT_CHECK_FAILED, atomic_write, check_writable
     from ..oracle import casefile
-    from ..oracle.compare import CAUSAL_ORDER, compare, root_cause
+    from ..oracle.compare import compare, root_cause
     if not args.tolerance_factor >= 1.0:
         raise ValueError(f"--tolerance-factor must be >= 1, got {args.tolerance_factor}")
     if args.json:
@@ -177,8 +177,7 @@ def check(args) -> int:
             where = "global" if cause.rank is None else f"rank {cause.rank}"
             print(f"    most likely cause ({cause.dtype} {cause.tensor}, {where}): {cause.diagnosis}")
         worst, consequences = {}, {}
-        for f in sorted(report.findings, key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor),
-                                                         f.rank is not None, f.rank or 0)):
+        for f in report.findings:                 # compare() lists them in causal order
             ratio = f.max_rel / f.tolerance if f.tolerance else 0.0
             if f.dtype not in worst or ratio > worst[f.dtype][0]:
                 worst[f.dtype] = (ratio, f)

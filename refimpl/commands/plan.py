@@ -119,7 +119,7 @@ def _ms(s):
     return f"{s * 1e3:9.1f}"
 
 
-def print_table(plans, machine):
+def print_table(plans):
     from ..plan import format_bytes
     print(f"{'#':>3} {'grid (Pn,Pd,Ph,Pw,Pm)':<24}{'family':<22}{'step ms':>9}{'compute':>9}{'halo':>9}"
           f"{'other':>9}{'allreduce':>10}{'mem/rank':>11}  fits")
@@ -250,7 +250,7 @@ def plan(args) -> int:
         if why:                          # the grid cannot run this model at all: bad input
             raise ValueError(f"--grid {args.grid}: {why}")
         chosen = plan_grid(chosen_layers, dims, args.batch, machine, **kw)
-        print_table([chosen], machine)
+        print_table([chosen])
         if chosen.layers:
             explain(chosen)
         plans = [chosen]
@@ -259,7 +259,7 @@ def plan(args) -> int:
         feasible = [p for p in plans if p.feasible]
         print(f"{args.model}: {len(plans)} grids of {args.ranks} ranks, {len(feasible)} fit"
               f"{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; {machine}")
-        print_table(plans[:args.top], machine)
+        print_table(plans[:args.top])
         if feasible:
             explain(feasible[0])
             if len(feasible) > 1:
