@@ -115,6 +115,7 @@ def test_parse_bytes(text, value):
     (["--preset", "nope", "--batch", "4", "--ranks", "4"], "no cosmoflow preset 'nope'"),
     (["--batch", "4"], "--ranks is required"),
     (["--batch", "0", "--ranks", "4"], "--batch must be a positive integer"),
+    (["--preset", "tiny", "--batch", "4", "--ranks", "2", "--allreduce", "foo"], "--allreduce must be one of"),
 ])
 def test_bad_input_exits_2(args, message):
     proc = cli(*args)

@@ -92,6 +92,9 @@ def check(args):
             raise ValueError(f"--{name} must be a positive integer, got {value}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    from ..parallel.collectives import ALGORITHMS
+    if args.allreduce not in ALGORITHMS:
+        raise ValueError(f"--allreduce must be one of {', '.join(sorted(ALGORITHMS))}, got {args.allreduce!r}")
     machine = load_machine(args.machine) if args.machine else Machine()
     if args.mem_per_rank is not None:
         from dataclasses import replace
