@@ -399,3 +399,30 @@ def test_default_budget_is_a_module_constant(monkeypatch):
     _, tmp = _traced(lambda: conv3d(x, w, padding=1, algorithm="im2col"))
     np.testing.assert_allclose(conv3d(x, w, padding=1, algorithm="im2col"), ref, rtol=1e-13)
     assert tmp < (2 * 27 + 2) * 6 * 8 + 6 * w.nbytes + 32 * 1024     # one row's tile
+
+
+@needs_torch
+@pytest.mark.parametrize("c", [1, 2, 5])
+def test_im2col_thread_counts_agree_and_repeat(c, monkeypatch):
+    """The im2col backward splits the input channels among the worker threads (col2im's
+    tiles overlap in dx, its channels do not): 1, 2 and 3 workers, channel counts below,
+    at and above the worker count, stride 2 and a budget of many tiles, all equal torch
+    to 1e-10 in float64, and the same count repeats bit for bit."""
+    rng = np.random.default_rng(c)
+    x = rng.standard_normal((2, c, 9, 8, 7))
+    w = rng.standard_normal((3, c, 3, 2, 3))
+    s, p, d = (2, 1, 2), (1, 0, 1), (1, 1, 1)
+    out = [window_out_size(n, k, ss, pp, dd) for n, k, ss, pp, dd in zip(x.shape[2:], w.shape[2:], s, p, d)]
+    dy = rng.standard_normal((2, 3) + tuple(out))
+    _, ref_dx, ref_dw, _ = torch_conv(x, w, rng.standard_normal(3), dy, s, p, d)
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        runs = [conv3d_backward(dy, x, w, stride=s, padding=p, max_temp_bytes=4096,
+                                algorithm="im2col")[:2] for _ in range(2)]
+        for a, b in zip(*runs):
+            assert np.array_equal(a, b)
+        assert rel_err(runs[0][0], ref_dx) <= RTOL
+        assert rel_err(runs[0][1], ref_dw) <= RTOL
+        dx_only = conv3d_input_grad(dy, w, x.shape, stride=s, padding=p, max_temp_bytes=4096,
+                                    algorithm="im2col")
+        assert rel_err(dx_only, ref_dx) <= RTOL

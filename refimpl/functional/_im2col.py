@@ -177,25 +177,32 @@ def col2im(dx, col, tile, k, s, p, dl):
 
 class _Plan:
     """Tiles and reusable buffers for one call: one column (+ staging) buffer per worker
-    thread, the budget shared among them (``_threads``: the tiles of a forward or a
-    weight gradient are independent; col2im's tiles overlap, so ``workers=1`` there)."""
+    thread, the budget shared among them (``_threads``).  The tiles of a forward or a
+    weight gradient are independent and split among the workers; col2im's tiles
+    overlap in ``dx``, so there the workers split the input channels instead
+    (``channel_blocks``: each worker's column buffer holds the rows of at most
+    ``ceil(C / channel_blocks)`` channels, and every worker runs every tile)."""
 
-    def __init__(self, xp, dtype, n_batch, c, f, k, out, budget, workers=1):
+    def __init__(self, xp, dtype, n_batch, c, f, k, out, budget, workers=1, channel_blocks=None):
         self.c, self.f, self.k = c, f, tuple(k)
         self.kk = c * k[0] * k[1] * k[2]
         self.out = tuple(out)
-        pos = tile_positions(out, self.kk, f, dtype.itemsize, max(1, budget // max(1, workers)))
+        rows = self.kk if channel_blocks is None else -(-c // channel_blocks) * (self.kk // c)
+        pos = tile_positions(out, rows, f, dtype.itemsize, max(1, budget // max(1, workers)))
         self.tiles, tpos = tiles(n_batch, out, pos)
-        self.workers = max(1, min(workers, len(self.tiles)))
+        self.workers = max(1, min(workers, len(self.tiles)) if channel_blocks is None else workers)
         multi = any(t[1] - t[0] > 1 for t in self.tiles)
-        self.col_bufs = [xp.empty(tpos * self.kk, dtype=dtype) for _ in range(self.workers)]
+        self.col_bufs = [xp.empty(tpos * rows, dtype=dtype) for _ in range(self.workers)]
         # (F, nb*M) staging for tiles of several samples (one sample: the array itself)
         self.f_bufs = [xp.empty(tpos * f, dtype=dtype) if multi else None for _ in range(self.workers)]
 
-    def col(self, tile, worker=0):
+    def col(self, tile, worker=0, channels=None):
+        """The tile's column buffer (C, kd, kh, kw, nb, dch, hch, Wo); ``channels``: only
+        that many input channels' rows (a worker's channel block)."""
         n0, n1, d0, d1, h0, h1 = tile
-        shape = (self.c,) + self.k + (n1 - n0, d1 - d0, h1 - h0, self.out[2])
-        size = self.kk * (n1 - n0) * (d1 - d0) * (h1 - h0) * self.out[2]
+        c = self.c if channels is None else channels
+        shape = (c,) + self.k + (n1 - n0, d1 - d0, h1 - h0, self.out[2])
+        size = c * (self.kk // self.c) * (n1 - n0) * (d1 - d0) * (h1 - h0) * self.out[2]
         return self.col_bufs[worker][:size].reshape(shape)
 
     def staging(self, tile, m, worker=0):
@@ -277,33 +284,57 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     may be skipped (``None``): ``need_dx=False`` is ``weight_grad`` (``w`` is
     then only a shape), ``need_dw=False`` is ``input_grad`` (``x`` is then only
     a shape and dtype: it is not read).
+
+    Threads: col2im's tiles overlap in ``dx``, so with ``need_dx`` the worker
+    threads split the *input channels* instead of the tiles: worker ``w`` owns
+    channels ``[c0, c1)``, i.e. the rows ``[c0*T, c1*T)`` of ``col``, ``dcol``
+    and ``dW^T`` (``T = kd*kh*kw`` taps) and the channels ``[c0, c1)`` of
+    ``dx``, and runs every tile for them in order.  Nothing is shared between
+    workers, so no partial sums are needed.  Without ``need_dx`` the tiles are
+    independent and split among the workers, each with its own ``dW^T``.
     """
     xp = array_module(dy, x, w)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
-    kk = c * k[0] * k[1] * k[2]
+    taps = k[0] * k[1] * k[2]
+    kk = c * taps
     out_spatial = tuple(dy.shape[2:])
     dx = xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None
     if not (dy.size and (need_dw or dx.size) and (not need_dw or x.size)):
         return dx, (xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
     # W^T as a C-ordered (K, F) matrix
     w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T) if need_dx else None
-    # col2im adds overlapping tiles into dx: those run one at a time
-    workers = 1 if need_dx else _threads.thread_count(xp)
+    workers = _threads.thread_count(xp)
+    if need_dx:
+        nblocks = min(workers, c)
+        blocks = [(c * i // nblocks, c * (i + 1) // nblocks) for i in range(nblocks)]
+        plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, nblocks, channel_blocks=nblocks)
+        dwt = xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None     # dW^T, rows split
+
+        def channels(worker, block):
+            c0, c1 = block
+            rows = slice(c0 * taps, c1 * taps)
+            for tile in plan.tiles:
+                col = plan.col(tile, worker, channels=c1 - c0)
+                col2 = col.reshape((c1 - c0) * taps, -1)
+                m = col2.shape[1] // (tile[1] - tile[0])
+                dyt = _fm_read(dy, tile, plan, m, worker)
+                if need_dw:
+                    im2col(x[:, c0:c1], col, tile, k, stride, padding, dilation)
+                    dwt[rows] += xp.matmul(col2, dyt.T)
+                xp.matmul(w2t[rows], dyt, out=col2)
+                col2im(dx[:, c0:c1], col, tile, k, stride, padding, dilation)
+        _threads.run(channels, blocks, len(blocks))
+        return dx, (xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None)
+
     plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, workers)
-    dwts = [xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None    # dW^T = sum col @ dy^T
-            for _ in range(plan.workers)]
+    dwts = [xp.zeros((kk, f), dtype=dy.dtype) for _ in range(plan.workers)]  # dW^T = sum col @ dy^T
 
     def one(worker, tile):
         col = plan.col(tile, worker)
         col2 = col.reshape(kk, -1)
         m = col2.shape[1] // (tile[1] - tile[0])
-        dyt = _fm_read(dy, tile, plan, m, worker)
-        if need_dw:
-            im2col(x, col, tile, k, stride, padding, dilation)
-            dwts[worker] += xp.matmul(col2, dyt.T)
-        if need_dx:
-            xp.matmul(w2t, dyt, out=col2)
-            col2im(dx, col, tile, k, stride, padding, dilation)
+        im2col(x, col, tile, k, stride, padding, dilation)
+        dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
-    return dx, (_sum_transposed(dwts, w.shape) if need_dw else None)
+    return dx, _sum_transposed(dwts, w.shape)
