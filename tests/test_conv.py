@@ -397,7 +397,8 @@ def test_default_budget_is_a_module_constant(monkeypatch):
     monkeypatch.setattr(_im2col, "MAX_TEMP_BYTES", 64)
     monkeypatch.setattr(_im2col, "MIN_TILE_POSITIONS", 1)
     _, tmp = _traced(lambda: conv3d(x, w, padding=1, algorithm="im2col"))
-    np.testing.assert_allclose(conv3d(x, w, padding=1, algorithm="im2col"), ref, rtol=1e-13)
+    # (with the default budget the depth-tap variant ran: the same sum in another order)
+    assert rel_err(conv3d(x, w, padding=1, algorithm="im2col"), ref) <= 1e-13
     assert tmp < (2 * 27 + 2) * 6 * 8 + 6 * w.nbytes + 32 * 1024     # one row's tile
 
 
@@ -426,3 +427,40 @@ def test_im2col_thread_counts_agree_and_repeat(c, monkeypatch):
         dx_only = conv3d_input_grad(dy, w, x.shape, stride=s, padding=p, max_temp_bytes=4096,
                                     algorithm="im2col")
         assert rel_err(dx_only, ref_dx) <= RTOL
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, k, p, d, budget", [
+    (1, 3, 4, (7, 6, 5), (3, 3, 3), (1, 1, 1), (1, 1, 1), 64 * 2**20),   # one tile
+    (3, 2, 3, (5, 4, 6), (3, 2, 3), (1, 0, 2), (1, 1, 1), 64 * 2**20),   # tiles of several samples
+    (2, 2, 3, (9, 6, 5), (3, 3, 1), (2, 1, 0), (2, 1, 1), 20_000),       # dilated depth, plane tiles
+    (1, 2, 2, (6, 9, 8), (2, 3, 3), (0, 1, 1), (1, 2, 1), 3_000),        # even kd: one-row tiles
+])
+def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
+    """The depth-tap variant (stride 1 along depth: one buffer of hw-columns serves every
+    depth tap) runs for these shapes and equals torch to 1e-10 in float64: forward, the
+    weight gradient alone, and the shared pass of conv_transpose3d's backward."""
+    monkeypatch.setattr(_im2col, "MIN_TILE_POSITIONS", 1)       # small tiles in small budgets
+    rng = np.random.default_rng(sum(size))
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    s = (1, 2, 1)
+    out = tuple(window_out_size(a, b, ss, pp, dd) for a, b, ss, pp, dd in zip(size, k, s, p, d))
+    assert _im2col._DepthTapPlan.build(np, x.dtype, n, c, f, k, s, d, out, budget, 2) is not None
+    dy = rng.standard_normal((n, f) + out)
+    y_ref, _, dw_ref, _ = torch_conv(x, w, np.zeros(f), dy, s, p, d)
+    y = conv3d(x, w, stride=s, padding=p, dilation=d, max_temp_bytes=budget, algorithm="im2col")
+    assert rel_err(y, y_ref) <= RTOL
+    dw = conv3d_weight_grad(dy, x, w.shape, stride=s, padding=p, dilation=d, max_temp_bytes=budget,
+                            algorithm="im2col")
+    assert rel_err(dw, dw_ref) <= RTOL
+    # conv_transpose3d of dy (its weight (F, C, k)) has x's shape: its backward is the
+    # forward of this conv sharing columns with the weight gradient
+    g = rng.standard_normal(x.shape)
+    op = tuple(a - ((o - 1) * ss - 2 * pp + dd * (b - 1) + 1) for a, o, ss, pp, dd, b
+               in zip(size, out, s, p, d, k))
+    _, dg_ref, dwt_ref, _ = torch_conv_t(dy, w, np.zeros(c), g, s, p, op, d)
+    dg, dwt, _ = conv_transpose3d_backward(g, dy, w, stride=s, padding=p, output_padding=op,
+                                           dilation=d, max_temp_bytes=budget, algorithm="im2col")
+    assert rel_err(dg, dg_ref) <= RTOL
+    assert rel_err(dwt, dwt_ref) <= RTOL

@@ -246,6 +246,10 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if not (y.size and x.size):
         y[...] = 0
         return y if g is None else (y, xp.zeros(w.shape, dtype=x.dtype))
+    taps = _DepthTapPlan.build(xp, x.dtype, n_b, c, f, k, stride, dilation, out_spatial, budget,
+                               _threads.thread_count(xp))
+    if taps is not None:
+        return _forward_depth_taps(x, w, stride, padding, dilation, y, taps, g)
     w2 = xp.ascontiguousarray(w).reshape(f, kk)
     plan = _Plan(xp, x.dtype, n_b, c, f, k, out_spatial, budget, _threads.thread_count(xp))
     dwts = [None if g is None else xp.zeros((kk, f), dtype=x.dtype)   # dW^T: col @ g^T, per worker
@@ -327,6 +331,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         _threads.run(channels, blocks, len(blocks))
         return dx, (xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None)
 
+    taps_plan = _DepthTapPlan.build(xp, dy.dtype, n_b, c, f, k, stride, dilation, out_spatial,
+                                    budget, workers)
+    if taps_plan is not None:
+        return dx, _weight_grad_depth_taps(dy, x, w.shape, stride, padding, dilation, taps_plan)
     plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, workers)
     dwts = [xp.zeros((kk, f), dtype=dy.dtype) for _ in range(plan.workers)]  # dW^T = sum col @ dy^T
 
@@ -338,3 +346,135 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
     return dx, _sum_transposed(dwts, w.shape)
+
+
+# --------------------------------------------------------------- depth taps share columns
+#
+# With stride 1 along depth, the column rows of depth tap ``a`` are those of tap 0
+# shifted by ``a*dl`` planes:  col[c, a, b, e, n, d, h, w] = hw[c, b, e, n, d + a*dl, h, w]
+# where ``hw`` is the im2col of the (1, kh, kw) kernel over the tile's input planes
+# ``d0 .. d1 + (kd-1)*dl`` ("hw-columns").  So one buffer of C*kh*kw rows serves every
+# depth tap, and the forward is a sum of kd GEMMs, one per depth tap, each reading a
+# plane-shifted view of it:
+#
+#     y (F, M)  = sum_a  W[:, :, a] (F, C*kh*kw) @ hw[..., a*dl : a*dl + nd, ...] (C*kh*kw, M)
+#     dW[:, :, a]^T (C*kh*kw, F) += hw[..., a*dl : a*dl + nd, ...] @ dy^T (M, F)
+#
+# For one sample the view is a 2-D matrix with a row stride (BLAS takes it as is):
+# the (c, b, e) rows are equally spaced and the (d, h, w) columns of whole planes
+# (or of rows of one plane) are contiguous.  The copies shrink from kd*kh*kw taps
+# per output to kh*kw taps per input plane: about kd x less column traffic, which
+# is what a conv of few channels (CosmoFlow's and the U-Net's first conv: K = 108
+# and 27 rows, GEMMs that are cheap next to their columns) spends its time on.
+# Exact: only the order in which the kd partial sums are added changes.  The input
+# gradient keeps im2col's col2im (its depth taps would add into overlapping planes).
+
+class _DepthTapPlan:
+    """Tiles and per-worker buffers of the depth-tap forward / weight gradient: one
+    hw-column buffer (C*kh*kw rows over the tile's extended planes) and one (F, M)
+    product buffer per worker.  ``build`` returns None where it does not apply or
+    would not pay: a depth stride other than 1, one depth tap, or tiles (within the
+    budget im2col's plan obeys) shallower than the taps' reach ``(kd-1)*dl`` (then the
+    hw-columns would copy as much as im2col's columns)."""
+
+    @classmethod
+    def build(cls, xp, dtype, n_batch, c, f, k, stride, dilation, out, budget, workers):
+        reach = (k[0] - 1) * dilation[0]
+        if k[0] == 1 or stride[0] != 1:
+            return None
+        rows = c * k[1] * k[2]
+        itemsize = dtype.itemsize
+        per_worker = max(1, budget // max(1, workers))
+        # the bound of im2col's plan: the budget, or one output row's (K + F) * Wo tile
+        allowed = max(per_worker, (rows * k[0] + f) * out[2] * itemsize)
+        pos = tile_positions(out, rows, f, itemsize, per_worker)
+        while True:                 # the hw-columns reach past the tile: halve it to fit
+            tl, tpos = tiles(n_batch, out, pos)
+            size = max((t[1] - t[0]) * (t[3] - t[2] + reach) * (t[5] - t[4]) for t in tl) * out[2] * rows
+            if (size + tpos * f) * itemsize <= allowed:
+                break
+            if pos <= out[2]:
+                return None
+            pos = max(out[2], pos // 2)
+        if tl[0][3] - tl[0][2] < reach:       # (the last tile may be shallower)
+            return None
+        plan = cls()
+        plan.rows, plan.reach, plan.k, plan.out, plan.tiles = rows, reach, tuple(k), tuple(out), tl
+        plan.workers = max(1, min(workers, len(tl)))
+        plan.hw_bufs = [xp.empty(size, dtype=dtype) for _ in range(plan.workers)]
+        plan.f_bufs = [xp.empty(tpos * f, dtype=dtype) for _ in range(plan.workers)]
+        return plan
+
+    def hw_columns(self, x, tile, worker, padding, stride, dilation):
+        """The tile's hw-columns of ``x``, (C*kh*kw, nb, nd + reach, hch, Wo), filled."""
+        n0, n1, d0, d1, h0, h1 = tile
+        ext = (n0, n1, d0, d1 + self.reach, h0, h1)
+        c = x.shape[1]
+        shape = (c, 1) + self.k[1:] + (n1 - n0, d1 - d0 + self.reach, h1 - h0, self.out[2])
+        size = self.rows * (n1 - n0) * (d1 - d0 + self.reach) * (h1 - h0) * self.out[2]
+        hw = self.hw_bufs[worker][:size].reshape(shape)
+        im2col(x, hw, ext, (1,) + self.k[1:], (1,) + tuple(stride[1:]), padding,
+               (1,) + tuple(dilation[1:]))
+        return hw.reshape((self.rows,) + shape[4:])
+
+    def tap(self, hw, i, a, dl, nd):
+        """Depth tap ``a`` of sample ``i`` of the tile: a (C*kh*kw, M) view of ``hw``."""
+        return hw[:, i, a * dl:a * dl + nd].reshape(self.rows, -1)
+
+
+def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
+    """``forward`` by depth taps (see above), filling ``y``; with ``g`` also ``dW``."""
+    xp = array_module(x, w)
+    f = w.shape[0]
+    kd, dl = w.shape[2], dilation[0]
+    wa = xp.ascontiguousarray(w.transpose(2, 0, 1, 3, 4)).reshape(kd, f, plan.rows)   # W[:, :, a]
+    dwts = [None if g is None else xp.zeros((kd, plan.rows, f), dtype=x.dtype)
+            for _ in range(plan.workers)]
+
+    def one(worker, tile):
+        n0, n1, d0, d1, h0, h1 = tile
+        hw = plan.hw_columns(x, tile, worker, padding, stride, dilation)
+        nd = d1 - d0
+        for i in range(n1 - n0):
+            yv = y[n0 + i, :, d0:d1, h0:h1, :].reshape(f, -1)          # (F, M) view
+            prod = plan.f_bufs[worker][:yv.size].reshape(yv.shape)
+            gv = None if g is None else g[n0 + i, :, d0:d1, h0:h1, :].reshape(f, -1)
+            for a in range(kd):
+                col = plan.tap(hw, i, a, dl, nd)                        # (C*kh*kw, M) view
+                if gv is not None:
+                    dwts[worker][a] += xp.matmul(col, gv.T)
+                if a == 0:
+                    xp.matmul(wa[0], col, out=yv)
+                else:
+                    xp.matmul(wa[a], col, out=prod)
+                    yv += prod
+    _threads.run(one, plan.tiles, plan.workers)
+    if g is None:
+        return y
+    return y, _depth_taps_weight(_threads.sum_in_order(dwts), w.shape)
+
+
+def _depth_taps_weight(dwt, shape):
+    """(kd, C*kh*kw, F) per-tap dW^T as dW (F, C, kd, kh, kw)."""
+    xp = array_module(dwt)
+    f, c, kd, kh, kw = shape
+    return xp.ascontiguousarray(dwt.reshape(kd, c, kh, kw, f).transpose(4, 1, 0, 2, 3))
+
+
+def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan):
+    """``dW`` of ``conv3d`` by depth taps: the tiles split among the workers, each with its
+    own per-tap accumulator (summed in worker order)."""
+    xp = array_module(dy, x)
+    f = weight_shape[0]
+    kd, dl = weight_shape[2], dilation[0]
+    dwts = [xp.zeros((kd, plan.rows, f), dtype=dy.dtype) for _ in range(plan.workers)]
+
+    def one(worker, tile):
+        n0, n1, d0, d1, h0, h1 = tile
+        hw = plan.hw_columns(x, tile, worker, padding, stride, dilation)
+        for i in range(n1 - n0):
+            gv = dy[n0 + i, :, d0:d1, h0:h1, :].reshape(f, -1)          # (F, M) view
+            for a in range(kd):
+                dwts[worker][a] += xp.matmul(plan.tap(hw, i, a, dl, d1 - d0), gv.T)
+    _threads.run(one, plan.tiles, plan.workers)
+    return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
