@@ -70,8 +70,17 @@ def format_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class Machine:
     """Rates and alpha-beta-gamma constants of one rank (defaults: a typical GPU-less
-    cluster node; ``refimpl plan --calibrate`` measures this machine)."""
-    gflops: float = 50.0                  # sustained float32 GFLOP/s of a conv / GEMM
+    cluster node; ``refimpl plan --calibrate`` measures this machine).
+
+    Compute time per layer kind (``rank_costs``): a conv is ``flops / rate`` with the rate
+    measured for its shape (``conv_gflops``: a narrow conv runs at a fraction of a wide
+    one's rate, and Winograd's effective rate exceeds the GEMM's), ``gflops`` for a shape
+    not measured; a dense layer ``flops / gemm_gflops``; batch norm, activations and
+    pooling are memory-bound: elements / their rate (forward + backward).  A halo exchange also copies: the block into the work array and back
+    (``mem_bandwidth``) and every piece packed into / out of its message buffer at the
+    pack bandwidth of its axis (a D face is one contiguous run per sample and channel, a
+    W face one element per row: ``pack_bandwidth_w`` is the slowest)."""
+    gflops: float = 50.0                  # float32 GFLOP/s of a conv's arithmetic
     alpha: float = 1.0e-6                 # s per message, both ranks on one node
     beta: float = 1 / 10e9                # s per byte, on one node
     gamma: float = 1 / 20e9               # s per byte reduced
@@ -79,6 +88,42 @@ class Machine:
     beta_inter: float = 1 / 12.5e9        # s per byte between nodes (100 Gb/s)
     ranks_per_node: int = 4
     mem_per_rank: int | None = None       # bytes; None: no limit
+    conv_gflops: tuple = ()               # ((conv_key(layer), GFLOP/s), ...) measured per conv shape
+    gemm_gflops: float = 100.0            # float32 GFLOP/s of a dense layer's GEMMs
+    mem_bandwidth: float = 10e9           # bytes/s copied: halo work arrays
+    pack_bandwidth_d: float = 10e9        # bytes/s packing a halo piece cut across depth
+    pack_bandwidth_h: float = 8e9         # ... across height
+    pack_bandwidth_w: float = 2e9         # ... across width (strided: one element per row)
+    bn_rate: float = 1e9                  # elements/s, batch norm forward + backward
+    act_rate: float = 2e9                 # elements/s, activation forward + backward
+    pool_rate: float = 1e9                # input elements/s, pooling forward + backward
+
+    def conv_rate(self, layer, voxels) -> float:
+        """GFLOP/s of ``layer`` when one call convolves ``voxels`` input voxels (samples x
+        block): interpolated in log-log between the rates measured for its shape
+        (``conv_key``) at other voxel counts, the nearest one outside their range; for a
+        shape never measured, the nearest measured shape of the same kind, kernel, stride
+        and input gradient (nearest in log C + log F); else ``gflops``."""
+        shape = conv_key(layer)
+        kind, rest = shape.split(" ", 1)
+        tail = rest.split(" ", 1)[1]
+        measured = {}                                       # shape -> [(log voxels, log rate)]
+        for key, rate in self.conv_gflops:
+            k, (c, f), t, v = _parse_conv_key(key)
+            if k == kind and t == tail:
+                measured.setdefault((c, f), []).append((math.log(v), math.log(rate)))
+        if not measured:
+            return self.gflops
+        c, f = min(measured, key=lambda cf: (abs(math.log2(cf[0] / layer.c_in)) +
+                                             abs(math.log2(cf[1] / layer.c_out)), cf))
+        points = sorted(measured[(c, f)])
+        x = math.log(max(voxels, 1))
+        if x <= points[0][0]:
+            return math.exp(points[0][1])
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 > x0 else math.exp(y1)
+        return math.exp(points[-1][1])
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(alpha, beta) between world ranks a and b."""
@@ -93,6 +138,28 @@ class Machine:
 
 
 MACHINE_KEYS = {f for f in Machine.__dataclass_fields__}
+CONV_KEY = re.compile(r"^(conv|conv_transpose) (\d+)->(\d+) (k\d+x\d+x\d+ s\d+x\d+x\d+)( no-dx)?"
+                      r" @(\d+)x(\d+)x(\d+)$")
+
+
+def conv_key(layer, in_dhw=None) -> str:
+    """``'conv 16->32 k3x3x3 s1x1x1'`` (+ ``' no-dx'`` for a layer without an input gradient):
+    a conv's shape; with ``in_dhw`` also ``' @DxHxW'``, the one-sample input a rate of
+    ``Machine.conv_gflops`` was measured on."""
+    k, st = "x".join(map(str, layer.kernel)), "x".join(map(str, layer.stride))
+    key = f"{layer.kind} {layer.c_in}->{layer.c_out} k{k} s{st}" + ("" if layer.input_grad else " no-dx")
+    return key if in_dhw is None else key + " @" + "x".join(map(str, in_dhw))
+
+
+def _parse_conv_key(key):
+    """(kind, (C, F), 'kAxBxC sAxBxC[ no-dx]', input voxels) of a measured ``conv_key``;
+    ValueError if malformed."""
+    m = CONV_KEY.match(key)
+    if not m:
+        raise ValueError(f"conv rate key {key!r} is not like 'conv 16->32 k3x3x3 s1x1x1 @32x32x32' "
+                         f"(kind conv or conv_transpose, ' no-dx' before the @ for a layer without dX)")
+    return (m.group(1), (int(m.group(2)), int(m.group(3))), m.group(4) + (m.group(5) or ""),
+            int(m.group(6)) * int(m.group(7)) * int(m.group(8)))
 
 
 def load_machine(path: str) -> Machine:
@@ -105,7 +172,20 @@ def load_machine(path: str) -> Machine:
         raise ValueError(f"--machine {path}: unknown key(s) {unknown}; known: {sorted(MACHINE_KEYS)}")
     values = {}
     for key, value in table.items():
-        if key == "mem_per_rank":
+        if key == "conv_gflops":
+            if not isinstance(value, dict):
+                raise ValueError(f"--machine {path}: conv_gflops must be a table of "
+                                 f"'conv C->F kKxKxK sSxSxS @DxHxW' = GFLOP/s, got {value!r}")
+            for shape, rate in value.items():
+                try:
+                    _parse_conv_key(shape)
+                except ValueError as err:
+                    raise ValueError(f"--machine {path}: [conv_gflops] {err}") from None
+                if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+                    raise ValueError(f"--machine {path}: [conv_gflops] {shape!r} must be a positive number, "
+                                     f"got {rate!r}")
+            values[key] = tuple((shape, float(rate)) for shape, rate in value.items())
+        elif key == "mem_per_rank":
             values[key] = parse_bytes(value)
         elif key == "ranks_per_node":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -289,6 +369,24 @@ def _volume(ranges):
     return math.prod(b - a for a, b in ranges)
 
 
+def _halo_copies_s(plan, coords3, channels, samples, itemsize, adjoint, machine):
+    """Seconds one halo exchange (forward or adjoint) spends copying on this rank, as
+    ``HaloExchange`` does: the work array (the hull of the owned and needed ranges) zeroed
+    and the owned block (adjoint: the needed range's gradient) copied in, then every piece
+    it sends packed and every piece it receives unpacked, at its axis' pack bandwidth.
+    Nothing where the exchange is the identity (one rank, no ghosts)."""
+    owned, needed = plan.owned(coords3), plan.needed(coords3)
+    pieces = [(axis, m) for axis in range(3) for m in plan.sends(coords3, axis) + plan.recvs(coords3, axis)]
+    if needed == owned and not pieces:
+        return 0.0
+    per_voxel = channels * samples * itemsize
+    frame = [(min(a, c), max(b, d)) for (a, b), (c, d) in zip(owned, needed)]
+    block = _volume(needed if adjoint else owned)
+    seconds = (_volume(frame) + 2 * block) * per_voxel / machine.mem_bandwidth
+    pack = (machine.pack_bandwidth_d, machine.pack_bandwidth_h, machine.pack_bandwidth_w)
+    return seconds + sum(m.volume * per_voxel / pack[axis] for axis, m in pieces)
+
+
 def param_sizes(layer: Layer, pm: int = 1, m: int = 0) -> list[int]:
     """Elements of each parameter (weight, then bias if any) model rank ``m`` of ``pm`` holds:
     the slices ``nn/model_parallel.py`` keeps (filter / row splits: the output rows; channel
@@ -346,6 +444,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
     costs = []
     for layer in layers:
         cost = LayerCost(layer.name, layer.kind)
+        compute_s = 0.0
         c_local = _width(layer.c_in, pm, m) if layer.split_in else layer.c_in
         f_local = layer.c_out
         if layer.split in ("filter", "filter-replicated", "channel", "row", "row-split") or \
@@ -365,14 +464,17 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
                 b, msgs, s = _halo(plan, scoords, dims, coords, c_halo, n_r, itemsize, adjoint, machine)
                 cost.halo_bytes += b
                 cost.halo_messages += msgs
-                cost.halo_s += s
+                cost.halo_s += s + _halo_copies_s(plan, scoords, c_halo, n_r, itemsize, adjoint, machine)
             if layer.kind == "pool":
                 cost.flops = 2.0 * n_r * f_local * v_out * math.prod(layer.kernel)
+                compute_s = n_r * f_local * v_need / machine.pool_rate
             else:
                 c_mac = c_local if layer.split == "channel" else layer.c_in
                 f_mac = layer.c_out if layer.split == "channel" else f_local
                 macs = n_r * f_mac * c_mac * math.prod(layer.kernel) * (v_out if layer.kind == "conv" else v_in)
-                cost.flops = 2.0 * macs * (3 if layer.input_grad else 2)
+                passes = 3 if layer.input_grad else 2          # forward, dW (, dX)
+                cost.flops = 2.0 * macs * passes
+                compute_s = cost.flops / (machine.conv_rate(layer, n_r * v_in) * 1e9)
             cost.saved_bytes = n_r * c_halo * v_need * itemsize
             cost.transient_bytes = n_r * (c_halo * v_need + f_local * v_out) * itemsize
             # model-axis collectives
@@ -391,6 +493,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
                 cost.comm_s += cost.model_messages * alpha + cost.model_bytes * beta
         elif layer.kind == "bn":
             cost.flops = 10.0 * n_r * f_local * v_block
+            compute_s = n_r * f_local * v_block / machine.bn_rate
             cost.saved_bytes = n_r * f_local * v_block * itemsize
             everyone = _group(dims, coords, (0, 1, 2, 3))     # statistics of the whole batch
             # forward: the element count and the (2, C) float64 sums; backward: the (2, C) gradient sums
@@ -398,6 +501,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             cost.allreduce_bytes = 2 * 16 * f_local if everyone[0] > 1 else 0
         elif layer.kind == "act":
             cost.flops = 2.0 * n_r * f_local * v_block
+            compute_s = n_r * f_local * v_block / machine.act_rate
             cost.saved_bytes = n_r * f_local * v_block * itemsize
         elif layer.kind == "gather":
             per_channel = n_r * v_block
@@ -409,6 +513,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
         elif layer.kind in ("flatten_linear", "linear"):
             d_in = layer.c_in if layer.kind == "linear" else layer.c_in // math.prod(layer.in_dhw) * v_block
             cost.flops = 2.0 * n_r * f_local * d_in * 3
+            compute_s = cost.flops / (machine.gemm_gflops * 1e9)
             cost.saved_bytes = n_r * d_in * itemsize
             if layer.kind == "flatten_linear" and math.prod(sdims) > 1:
                 n_bytes = n_r * f_local * itemsize
@@ -429,7 +534,7 @@ def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost
             cost.param_bytes = [n * itemsize for n in param_sizes(layer, pm, m)]
             cost.weight_bytes = sum(cost.param_bytes)
         cost.allreduce_bytes += cost.spatial_bytes + cost.model_allreduce_bytes
-        cost.compute_s = cost.flops / (machine.gflops * 1e9)
+        cost.compute_s = compute_s
         costs.append(cost)
     return costs
 
@@ -552,7 +657,9 @@ def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None,
 
     ``layers_mp``: the model with its model-parallel layers, used on grids with Pm > 1
     (None: no model axis).  Spatial splits are taken in canonical order Pd >= Ph >= Pw
-    when the sample is cubic (the others are the same up to a rotation)."""
+    when the sample is cubic: the others are rotations of it, which differ only in which
+    faces their halos pack, and the canonical one puts the most splits on depth, whose
+    faces are the cheapest to pack (``Machine.pack_bandwidth_d``)."""
     plans = []
     cubic = len(set(layers[0].in_dhw)) == 1
     for dims in factorizations(ranks, 5):
@@ -570,40 +677,141 @@ def save_machine(machine: Machine) -> str:
     """The machine as a TOML file ``load_machine`` reads back."""
     lines = ["# refimpl plan machine constants (refimpl plan --calibrate; docs/planner.md)"]
     for key, value in machine.__dict__.items():
-        if value is not None:
+        if value is not None and key != "conv_gflops":
             lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+    if machine.conv_gflops:
+        lines += ["", "[conv_gflops]      # measured per conv shape (GFLOP/s of forward + backward)"]
+        lines += [f'"{shape}" = {rate!r}' for shape, rate in machine.conv_gflops]
     return "\n".join(lines) + "\n"
 
 
-def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
-    """Measure this machine: the compute rate of refimpl's own forward + backward of a small
-    CosmoFlow (the planner's FLOPs over the measured time), and — when started under mpiexec with 2 or more ranks — alpha and beta
-    from a ping-pong between ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Returns
-    the machine on rank 0, None on the other ranks."""
-    import statistics
+#: Most FLOPs of one calibration run of a conv shape (forward + backward): its extent is
+#: cut down (to at most 32, at least 4) until it fits, so calibration takes seconds.
+CALIBRATION_FLOPS = 4e9
+
+
+def _best_time(fn, repeats):
     import time
+    fn()                                             # warm-up: allocations, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibration_layers(layers):
+    """The distinct conv shapes (``conv_key``) of ``layers``, each at two calibration inputs
+    of one sample: the layer's extent cut to at most 32 and to ``CALIBRATION_FLOPS``, and
+    that with half the depth (a rate depends on the block a rank holds)."""
+    from dataclasses import replace
+    out, seen = [], set()
+    for layer in layers:
+        if layer.kind not in ("conv", "conv_transpose") or conv_key(layer) in seen:
+            continue
+        seen.add(conv_key(layer))
+        per_voxel = 2.0 * layer.c_in * layer.c_out * math.prod(layer.kernel) * (3 if layer.input_grad else 2)
+        size = max(4, min(32, int((CALIBRATION_FLOPS / per_voxel) ** (1 / 3)), max(layer.in_dhw)))
+        for in_dhw in ((size,) * 3, (max(1, size // 2), size, size)):
+            if layer.kind == "conv":
+                out_dhw = tuple((n + 2 * p - k) // st + 1 for n, k, p, st in
+                                zip(in_dhw, layer.kernel, layer.padding, layer.stride))
+            else:
+                out_dhw = tuple((n - 1) * st - 2 * p + k + op for n, k, p, st, op in
+                                zip(in_dhw, layer.kernel, layer.padding, layer.stride, layer.output_padding))
+            out.append(replace(layer, in_dhw=in_dhw, out_dhw=out_dhw, split="none", split_in=False))
+    return out
+
+
+def _time_conv(layer, repeats, rng):
+    """Seconds of one forward + backward of ``layer`` (one sample, float32) by refimpl's functions."""
+    import numpy
+
+    from .functional import (conv3d, conv3d_backward, conv3d_weight_grad, conv_transpose3d,
+                             conv_transpose3d_backward)
+    x = rng.standard_normal((1, layer.c_in) + layer.in_dhw, dtype=numpy.float32)
+    dy = rng.standard_normal((1, layer.c_out) + layer.out_dhw, dtype=numpy.float32)
+    s, p = layer.stride, layer.padding
+    if layer.kind == "conv_transpose":
+        w = rng.standard_normal((layer.c_in, layer.c_out) + layer.kernel, dtype=numpy.float32)
+        op = layer.output_padding
+        return _best_time(lambda: (conv_transpose3d(x, w, stride=s, padding=p, output_padding=op),
+                                   conv_transpose3d_backward(dy, x, w, stride=s, padding=p, output_padding=op)),
+                          repeats)
+    w = rng.standard_normal((layer.c_out, layer.c_in) + layer.kernel, dtype=numpy.float32)
+    if layer.input_grad:
+        return _best_time(lambda: (conv3d(x, w, stride=s, padding=p), conv3d_backward(dy, x, w, stride=s, padding=p)),
+                          repeats)
+    return _best_time(lambda: (conv3d(x, w, stride=s, padding=p),
+                               conv3d_weight_grad(dy, x, w.shape, stride=s, padding=p)), repeats)
+
+
+def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=None) -> Machine | None:
+    """Measure this machine with short microbenchmarks of refimpl's own functions:
+
+    - ``conv_gflops``: forward + backward of every conv shape of ``layers`` (the model to
+      plan) on two inputs (``calibration_layers``), the planner's FLOPs over the time;
+      the machine's own entries are kept unless measured again (so calibrating for one
+      model, then another, accumulates both); ``gflops``: their median (the rate of a shape
+      never measured);
+    - ``gemm_gflops``: a 512^3 float32 matmul; ``bn_rate``, ``act_rate``, ``pool_rate``:
+      batch norm, LeakyReLU and 2^3 max pooling forward + backward on (2, 16, 32^3);
+    - ``mem_bandwidth``: a 32 MiB copy; ``pack_bandwidth_d/h/w``: one-voxel faces of a
+      (2, 16, 34^3) block copied into contiguous buffers, as the halo exchange packs them;
+    - under mpiexec with 2 or more ranks, alpha and beta from a ping-pong between ranks 0
+      and 1 (small messages: alpha; 8 MiB: beta).  Every rank computes at once, as in training.
+
+    ``report(line)`` receives one line per measurement.  Returns the machine on rank 0, None
+    on the other ranks."""
+    import statistics
 
     import numpy
 
     from .cli import launcher_size
-    from .models import build_model
-    # the compute rate of a whole step of refimpl's own layers (convs, pooling, activations,
-    # the head): the planner's FLOPs of a small CosmoFlow over its measured forward + backward
-    config = {"input_shape": (4, 32, 32, 32), "conv_size": 16, "n_conv_layers": 3, "fc1_size": 64,
-              "fc2_size": 32}
-    batch = 2
-    model = build_model("cosmoflow", config, None, seed=0)
-    x = numpy.random.default_rng(0).standard_normal((batch, 4, 32, 32, 32)).astype(numpy.float32)
-    flops = sum(c.flops for c in rank_costs(model_layers("cosmoflow", config), (1, 1, 1, 1, 1), (0,) * 5,
-                                            batch, 4, machine))
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        model.zero_grad()
-        out = model.forward(x)
-        model.backward(numpy.ones_like(out))
-        best = min(best, time.perf_counter() - start)
-    values = dict(machine.__dict__, gflops=flops / best / 1e9)
+    from .functional import (batch_norm3d, batch_norm3d_backward, leaky_relu, leaky_relu_backward, max_pool3d,
+                             max_pool3d_backward)
+    say = report or (lambda line: None)
+    rng = numpy.random.default_rng(0)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=numpy.float32)
+
+    rates = dict(machine.conv_gflops)
+    for layer in calibration_layers(layers):
+        seconds = _time_conv(layer, repeats, rng)
+        (cost,) = rank_costs([layer], (1,) * 5, (0,) * 5, 1, 4, machine)
+        key = conv_key(layer, layer.in_dhw)
+        rates[key] = cost.flops / seconds / 1e9
+        say(f"{key}: {seconds * 1e3:.2f} ms, {rates[key]:.1f} GFLOP/s")
+    gflops = statistics.median(rates.values()) if rates else machine.gflops
+    a, b = normal(512, 512), normal(512, 512)
+    gemm = 2 * 512 ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
+    x = normal(2, 16, 32, 32, 32)
+    dy = normal(*x.shape)
+
+    def bn():
+        y, cache = batch_norm3d(x, numpy.ones(16, numpy.float32), numpy.zeros(16, numpy.float32))
+        batch_norm3d_backward(dy, cache)
+    bn_rate = x.size / _best_time(bn, repeats)
+    act_rate = x.size / _best_time(lambda: (leaky_relu(x), leaky_relu_backward(dy, x)), repeats)
+    dyp = normal(2, 16, 16, 16, 16)
+
+    def pool():
+        _, masks = max_pool3d(x, 2, return_masks=True)
+        max_pool3d_backward(dyp, x, 2, masks=masks)
+    pool_rate = x.size / _best_time(pool, repeats)
+    big, dst = normal(8 * 2 ** 20), numpy.empty(8 * 2 ** 20, numpy.float32)
+    mem_bandwidth = big.nbytes / _best_time(lambda: numpy.copyto(dst, big), repeats)
+    block = normal(2, 16, 34, 34, 34)
+    faces = [block[:, :, 1:2], block[:, :, :, 1:2], block[:, :, :, :, 1:2]]
+    packs = [face.nbytes / _best_time(lambda f=face: numpy.ascontiguousarray(f), repeats * 10) for face in faces]
+    say(f"GEMM {gemm:.1f} GFLOP/s; batch norm {bn_rate / 1e9:.3f}, activation {act_rate / 1e9:.3f}, "
+        f"pooling {pool_rate / 1e9:.3f} G elements/s; copy {mem_bandwidth / 1e9:.2f} GB/s; "
+        f"halo faces packed at {', '.join(f'{p / 1e9:.2f}' for p in packs)} GB/s (d, h, w)")
+    values = dict(machine.__dict__, gflops=gflops, conv_gflops=tuple(rates.items()), gemm_gflops=gemm,
+                  bn_rate=bn_rate, act_rate=act_rate, pool_rate=pool_rate, mem_bandwidth=mem_bandwidth,
+                  pack_bandwidth_d=packs[0], pack_bandwidth_h=packs[1], pack_bandwidth_w=packs[2])
     if launcher_size() > 1:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
@@ -622,4 +830,5 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3) -> Machine | None:
 
 
 __all__ = ["Machine", "load_machine", "Layer", "model_layers", "rank_costs", "plan_grid", "search",
-           "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility", "calibrate", "save_machine"]
+           "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility", "calibrate", "calibration_layers",
+           "conv_key", "save_machine"]

@@ -5,7 +5,7 @@ For a model preset and a global batch, every grid of ``--ranks`` ranks (or ``--g
 run for real under ``mpiexec`` (float32, one BLAS thread per rank): build the model, an
 SGD-momentum optimizer and the gradient synchroniser, one warm-up training step (forward,
 loss, backward, gradient allreduce, update) and ``--repeats`` timed steps (best kept;
-slowest rank).  Memory: tracemalloc's peak over the warm-up step, started before the
+slowest rank); with ``--rounds R`` every grid is run R times, round-robin, the best kept.  Memory: tracemalloc's peak over the warm-up step, started before the
 model is built (weights, gradients, optimizer state, activations, halo buffers and
 temporaries; NumPy reports its buffers to tracemalloc), max over ranks.  Next to each,
 ``refimpl.plan``'s prediction for the same grid with the machine constants of
@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--grids", nargs="*", default=None, metavar="Pn,Pd,Ph,Pw",
                         help="grids to run (default: every 4-entry grid of --ranks ranks the model takes)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every grid this many times, round-robin (the best kept): drift in the "
+                             "machine's speed then hits every grid alike (default 1)")
     parser.add_argument("--model-parallel", choices=("none", "filter", "channel"), default="none",
                         help="also run grids with a model axis Pm > 1, split this way")
     parser.add_argument("--noise", type=float, default=0.05,
@@ -160,8 +163,15 @@ def main() -> None:
           f"machine {machine}")
     print(f"{'grid':<14}{'measured s':>11}{'predicted s':>12}{'ratio':>7}{'peak MiB':>10}{'predicted':>10}"
           f"{'ratio':>7}")
+    if args.rounds < 1 or args.repeats < 1:
+        raise SystemExit("--rounds and --repeats must be positive")
+    runs = {tuple(dims): [] for dims in grids}
+    for _ in range(args.rounds):
+        for dims in grids:
+            runs[tuple(dims)].append(run_grid(args, dims))
     for dims in grids:
-        got = run_grid(args, dims)
+        got = min(runs[tuple(dims)], key=lambda r: r["step_s"])
+        got = dict(got, peak_bytes=max(r["peak_bytes"] for r in runs[tuple(dims)]))
         plan = plan_grid(model_layers(args.model, config_of(args, dims)), dims, args.batch, machine, every_rank=True)
         row = {"grid": list(dims), "measured_s": got["step_s"], "predicted_s": plan.step_s,
                "measured_peak_bytes": got["peak_bytes"], "predicted_peak_bytes": plan.memory_bytes}

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from refimpl.models import PRESETS, build_model
-from refimpl.plan import (Machine, factorizations, load_machine, model_layers, parse_bytes, plan_grid,
-                          save_machine, search)
+from refimpl.plan import (Layer, Machine, conv_key, factorizations, load_machine, model_layers, parse_bytes,
+                          plan_grid, rank_costs, save_machine, search)
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}
 GIB = 2 ** 30
@@ -95,6 +95,50 @@ def test_machine_files_round_trip(tmp_path):
     path.write_text("alpha = -1\n")
     with pytest.raises(ValueError, match="alpha must be a positive number"):
         load_machine(str(path))
+    rates = (("conv 4->16 k3x3x3 s1x1x1 no-dx @32x32x32", 40.0), ("conv_transpose 8->4 k2x2x2 s2x2x2 @8x8x8", 9.5))
+    machine = Machine(conv_gflops=rates, pack_bandwidth_w=1e9)
+    path.write_text(save_machine(machine))
+    assert load_machine(str(path)) == machine
+    for table, match in (('conv_gflops = 3\n', "conv_gflops must be a table"),
+                         ('[conv_gflops]\n"conv 4->16 k3 s1" = 1.0\n', "is not like"),
+                         ('[conv_gflops]\n"conv 4->16 k3x3x3 s1x1x1 @8x8x8" = 0\n', "must be a positive number")):
+        path.write_text(table)
+        with pytest.raises(ValueError, match=match):
+            load_machine(str(path))
+
+
+def test_conv_rate_per_shape():
+    """Machine.conv_rate: the measured rate of the shape at the block's voxel count, log-log
+    interpolated between two measurements, the nearest outside them; the nearest measured
+    shape of the same kind, kernel, stride and dX for another channel pair; gflops when none."""
+    wide = Layer("c", "conv", 16, 32, (32,) * 3, (32,) * 3, (3, 3, 3), padding=(1, 1, 1))
+    machine = Machine(gflops=7.0, conv_gflops=(("conv 16->32 k3x3x3 s1x1x1 @16x16x16", 40.0),
+                                               ("conv 16->32 k3x3x3 s1x1x1 @32x32x32", 160.0),
+                                               ("conv 4->16 k3x3x3 s1x1x1 no-dx @32x32x32", 20.0)))
+    assert machine.conv_rate(wide, 16 ** 3) == pytest.approx(40.0)
+    assert machine.conv_rate(wide, 32 ** 3) == pytest.approx(160.0)
+    assert machine.conv_rate(wide, (16 ** 3 * 32 ** 3) ** 0.5) == pytest.approx(80.0)   # geometric midpoint
+    assert machine.conv_rate(wide, 10) == pytest.approx(40.0) and machine.conv_rate(wide, 10 ** 9) == pytest.approx(160.0)
+    from dataclasses import replace
+    assert machine.conv_rate(replace(wide, c_in=32, c_out=64), 32 ** 3) == pytest.approx(160.0)   # nearest shape
+    assert machine.conv_rate(replace(wide, c_in=4, c_out=16, input_grad=False), 8) == pytest.approx(20.0)
+    assert machine.conv_rate(replace(wide, kernel=(5, 5, 5)), 32 ** 3) == 7.0     # no such kernel measured
+    # the planner charges a conv its flops at that rate
+    (cost,) = rank_costs([wide], (1,) * 5, (0,) * 5, 1, 4, machine)
+    assert cost.compute_s == pytest.approx(cost.flops / 160e9)
+
+
+def test_halo_copies_cost_most_across_width():
+    """A halo exchange also copies (the work array, the faces packed): the planner charges a
+    split across W (strided faces, the slowest pack) more than one across D, nothing on one rank."""
+    layers = model_layers("cosmoflow", "small")
+    machine = Machine(pack_bandwidth_d=20e9, pack_bandwidth_h=10e9, pack_bandwidth_w=1e9)
+    halo = {dims: plan_grid(layers, dims, 4, machine).halo_s for dims in
+            [(1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 1)]}
+    assert halo[(2, 1, 1, 1)] == 0
+    assert halo[(1, 2, 1, 1)] < halo[(1, 1, 2, 1)] < halo[(1, 1, 1, 2)]
+    same = Machine(pack_bandwidth_d=5e9, pack_bandwidth_h=5e9, pack_bandwidth_w=5e9)
+    assert plan_grid(layers, (1, 2, 1, 1), 4, same).halo_s == pytest.approx(plan_grid(layers, (1, 1, 1, 2), 4, same).halo_s)
 
 
 @pytest.mark.parametrize("text, value", [("16GiB", 16 * GIB), ("512 MB", 512 * 10 ** 6), ("1.5e9", 1_500_000_000),
@@ -145,12 +189,19 @@ def test_calibrate_under_mpiexec(tmp_path):
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     out = tmp_path / "here.toml"
     proc = subprocess.run([shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl",
-                           "plan", "--calibrate", "--save-machine", str(out)], capture_output=True, text=True,
-                          env=env, timeout=300)
+                           "plan", "--calibrate", "--preset", "tiny", "--save-machine", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     machine = load_machine(str(out))
     assert machine.gflops > 0.1 and 0 < machine.alpha < 1e-2 and 0 < machine.beta < 1e-6
     assert proc.stdout.count("calibrated") == 1        # rank 0 reports
+    # every conv shape of the model measured on two inputs, each rate on stdout once
+    shapes = {conv_key(lay) for lay in model_layers("cosmoflow", "tiny") if lay.kind == "conv"}
+    assert len(machine.conv_gflops) == 2 * len(shapes)
+    assert {key.split(" @")[0] for key, _ in machine.conv_gflops} == shapes
+    assert all(proc.stdout.count(key + ":") == 1 for key, _ in machine.conv_gflops)
+    for name in ("gemm_gflops", "bn_rate", "act_rate", "pool_rate", "mem_bandwidth", "pack_bandwidth_w"):
+        assert getattr(machine, name) != getattr(Machine(), name), name     # measured, not the default
 
 
 def test_bench_plan_smoke(tmp_path):

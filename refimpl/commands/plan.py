@@ -221,7 +221,7 @@ def plot_scaling(args, path, machine):
 def plan(args) -> int:
     from ..failstop import atomic_write, check_writable
     from ..plan import plan_grid, save_machine, search
-    from ..cli import launcher_size
+    from ..cli import launcher_rank, launcher_size
     machine, grid = check(args)
     if launcher_size() > 1 and not args.calibrate:
         raise ValueError("refimpl plan runs in one process: start it without mpiexec (mpiexec -n 2 only "
@@ -231,7 +231,7 @@ def plan(args) -> int:
             check_writable(path, flag)
     if args.calibrate:
         from ..plan import calibrate
-        machine = calibrate(machine)
+        machine = calibrate(machine, layers=layers_of(args), report=print if launcher_rank() == 0 else None)
         if machine is None:              # a helper rank of the ping-pong: rank 0 reports
             return 0
         print(f"calibrated: {machine}")
