@@ -22,10 +22,13 @@ Pure math (no messages): for CosmoFlow or the 3D U-Net (any preset or config) on
   transient (halo work array + the output being produced), weights, gradients, the
   gradient buckets (one more copy) and the optimizer state (SGD momentum: 1 copy; Adam: 2).
 
-Time of the step = compute (FLOPs / rate) + every message's ``alpha + bytes * beta``
-(intra- or inter-node constants by where the peers sit: ranks ``r // ranks_per_node``
-share a node) + the gradient allreduce (not overlapped: an upper bound; refimpl overlaps
-it with backward).  The slowest rank decides the step.
+Time of the step = compute (a conv's FLOPs at the rate measured for its shape and block
+size, dense layers at the GEMM rate, batch norm / activations / pooling per element:
+``Machine``) + every message's ``alpha + bytes * beta`` (intra- or inter-node constants by
+where the peers sit: ranks ``r // ranks_per_node`` share a node) + the halo exchanges'
+copies (work array, pieces packed per axis) + the gradient allreduce and its bucket copies
+(not overlapped: an upper bound; refimpl overlaps it with backward).  The slowest rank
+decides the step.
 
 The cost formulas follow Gholami et al. (SPAA'18): a conv layer's domain-parallel cost is
 its halo ``alpha + beta * halo words``, a 1.5-D dense layer's the allgather /
@@ -97,6 +100,12 @@ class Machine:
     bn_rate: float = 1e9                  # elements/s, batch norm forward + backward
     act_rate: float = 2e9                 # elements/s, activation forward + backward
     pool_rate: float = 1e9                # input elements/s, pooling forward + backward
+
+    def summary(self) -> str:
+        """The constants in one line (``conv_gflops`` as its count of measured shapes)."""
+        parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                 for k, v in self.__dict__.items() if k != "conv_gflops" and v is not None]
+        return "Machine(" + ", ".join(parts) + f", conv_gflops: {len(self.conv_gflops)} measured)"
 
     def conv_rate(self, layer, voxels) -> float:
         """GFLOP/s of ``layer`` when one call convolves ``voxels`` input voxels (samples x
@@ -604,6 +613,8 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
         buckets = gradient_buckets(costs, bucket_bytes, first_bucket_bytes)
         members = _group(dims, coords, (0, 1, 2, 3))
         ar = sum(_allreduce_s(n, members, machine, algorithm) for n in buckets)
+        if members[0] > 1:             # each bucket packed from the gradients and unpacked back
+            ar += 2 * sum(buckets) / machine.mem_bandwidth
         weights = sum(buckets)
         memory = sum(c.saved_bytes for c in costs) + max((c.transient_bytes for c in costs), default=0) + \
             weights * (3 + OPTIMIZER_COPIES[optimizer])    # + gradient + bucket copy + optimizer

@@ -160,7 +160,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = []
     print(f"# {args.model} {args.preset}, batch {args.batch}, {args.ranks} rank(s), load average {load:.2f}, "
-          f"machine {machine}")
+          f"machine {machine.summary()}")
     print(f"{'grid':<14}{'measured s':>11}{'predicted s':>12}{'ratio':>7}{'peak MiB':>10}{'predicted':>10}"
           f"{'ratio':>7}")
     if args.rounds < 1 or args.repeats < 1:

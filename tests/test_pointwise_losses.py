@@ -210,11 +210,13 @@ def test_loss_sums_split_over_blocks():
     assert rel_err(grad, dref) <= 1e-12
 
 
-def test_dice_score():
-    logits, labels, _ = labelled((2, 4, 3, 3, 3, False, 3))
+@pytest.mark.parametrize("classes", [2, 4, 9])       # both sides of MASKED_PICK_CLASSES
+def test_dice_score(classes):
+    logits, labels, _ = labelled((2, classes, 3, 3, 3, False, 3))
+    logits[0, 1] = logits[0, 0]                            # ties: the first maximum wins (argmax)
     pred = logits.argmax(1)
     expected = []
-    for k in range(4):
+    for k in range(classes):
         a, b = pred == k, labels == k
         expected.append(1.0 if a.sum() + b.sum() == 0 else 2 * (a & b).sum() / (a.sum() + b.sum()))
     assert np.allclose(dice_score(logits, labels), expected)

@@ -234,7 +234,7 @@ def plan(args) -> int:
         machine = calibrate(machine, layers=layers_of(args), report=print if launcher_rank() == 0 else None)
         if machine is None:              # a helper rank of the ping-pong: rank 0 reports
             return 0
-        print(f"calibrated: {machine}")
+        print(f"calibrated: {machine.summary()}")
         if args.save_machine:
             atomic_write(args.save_machine, lambda f: f.write(save_machine(machine)))
             print(f"wrote {args.save_machine}")
@@ -261,7 +261,7 @@ def plan(args) -> int:
         plans = search(layers, args.ranks, args.batch, machine, layers_mp=layers_mp, **kw)
         feasible = [p for p in plans if p.feasible]
         print(f"{args.model}: {len(plans)} grids of {args.ranks} ranks, {len(feasible)} fit"
-              f"{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; {machine}")
+              f"{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; {machine.summary()}")
         print_table(plans[:args.top])
         if feasible:
             explain(feasible[0])
