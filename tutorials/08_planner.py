@@ -121,6 +121,41 @@ for name in ("features.0", "features.3"):
     assert (total, count) == (planned.halo_bytes, planned.halo_messages)
 
 # %% [markdown]
+# ## 3b. From counts to time: rates per layer shape, and the halo's copies
+# Bytes and FLOPs are exact; time needs rates. A conv's rate depends on its shape: on this
+# kind of machine a 4 -> 16 channel conv runs at a fraction of a 32 -> 64 one (its columns,
+# not its GEMM, take the time), and a small block runs slower than a big one.
+# `refimpl plan --calibrate` therefore times every conv shape of the model on two inputs and
+# stores the rates in `Machine.conv_gflops`; `Machine.conv_rate(layer, voxels)` interpolates
+# between them in log-log. Batch norm, activations and pooling are memory-bound and get a
+# rate per element. Here a made-up machine with two measurements of `features.3`'s shape:
+
+# %%
+from dataclasses import replace
+
+from refimpl.plan import conv_key
+
+lay = by_name["features.3"]
+measured = Machine(conv_gflops=((conv_key(lay, (16, 32, 32)), 60.0), (conv_key(lay, (32, 32, 32)), 120.0)))
+for voxels in (8 * 32 * 32, 16 * 32 * 32, 24 * 32 * 32, 32 * 32 * 32, 64 * 32 * 32):
+    print(f"{conv_key(lay)} on {voxels:>6} voxels: {measured.conv_rate(lay, voxels):6.1f} GFLOP/s")
+assert math.isclose(measured.conv_rate(lay, 16 * 32 * 32), 60.0) and math.isclose(measured.conv_rate(lay, 64 * 32 * 32), 120.0)
+
+# %% [markdown]
+# A halo exchange also copies. `HaloExchange` zeroes a work array (the hull of the owned and
+# needed ranges), copies the block in, packs every piece it sends into a contiguous buffer and
+# unpacks every piece it receives. Packing a face cut across W reads one element per row,
+# across D one contiguous run per sample and channel: on this machine W packs about 20x
+# slower. So the planner charges a W split more than a D split at equal bytes:
+
+# %%
+pack = replace(machine, pack_bandwidth_d=30e9, pack_bandwidth_h=13e9, pack_bandwidth_w=1.5e9)
+halo_ms = {g: plan_grid(layers, g, 4, pack).halo_s * 1e3 for g in [(1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]}
+for g, ms in halo_ms.items():
+    print(f"grid {g}: halo {ms:.2f} ms (messages + copies)")
+assert halo_ms[(1, 2, 1, 1)] < halo_ms[(1, 1, 2, 1)] < halo_ms[(1, 1, 1, 2)]
+
+# %% [markdown]
 # tests/mpi/test_plan_mpi.py closes the loop. On every grid of 1 to 8 ranks it runs a real
 # forward and backward. It checks that the bytes and messages every `HaloExchange` handed to
 # MPI equal `rank_costs`, rank by rank and layer by layer. It checks the channel
@@ -135,7 +170,8 @@ for name in ("features.0", "features.3"):
 # bucket is priced with `collectives.predicted_time`, the Thakur-Rabenseifner-Gropp
 # alpha-beta-gamma cost. "native" is priced as the cheapest of ring, recursive doubling and
 # halving-doubling. The group here spans ranks 0..7, two nodes of 4, so the inter-node
-# constants apply.
+# constants apply. The synchroniser also copies every gradient into its bucket and the
+# averaged result back: twice the bytes at `mem_bandwidth`.
 
 # %%
 grid_plan = plan_grid(layers, dims, batch, machine)
@@ -143,7 +179,7 @@ sizes = [b for c in reversed(grid_plan.layers) for b in reversed(c.param_bytes)]
 buckets = pack_buckets(sizes, [0] * len(sizes), GRAD_BUCKET_BYTES, FIRST_BUCKET_BYTES)
 p = math.prod(dims[:4])
 by_hand = sum(predicted_time("native", sum(sizes[i] for i in b), p, machine.alpha_inter, machine.beta_inter,
-                             machine.gamma) for b in buckets)
+                             machine.gamma) for b in buckets) + 2 * sum(sizes) / machine.mem_bandwidth
 print(f"{len(buckets)} buckets of {[format_bytes(sum(sizes[i] for i in b)) for b in buckets]} over {p} ranks: "
       f"{by_hand * 1e3:.3f} ms by hand, {grid_plan.allreduce_s * 1e3:.3f} ms planned")
 assert math.isclose(by_hand, grid_plan.allreduce_s) and len(buckets) == grid_plan.buckets
