@@ -39,7 +39,9 @@ def add_arguments(parser):
                         help="memory per rank, e.g. 16GiB (default: the machine file's, else no limit)")
     parser.add_argument("--machine", default=None, metavar="FILE.toml", help="machine constants (docs/planner.md)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine's constants first (under mpiexec -n 2 for the link)")
+                        help="measure this machine's constants first: the rate of every conv shape of "
+                             "--model/--preset (kept with those of --machine FILE), the memory-bound layers, "
+                             "copies and halo packing; under mpiexec -n 2 also the link")
     parser.add_argument("--save-machine", default=None, metavar="FILE.toml", help="write the machine constants")
     parser.add_argument("--grid", default=None, metavar="Pn,Pd,Ph,Pw[,Pm]", help="explain this grid layer by layer")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="grids to list (default 10)")
