@@ -43,12 +43,16 @@ def _cupy():
     return cupy
 
 
+#: 'strict' is refimpl.strict's device stand-in: NumPy memory behaving like CuPy's (CI, tests).
+BACKENDS = ("numpy", "cupy", "strict")
+
+
 def set_backend(name: str) -> None:
-    """Select the array module for new arrays: 'numpy' or 'cupy' (ValueError: another name,
-    or cupy where it cannot run, with the reason from settings.cupy_unavailable)."""
+    """Select the array module for new arrays: 'numpy', 'cupy' or 'strict' (ValueError: another
+    name, or cupy where it cannot run, with the reason from settings.cupy_unavailable)."""
     global _backend
-    if name not in ("numpy", "cupy"):
-        raise ValueError(f"backend must be 'numpy' or 'cupy', got {name!r}")
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "cupy":
         reason = settings.cupy_unavailable()
         if reason:
@@ -57,7 +61,8 @@ def set_backend(name: str) -> None:
 
 
 def backend_name() -> str:
-    """'numpy' or 'cupy': set_backend's choice, else ``REFIMPL_BACKEND`` (ValueError naming it)."""
+    """'numpy', 'cupy' or 'strict': set_backend's choice, else ``REFIMPL_BACKEND`` (ValueError
+    naming it)."""
     global _backend
     if _backend is None:
         _backend = settings.env_setting("REFIMPL_BACKEND")
@@ -65,18 +70,30 @@ def backend_name() -> str:
 
 
 def get_xp():
-    """The array module of the run (numpy or cupy)."""
-    return _cupy() if backend_name() == "cupy" else numpy
+    """The array module of the run (numpy, cupy, or refimpl.strict's stand-in)."""
+    name = backend_name()
+    if name == "strict":
+        from .strict import xp
+        return xp
+    return _cupy() if name == "cupy" else numpy
+
+
+def _strict_array(a) -> bool:
+    return type(a).__name__ == "StrictArray" and type(a).__module__ == "refimpl.strict"
 
 
 def is_device_array(a) -> bool:
-    """True for CuPy arrays (anything living in device memory)."""
-    return type(a).__module__.startswith("cupy")
+    """True for CuPy arrays (anything living in device memory) and the strict stand-in's."""
+    return type(a).__module__.startswith("cupy") or _strict_array(a)
 
 
 def array_module(*arrays):
-    """numpy or cupy, whichever the given arrays belong to (cupy wins)."""
+    """numpy or cupy (or the strict stand-in), whichever the given arrays belong to (the
+    device wins)."""
     for a in arrays:
+        if _strict_array(a):
+            from .strict import xp
+            return xp
         if is_device_array(a):
             return _cupy()
     return numpy
@@ -88,7 +105,8 @@ def asarray(a, dtype=None):
 
 
 def to_host(a):
-    """A NumPy copy (or view) of ``a``, wherever it lives."""
+    """A NumPy copy (or view) of ``a``, wherever it lives (a device -> host synchronisation
+    for a device array: refimpl.strict counts them)."""
     if is_device_array(a):
         return a.get()
     return numpy.asarray(a)
@@ -100,7 +118,7 @@ def synchronize(a=None) -> None:
     Must be called before a device buffer is passed to (CUDA-aware) MPI.
     A no-op for host arrays and when CuPy is not in use.
     """
-    if a is not None and not is_device_array(a):
+    if a is not None and (not is_device_array(a) or _strict_array(a)):
         return
     if a is None and backend_name() != "cupy":
         return

@@ -77,7 +77,7 @@ IDENTITY_KEYS = ("model", "preset", "model_config", "global_batch", "optimizer",
 CHOICES = {
     "model": ("cosmoflow", "unet3d"), "optimizer": (None, "sgd", "adam"),
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
-    "backend": ("numpy", "cupy"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
+    "backend": ("numpy", "cupy", "strict"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
     "normalize": (True, False),
 }
 

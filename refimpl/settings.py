@@ -83,7 +83,7 @@ def cupy_unavailable() -> str | None:
 
 
 def _backend(text):
-    name = _choice("numpy", "cupy")(text)
+    name = _choice("numpy", "cupy", "strict")(text)
     if name == "cupy":
         reason = cupy_unavailable()
         if reason:
@@ -101,8 +101,10 @@ def _choice_setting(name, names, default, description):
 
 
 _REGISTRY = (
-    Setting("REFIMPL_BACKEND", _backend, "one of numpy, cupy", "numpy",
-            "array module of the run: numpy (host) or cupy (CUDA device)", choices=("numpy", "cupy")),
+    Setting("REFIMPL_BACKEND", _backend, "one of numpy, cupy, strict", "numpy",
+            "array module of the run: numpy (host), cupy (CUDA device) or strict (host memory "
+            "behaving like a device array: refuses and counts what would synchronise; for CI)",
+            choices=("numpy", "cupy", "strict")),
     Setting("REFIMPL_CUDA_AWARE", _boolean, _BOOLEAN, False,
             "hand device buffers to MPI directly (MPI built with CUDA support) instead of "
             "staging them through host memory"),

@@ -48,7 +48,7 @@ def mse_local_sums(pred, target):
 def mse_loss_backward(pred, target, sums, dloss=1.0):
     """d loss / d pred = 2 (pred - target) / n_global."""
     _check_pair(pred, target)
-    return (pred - target) * (2.0 * dloss / float(sums[0]))
+    return (pred - target) * _per_count(2.0 * dloss, sums, pred.dtype)
 
 
 def mae_local_sums(pred, target):
@@ -63,12 +63,20 @@ def mae_loss_backward(pred, target, sums, dloss=1.0):
     """d loss / d pred = sign(pred - target) / n_global."""
     _check_pair(pred, target)
     xp = array_module(pred, target)
-    return xp.sign(pred - target) * (dloss / float(sums[0]))
+    return xp.sign(pred - target) * _per_count(dloss, sums, pred.dtype)
 
 
 def mean_finish(sums):
-    """loss = sums[1] / sums[0] (mse, mae, cross-entropy)."""
-    return float(sums[1]) / float(sums[0])
+    """loss = sums[1] / sums[0] (mse, mae, cross-entropy), a Python float: the one copy of the
+    sums to the host (a device -> host synchronisation) of a loss."""
+    host = to_host(sums)
+    return float(host[1]) / float(host[0])
+
+
+def _per_count(factor, sums, dtype):
+    """``factor / sums[0]`` as a 0-d array of ``dtype``, computed where ``sums`` lives (no
+    device -> host copy; the same float32 as ``factor / float(sums[0])``)."""
+    return (factor / sums[0]).astype(dtype)
 
 
 def mse_loss(pred, target):
@@ -95,9 +103,11 @@ def _check_logits_labels(logits, labels, class_weights=None):
     if labels.dtype.kind not in "iu":
         raise ValueError(f"labels must be an integer array, got {labels.dtype}")
     num_classes = logits.shape[1]
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(f"labels must lie in [0, {num_classes}), got values in "
-                         f"[{int(labels.min())}, {int(labels.max())}]")
+    if labels.size:
+        xp = array_module(labels)
+        lo, hi = (int(v) for v in to_host(xp.stack([labels.min(), labels.max()])))   # one sync
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"labels must lie in [0, {num_classes}), got values in [{lo}, {hi}]")
     if class_weights is not None:
         check_same_dtype(logits=logits, class_weights=class_weights)
         if tuple(class_weights.shape) != (num_classes,):
@@ -193,7 +203,7 @@ def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0):
     _subtract_one_at_labels(grad, labels)                           # p - onehot(y)
     if class_weights is not None:
         grad *= _label_weights(labels, class_weights, logits.dtype)[:, None]
-    grad *= dloss / float(sums[0])
+    grad *= _per_count(dloss, sums, grad.dtype)
     return grad
 
 
@@ -221,7 +231,7 @@ def soft_dice_local_sums(logits, labels):
 
 def soft_dice_finish(sums, eps=1e-5):
     """1 - mean_k (2 I_k + eps) / (P_k + T_k + eps)."""
-    inter, psum, tsum = (to_host(s) for s in sums)
+    inter, psum, tsum = to_host(sums)                # one device -> host copy
     return float(1.0 - numpy.mean((2 * inter + eps) / (psum + tsum + eps)))
 
 
@@ -279,7 +289,7 @@ def _argmax_classes(a):
 
 def dice_score_finish(sums):
     """Per-class hard Dice 2|A & B| / (|A| + |B|) as a NumPy (K,) array; 1 where both are empty."""
-    inter, psum, tsum = (to_host(s) for s in sums)
+    inter, psum, tsum = to_host(sums)                # one device -> host copy
     total = psum + tsum
     return numpy.where(total > 0, 2 * inter / numpy.maximum(total, 1), 1.0)
 
