@@ -161,7 +161,13 @@ class StrictArray:
         self._a[_unwrap(index)] = _unwrap(value)
 
     # -------------------------------------------------- every other method: NumPy's, walled
+    #: Host access CuPy arrays do not have (NumPy would read the memory through them).
+    _HOST_ONLY = frozenset({"ctypes", "data", "tobytes", "tofile", "dump", "dumps", "base"})
+
     def __getattr__(self, name):
+        if name.startswith("__") or name in StrictArray._HOST_ONLY:
+            # (no __array_interface__ / __array_struct__ / __dlpack__: NumPy would read through them)
+            raise AttributeError(f"{name} of a device array")
         attr = getattr(self._a, name)
         if callable(attr):
             def method(*args, **kwargs):
@@ -214,7 +220,7 @@ StrictArray.__hash__ = None
 # ---------------------------------------------------------------- the module
 
 #: Functions that move host data onto the device: they take host arrays.
-_TRANSFERS = {"asarray", "array", "asanyarray"}
+_TRANSFERS = {"array", "asanyarray"}
 
 
 def _function(name, fn):
@@ -250,6 +256,14 @@ class _StrictModule(_Namespace):
 
     def __init__(self):
         super().__init__(numpy)
+
+    @staticmethod
+    def asarray(a, dtype=None, order=None):
+        """Host data is copied onto the "device" (as cupy.asarray copies); a device array
+        passes through (cast if ``dtype`` asks)."""
+        if isinstance(a, StrictArray):
+            return StrictArray(numpy.asarray(a._a, dtype=dtype, order=order))
+        return StrictArray(numpy.array(_unwrap(a, host_ok=True), dtype=dtype, order=order, copy=True))
 
     @staticmethod
     def asnumpy(a):
