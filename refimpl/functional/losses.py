@@ -198,7 +198,6 @@ def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0):
     The one-hot is subtracted in place at the labels (no (N, K, ...) one-hot array) and
     unit weights are not multiplied in: the same floats, fewer passes."""
     _check_logits_labels(logits, labels, class_weights)
-    xp = array_module(logits)
     grad = softmax(logits)                                          # (N, K, ...)
     _subtract_one_at_labels(grad, labels)                           # p - onehot(y)
     if class_weights is not None:
