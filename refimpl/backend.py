@@ -70,12 +70,54 @@ def backend_name() -> str:
 
 
 def get_xp():
-    """The array module of the run (numpy, cupy, or refimpl.strict's stand-in)."""
+    """The array module of the run (numpy, cupy, or refimpl.strict's stand-in).  For cupy,
+    the first call also makes this rank's GPU current (``select_device``)."""
     name = backend_name()
     if name == "strict":
         from .strict import xp
         return xp
-    return _cupy() if name == "cupy" else numpy
+    if name == "cupy":
+        select_device()
+        return _cupy()
+    return numpy
+
+
+#: Environment variables launchers set to a process's rank among those on its node.
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                        "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID")
+_selected_device = None
+
+
+def local_rank(environ=None) -> int | None:
+    """This process's rank on its node, from the first of ``LOCAL_RANK_VARIABLES`` that is set
+    (Open MPI, Slurm, MPICH/Intel MPI, MVAPICH, Cray PALS); None when none is."""
+    import os
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def device_for(local: int | None, count: int) -> int:
+    """The GPU of a process: one per rank on a node, ``local_rank % count`` (ranks share GPUs
+    round-robin when there are more ranks than GPUs); GPU 0 without a local rank."""
+    if count < 1:
+        raise ValueError("no CUDA device to select")
+    return 0 if local is None else local % count
+
+
+def select_device() -> int:
+    """Make this rank's GPU current (once per process, before any device array is made):
+    ``device_for(local_rank(), number of GPUs)``.  Returns its index."""
+    global _selected_device
+    if _selected_device is None:
+        cupy = _cupy()
+        index = device_for(local_rank(), cupy.cuda.runtime.getDeviceCount())
+        cupy.cuda.Device(index).use()
+        _selected_device = index
+    return _selected_device
 
 
 def _strict_array(a) -> bool:

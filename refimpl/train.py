@@ -305,6 +305,9 @@ class Trainer:
         config["grid"] = ",".join(map(str, run["dims"]))
         agree(comm, set_backend, config["backend"])
         set_cuda_aware(config["cuda_aware"])
+        if config["backend"] != "numpy":            # how device buffers meet MPI, said once
+            from .parallel.buffers import device_path_report
+            self.notes.append(agree(comm, device_path_report, config["backend"]))
         self.dtype = resolve_dtype(config["dtype"])
         self.grid = ProcessGrid(comm, run["dims"])
         self.model = agree(comm, build_model, config["model"], run["model_config"], self.grid,

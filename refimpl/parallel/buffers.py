@@ -89,3 +89,70 @@ def finish_recv(buf, like):
     if is_device(like) and not is_device(buf):
         return array_module(like).asarray(buf)
     return buf
+
+
+# ---------------------------------------------------------------- is this MPI CUDA-aware?
+
+def mpi_cuda_support(environ=None, library_version=None, ompi_info_output=None) -> tuple[str, str]:
+    """Whether the MPI library can take device buffers: ("yes" | "no" | "unknown", how it was
+    found).  In order: mpi4py's ``MPI.Query_cuda_support`` (MPIX, where the library has it);
+    Cray MPICH's ``MPICH_GPU_SUPPORT_ENABLED=1`` and MPICH's ``MPIR_CVAR_ENABLE_GPU=1``; Open
+    MPI's ``ompi_info --parsable --all`` (``mpi_built_with_cuda_support`` in 4.x,
+    ``opal_built_with_cuda_support`` in 5.x).  The arguments stand in for the environment,
+    ``MPI.Get_library_version()`` and ompi_info's output in tests."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from mpi4py import MPI
+    environ = os.environ if environ is None else environ
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None and environ is os.environ:
+        try:
+            return ("yes" if query() else "no"), "MPIX_Query_cuda_support"
+        except Exception:          # noqa: BLE001 - an MPI without the extension
+            pass
+    if environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
+        return "yes", "MPICH_GPU_SUPPORT_ENABLED=1 (Cray MPICH)"
+    if environ.get("MPIR_CVAR_ENABLE_GPU") == "1":
+        return "yes", "MPIR_CVAR_ENABLE_GPU=1 (MPICH)"
+    version = MPI.Get_library_version() if library_version is None else library_version
+    if "Open MPI" in version:
+        if ompi_info_output is None:
+            tool = shutil.which("ompi_info")
+            if tool is None:
+                return "unknown", "Open MPI, but ompi_info is not on PATH"
+            try:
+                ompi_info_output = subprocess.run([tool, "--parsable", "--all"], capture_output=True,
+                                                  text=True, timeout=60).stdout
+            except (OSError, subprocess.SubprocessError) as err:
+                return "unknown", f"ompi_info failed ({err})"
+        found = re.search(r"(mpi|opal)_built_with_cuda_support:value:(true|false)", ompi_info_output)
+        if found:
+            return ("yes" if found.group(2) == "true" else "no"), f"ompi_info: {found.group(1)}_built_with_cuda_support"
+        return "unknown", "ompi_info does not say"
+    return "unknown", f"no query for {version.splitlines()[0][:60] if version else 'this MPI'}"
+
+
+def device_path_report(backend_name: str, support=None) -> str:
+    """One line for the start of a run on device arrays: how device buffers reach MPI (direct
+    or staged through host memory) and what the MPI library says about CUDA.  ValueError when
+    device buffers would go directly to an MPI that reports no CUDA support (it would crash,
+    or read garbage): staging is then the only correct path."""
+    aware = cuda_aware()
+    if backend_name == "strict":      # host memory behind the interface: any MPI reads it
+        return (f"device buffers (strict stand-in): {'direct' if aware else 'staged through host memory'}"
+                f" (REFIMPL_CUDA_AWARE={'1' if aware else '0'})")
+    answer, how = support if support is not None else mpi_cuda_support()
+    if aware and answer == "no":
+        raise ValueError(f"REFIMPL_CUDA_AWARE=1 hands device buffers to MPI directly, but this MPI has no "
+                         f"CUDA support ({how}): unset it (staged through host memory), or use an MPI built "
+                         f"with CUDA (docs/gpu.md)")
+    path = "handed to MPI directly" if aware else "staged through host memory"
+    advice = ""
+    if not aware and answer == "yes":
+        advice = "; REFIMPL_CUDA_AWARE=1 would hand them over directly"
+    elif aware and answer == "unknown":
+        advice = "; if messages fail or hold garbage, unset REFIMPL_CUDA_AWARE"
+    return f"device buffers {path} (REFIMPL_CUDA_AWARE={'1' if aware else '0'}); MPI CUDA support: {answer} ({how}){advice}"
