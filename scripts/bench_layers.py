@@ -72,6 +72,10 @@ ap.add_argument("--only", default=None,
                      "('issue9': the issue's seven conv rows)")
 ap.add_argument("--algorithm", default="auto", choices=("auto", "im2col", "winograd"),
                 help="conv algorithm, passed to the conv functions that take an algorithm= keyword")
+ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "strict"),
+                help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA/cuDNN (the GPU "
+                     "lane of scripts/gpu_check.sh); strict: refimpl on the strict device stand-in "
+                     "(REFIMPL_BACKEND=strict: a CI smoke run of the device path) vs PyTorch CPU")
 args = ap.parse_args()
 
 THREADS = args.threads or os.cpu_count() or 1
@@ -116,6 +120,24 @@ else:
 import tracemalloc  # noqa: E402
 
 tune_allocator()       # as the refimpl command does; PyTorch shares the same malloc
+from refimpl import backend  # noqa: E402
+
+if args.device != "cpu":
+    backend.set_backend("cupy" if args.device == "cuda" else "strict")
+XP = backend.get_xp()
+TORCH_DEVICE = "cuda" if args.device == "cuda" else "cpu"
+
+
+def dev(*arrays):
+    """Host arrays -> refimpl's arrays on the benchmark's device (the same arrays on cpu)."""
+    return arrays if args.device == "cpu" else tuple(XP.asarray(a) for a in arrays)
+
+
+def synchronize():
+    """Wait for queued device work (CuPy and torch CUDA): times must cover the kernels."""
+    if args.device == "cuda":
+        backend.synchronize()
+        torch.cuda.synchronize()
 REPEATS = args.repeats or (2 if args.quick else 4)
 LEAKY_SLOPE = 0.3
 
@@ -155,14 +177,16 @@ def algorithm_note():
 # ---------------------------------------------------------------------------- helpers
 
 def timed(fn):
+    synchronize()
     t0 = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - t0
 
 
 def gemm_rate(n=2048, repeats=None):
-    a = numpy.random.default_rng(0).standard_normal((n, n), dtype=numpy.float32)
-    b = numpy.random.default_rng(1).standard_normal((n, n), dtype=numpy.float32)
+    a, b = dev(numpy.random.default_rng(0).standard_normal((n, n), dtype=numpy.float32),
+               numpy.random.default_rng(1).standard_normal((n, n), dtype=numpy.float32))
     a @ b
     t = min(timed(lambda: a @ b) for _ in range(repeats or max(3, REPEATS)))
     return 2 * n ** 3 / t / 1e9
@@ -172,11 +196,14 @@ def _nbytes(out):
     """Bytes of the arrays in ``out`` (nested tuples walked: a batch norm cache holds xhat)."""
     if isinstance(out, (tuple, list)):
         return sum(_nbytes(o) for o in out)
-    return getattr(out, "nbytes", 0) if isinstance(out, numpy.ndarray) else 0
+    return getattr(out, "nbytes", 0) if hasattr(out, "shape") else 0      # NumPy / device arrays
 
 
 def peak_temp(fn):
-    """Peak bytes traced during ``fn()`` minus the bytes of what it returns."""
+    """Peak bytes traced during ``fn()`` minus the bytes of what it returns (host memory only:
+    0 on a device, whose allocations tracemalloc does not see)."""
+    if args.device == "cuda":
+        return 0
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
@@ -216,8 +243,8 @@ def rng_arrays(rng, *shapes):
 
 
 def tt(a, grad=False):
-    """numpy -> torch (shared memory), a leaf that requires grad if asked."""
-    t = torch.from_numpy(a)
+    """numpy -> torch (shared memory on cpu; a copy on cuda), a leaf that requires grad if asked."""
+    t = torch.from_numpy(a).to(TORCH_DEVICE)
     return t.requires_grad_() if grad else t
 
 
@@ -265,12 +292,13 @@ def conv_case(nb, c, f, n, k, s, p, issue):
         rng = numpy.random.default_rng(0)
         x, w, b, dy = rng_arrays(rng, (nb, c, n, n, n), (f, c, k, k, k), (f,), (nb, f, o, o, o))
         w *= 0.1
+        dx_, dw_, db_, ddy = dev(x, w, b, dy)
         passes = {
-            "fwd": (lambda: conv3d(x, w, b, s, p, **algo_kw(conv3d)), None),
-            "bwd": (lambda: conv3d_backward(dy, x, w, s, p, 1, **algo_kw(conv3d_backward)), None),
-            "dx": (lambda: conv3d_input_grad(dy, w, x.shape, s, p, 1, **algo_kw(conv3d_input_grad)),
+            "fwd": (lambda: conv3d(dx_, dw_, db_, s, p, **algo_kw(conv3d)), None),
+            "bwd": (lambda: conv3d_backward(ddy, dx_, dw_, s, p, 1, **algo_kw(conv3d_backward)), None),
+            "dx": (lambda: conv3d_input_grad(ddy, dw_, x.shape, s, p, 1, **algo_kw(conv3d_input_grad)),
                    None),
-            "dw": (lambda: conv3d_weight_grad(dy, x, w.shape, s, p, 1,
+            "dw": (lambda: conv3d_weight_grad(ddy, dx_, w.shape, s, p, 1,
                                               **algo_kw(conv3d_weight_grad)), None),
         }
         if torch is not None:
@@ -299,9 +327,10 @@ def tconv_case(nb, cin, cout, n, k, s, p):
         x, w, b, dy = rng_arrays(rng, (nb, cin, n, n, n), (cin, cout, k, k, k), (cout,),
                                  (nb, cout, o, o, o))
         w *= 0.1
-        ours_f = lambda: conv_transpose3d(x, w, b, s, p, **algo_kw(conv_transpose3d))  # noqa: E731
+        dx_, dw_, db_, ddy = dev(x, w, b, dy)
+        ours_f = lambda: conv_transpose3d(dx_, dw_, db_, s, p, **algo_kw(conv_transpose3d))  # noqa: E731
         ours_b = lambda: conv_transpose3d_backward(  # noqa: E731
-            dy, x, w, s, p, 0, 1, **algo_kw(conv_transpose3d_backward))
+            ddy, dx_, dw_, s, p, 0, 1, **algo_kw(conv_transpose3d_backward))
         passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
         if torch is not None:
             tx, tw, tb = (tt(a, grad=True) for a in (x, w, b))
@@ -342,7 +371,8 @@ def layer_case(op, nb, c, n):
 
     def build():
         rng = numpy.random.default_rng(0)
-        x, dy = rng_arrays(rng, (nb, c, n, n, n), (nb, c, o, o, o))
+        hx, hdy = rng_arrays(rng, (nb, c, n, n, n), (nb, c, o, o, o))
+        x, dy = dev(hx, hdy)
         F = torch.nn.functional if torch is not None else None
         theirs, extra = None, ()
         if op == "max_pool3d":
@@ -365,7 +395,8 @@ def layer_case(op, nb, c, n):
             gamma, beta = 1 + 0.1 * rng.standard_normal((2, c), dtype=numpy.float32)
             beta -= 1
             r_mean, r_var = numpy.zeros(c, numpy.float32), numpy.ones(c, numpy.float32)
-            ours_f = lambda: batch_norm3d(x, gamma, beta, r_mean, r_var, training=True)  # noqa: E731
+            dgamma, dbeta, dr_mean, dr_var = dev(gamma, beta, r_mean, r_var)
+            ours_f = lambda: batch_norm3d(x, dgamma, dbeta, dr_mean, dr_var, training=True)  # noqa: E731
             cache = ours_f()[1]
             ours_b = lambda: batch_norm3d_backward(dy, cache)  # noqa: E731
             if F:
@@ -378,11 +409,11 @@ def layer_case(op, nb, c, n):
             raise ValueError(op)
         passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
         if theirs is not None:
-            tx = tt(x, grad=True)
+            tx = tt(hx, grad=True)
             y = theirs(tx)
             passes = {"fwd": (ours_f, lambda: theirs(tx)),
-                      "bwd": (ours_b, torch_bwd(y, (tx,) + extra, tt(dy)))}
-        return passes, x.nbytes + dy.nbytes
+                      "bwd": (ours_b, torch_bwd(y, (tx,) + extra, tt(hdy)))}
+        return passes, hx.nbytes + hdy.nbytes
 
     return dict(kind=op, op=op, shape=label, issue=False, dims=dict(N=nb, C=c, n=n),
                 flops=None, build=build)
@@ -526,6 +557,8 @@ def print_split_table(rows):
 def main():
     t_start = time.perf_counter()
     load_start = load()
+    print(f"# device={args.device} (refimpl on {type(XP).__name__ if args.device != 'cpu' else 'numpy'}, "
+          f"torch on {TORCH_DEVICE})")
     print(f"# threads={THREADS}  numpy {numpy.__version__}  torch "
           f"{torch.__version__ if torch is not None else 'n/a'}  "
           f"MAX_TEMP_BYTES={_im2col.MAX_TEMP_BYTES >> 20} MiB  repeats={REPEATS}"
@@ -562,7 +595,7 @@ def main():
     gemm = max(gemm_all)
     add_gemm_shares(conv_rows + layer_rows, gemm)
     summary = conv_summary(conv_rows)
-    print(f"# numpy float32 GEMM 2048^3: {gemm:.1f} GFLOP/s (best of {len(gemm_all)} "
+    print(f"# {'numpy' if args.device != 'cuda' else 'CuPy'} float32 GEMM 2048^3: {gemm:.1f} GFLOP/s (best of {len(gemm_all)} "
           f"measurements; first {gemm_first:.1f}, median {sorted(gemm_all)[len(gemm_all) // 2]:.1f})")
     if conv_rows:
         print_fwd_bwd_table("conv fwd+bwd (bwd = dx, dw, db)", conv_rows, gemm_column=True)
