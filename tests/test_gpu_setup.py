@@ -76,3 +76,38 @@ def test_device_path_report(monkeypatch):
     line = buffers.device_path_report("cupy", ("yes", "MPIX_Query_cuda_support"))
     assert "staged through host memory" in line and "REFIMPL_CUDA_AWARE=1 would" in line
     assert "staged" in buffers.device_path_report("cupy", ("no", "x"))      # staging always works
+
+
+SCRIPT = __import__("pathlib").Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_script(tmp_path):
+    """scripts/gpu_check.sh: --dry-run lists the GPU lane's commands (suite on CuPy, grid
+    invariance on 1 and 2 ranks, every layer's check-layer, the cuDNN benchmark, CosmoFlow at
+    128^3), each with options the commands accept; without a usable GPU it stops with exit 2
+    and one message, having run nothing."""
+    import subprocess
+    dry = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    lines = [line[2:] for line in dry.stdout.splitlines() if line.startswith("+ ")]
+    assert any("REFIMPL_BACKEND=cupy python -m pytest" in c for c in lines)
+    assert sum("check-layer" in c for c in lines) >= 24
+    assert any("bench_layers.py --device cuda" in c for c in lines)
+    assert any("--preset mlperf --backend cupy" in c for c in lines)
+    # every refimpl train / check-layer line parses (argparse of the real commands)
+    from refimpl.cli import build_parser
+    parser = build_parser()
+    for c in lines:
+        if "python -m refimpl" in c:
+            argv = c.split("python -m refimpl ", 1)[1].split()
+            parser.parse_args(argv)
+    real = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120)
+    try:
+        import cupy
+        has_gpu = cupy.is_available()
+    except Exception:                                   # noqa: BLE001 - no CuPy or no CUDA
+        has_gpu = False
+    if not has_gpu:
+        assert real.returncode == 2 and "CuPy finds no CUDA device" in real.stderr
+        assert "+ " not in real.stdout

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU lane in one command (docs/gpu.md), on a machine with a CUDA GPU, CuPy and PyTorch CUDA:
+#
+#   bash scripts/gpu_check.sh [--dry-run] [OUT_DIR]       (default OUT_DIR: gpu_check_out)
+#
+# 1. what is here: GPU, CUDA, CuPy, the MPI library and whether it is CUDA-aware;
+# 2. the test suite with REFIMPL_BACKEND=cupy (every test that makes its arrays through
+#    refimpl.backend then runs on the GPU), and the float64 grid-invariance tests under mpiexec
+#    with 1 and 2 ranks sharing the GPU;
+# 3. every partitioned layer against its unpartitioned oracle on the GPU (check-layer, float64,
+#    1e-10), on 1, 2 and 4 ranks, device buffers staged through host memory and, where the MPI
+#    is CUDA-aware, handed to it directly;
+# 4. the layer benchmark: CuPy vs PyTorch CUDA/cuDNN, per shape (scripts/bench_layers.py
+#    --device cuda), as a table and JSON;
+# 5. a CosmoFlow training step at 128^3 (the mlperf preset) on the GPU, 1 and 2 ranks, staged
+#    and (CUDA-aware MPI only) direct.
+# Everything it prints is also written under OUT_DIR.  --dry-run prints the commands only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=""
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,17p' "$0"; exit 0; fi
+OUT=${1:-gpu_check_out}
+MPIEXEC=(mpiexec --oversubscribe)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+
+run() {                      # print, then run (unless --dry-run), teeing into OUT_DIR/log.txt
+    echo "+ $*"
+    if [ -z "$DRY" ]; then "$@" 2>&1 | tee -a "$OUT/log.txt"; fi
+}
+
+if [ -z "$DRY" ]; then
+    mkdir -p "$OUT"
+    if ! python -c "import cupy, sys; sys.exit(0 if cupy.is_available() else 1)" 2>/dev/null; then
+        echo "gpu_check: CuPy finds no CUDA device here (pip install 'refimpl[gpu-cuda12]' or" \
+             "'refimpl[gpu-cuda13]' on a machine with a GPU); nothing was run" >&2
+        exit 2
+    fi
+fi
+
+echo "== 1. what is here"
+run python -c "import cupy, torch; d = cupy.cuda.runtime.getDeviceProperties(0); \
+print('GPU', d['name'].decode(), '| CUDA runtime', cupy.cuda.runtime.runtimeGetVersion(), \
+'| CuPy', cupy.__version__, '| torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+run python -c "from mpi4py import MPI; from refimpl.parallel.buffers import mpi_cuda_support; \
+print(MPI.Get_library_version().splitlines()[0]); print('CUDA-aware:', *mpi_cuda_support())"
+AWARE=$(python -c "from refimpl.parallel.buffers import mpi_cuda_support; print(mpi_cuda_support()[0])" 2>/dev/null || echo unknown)
+MODES=(0)
+if [ "$AWARE" = "yes" ]; then MODES=(0 1); fi
+
+echo "== 2. the test suite on the GPU"
+run env REFIMPL_BACKEND=cupy python -m pytest -q -x -p no:cacheprovider tests
+for n in 1 2; do
+    run env REFIMPL_BACKEND=cupy "${MPIEXEC[@]}" -n "$n" python -m pytest -q -p no:cacheprovider \
+        tests/mpi/test_models_grid_invariance.py tests/mpi/test_spatial_layers.py
+done
+
+echo "== 3. every partitioned layer on the GPU (float64, 1e-10)"
+LAYERS=("conv3d --out-channels 5 --kernel 3,2,5 --stride 2,1,1 --padding 1,0,2 --dilation 1,2,1"
+        "conv3d --out-channels 8 --kernel 3 --padding 1"
+        "conv_transpose3d --out-channels 4 --kernel 3 --stride 2 --padding 1 --output-padding 1"
+        "max_pool3d --kernel 3 --stride 2 --padding 1" "avg_pool3d --kernel 2" "batch_norm3d")
+for mode in "${MODES[@]}"; do
+    for layer in "${LAYERS[@]}"; do
+        for grid in "1,1,1,1:1" "1,2,1,1:2" "2,1,2,1:4" "1,2,2,1:4"; do
+            # shellcheck disable=SC2086
+            run env REFIMPL_BACKEND=cupy REFIMPL_CUDA_AWARE="$mode" "${MPIEXEC[@]}" -n "${grid#*:}" \
+                python -m refimpl check-layer $layer --input 2,8,12,10,9 --grid "${grid%:*}" --dtype float64
+        done
+    done
+done
+
+echo "== 4. layers: CuPy vs PyTorch CUDA/cuDNN"
+run python scripts/bench_layers.py --device cuda --repeats 5 --json "$OUT/bench_layers_cuda.json"
+
+echo "== 5. CosmoFlow at 128^3 on the GPU"
+for mode in "${MODES[@]}"; do
+    for n in 1 2; do
+        run env REFIMPL_CUDA_AWARE="$mode" "${MPIEXEC[@]}" -n "$n" python -m refimpl train --model cosmoflow \
+            --preset mlperf --backend cupy --grid "1,$n,1,1" --steps 10 --global-batch 2 --no-plot \
+            --out "$OUT/train_128_n${n}_aware${mode}" --overwrite
+    done
+done
+echo "gpu_check: done; logs and JSON in $OUT"
