@@ -220,3 +220,20 @@ def test_training_under_strict_equals_numpy(model, ranks, grid, extra, tmp_path)
         assert runs[name].keys() == runs["numpy"].keys()
         for key, value in runs["numpy"].items():
             assert np.array_equal(runs[name][key], value), (name, key)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_resume_on_another_grid_under_strict(tmp_path):
+    """A run written on (1,2,1,1) under the stand-in resumes on (2,1,1,1) (checkpoint restore and
+    redistribution on device arrays) and ends where the same NumPy runs end, bit for bit."""
+    runs = {}
+    for name, env in (("numpy", {}), ("strict", {"REFIMPL_BACKEND": "strict"})):
+        out = str(tmp_path / name)
+        for ranks, grid, steps, more in ((2, "1,2,1,1", "2", []), (2, "2,1,1,1", "3", ["--resume"])):
+            proc = _mpiexec(ranks, ["train", "--model", "cosmoflow", "--preset", "tiny", "--grid", grid,
+                                    "--steps", steps, "--out", out, "--quiet"] + more, env)
+            assert proc.returncode == 0, (name, grid, proc.stdout[-1500:], proc.stderr[-1500:])
+        runs[name] = _checkpoint_arrays(os.path.join(out, "checkpoint.h5"))
+    assert runs["strict"].keys() == runs["numpy"].keys()
+    for key, value in runs["numpy"].items():
+        assert np.array_equal(runs["strict"][key], value), key
