@@ -482,6 +482,118 @@ def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
     return start_allreduce(buf, comm, algorithm, out=out, **options).wait()
 
 
+# ---------------------------------------------------------------- the two halves
+
+def owned_block(n: int, comm) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of an n-element buffer this rank owns after ``reduce_scatter``:
+    balanced blocks (``block_range``), block r on rank r, whatever the algorithm."""
+    return block_range(n, comm.Get_size(), comm.Get_rank())
+
+
+def _halving(flat, msgs):
+    """The reduce-scatter half of ``halving_doubling`` for p a power of two: rank r ends
+    owning the sum of block r."""
+    xp = array_module(flat)
+    p = msgs.size
+    off = _offsets(flat.size, p)
+    tmp = xp.empty(max(off[p // 2], flat.size - off[p // 2]), dtype=flat.dtype)
+    lo, hi, d = 0, p, p // 2
+    while d >= 1:
+        mid = (lo + hi) // 2
+        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if msgs.rank & d else ((lo, mid), (mid, hi))
+        got = tmp[:off[khi] - off[klo]]
+        yield [msgs.send(flat[off[slo]:off[shi]], msgs.rank ^ d), msgs.recv(got, msgs.rank ^ d)]
+        flat[off[klo]:off[khi]] += got
+        lo, hi, d = klo, khi, d // 2
+
+
+def _doubling(flat, msgs):
+    """The allgather half of ``halving_doubling`` (p a power of two): block r from rank r."""
+    p = msgs.size
+    off = _offsets(flat.size, p)
+    lo, hi, d = msgs.rank, msgs.rank + 1, 1
+    while d < p:
+        olo, ohi = (lo - d, lo) if msgs.rank & d else (hi, hi + d)
+        yield [msgs.send(flat[off[lo]:off[hi]], msgs.rank ^ d), msgs.recv(flat[off[olo]:off[ohi]], msgs.rank ^ d)]
+        lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
+
+
+def _run(steps, msgs) -> None:
+    """Drive a step generator to its end (blocking)."""
+    handle = AllreduceHandle(steps, msgs, None)
+    handle.wait()
+
+
+def _ring_members(p):
+    """Ring order in which position i owns block (i + 1) % p = rank (i + 1) % p: rank r owns block r."""
+    return [(i + 1) % p for i in range(p)]
+
+
+def halves(algorithm: str, p: int) -> str:
+    """How ``algorithm`` splits into a reduce-scatter and an allgather on p ranks: 'ring',
+    'halving-doubling' (p a power of two), 'MPI' (native: MPI_Reduce_scatter / MPI_Allgatherv),
+    or 'allreduce' (no reduce-scatter half: the whole allreduce, each rank keeping its block,
+    and MPI's allgather; recursive doubling, multicolor, hierarchical and halving-doubling on
+    p not a power of two)."""
+    if algorithm == "ring":
+        return "ring"
+    if algorithm == "native":
+        return "MPI"
+    if algorithm == "halving_doubling" and p & (p - 1) == 0:
+        return "halving-doubling"
+    return "allreduce"
+
+
+def reduce_scatter(buf, comm, algorithm: str = "native", **options) -> tuple[int, int]:
+    """Sum ``buf`` (contiguous, any shape) over ``comm`` and leave this rank's block of the sum,
+    ``owned_block``, in place: returns ``(lo, hi)`` of the flat buffer; its other elements are
+    scratch afterwards.  The first half of the algorithm's allreduce (``halves``); its adjoint
+    is ``allgather``.  Cost (ring, halving-doubling): half the allreduce's,
+    ``(p-1)/p n beta + (p-1)/p n gamma`` plus latencies."""
+    flat, _ = _checked(buf, comm, algorithm, None, options)
+    p, (lo, hi) = comm.Get_size(), owned_block(flat.size, comm)
+    if p == 1:
+        return lo, hi
+    kind = halves(algorithm, p)
+    msgs = Messages(comm, _next_tag(comm))
+    if kind == "ring":
+        _run(_ring_reduce_scatter(flat, msgs, _ring_members(p)), msgs)
+    elif kind == "halving-doubling":
+        _run(_halving(flat, msgs), msgs)
+    elif kind == "MPI":
+        counts = [b - a for a, b in (block_range(flat.size, p, r) for r in range(p))]
+        whole = send_buffer(flat)
+        mine = recv_buffer((hi - lo,), flat.dtype, like=flat)
+        comm.Reduce_scatter(whole, mine, counts, op=MPI.SUM)
+        flat[lo:hi] = finish_recv(mine, like=flat)
+    else:
+        _run(ALGORITHMS[algorithm](flat, msgs, **options), msgs)
+    return lo, hi
+
+
+def allgather(buf, comm, algorithm: str = "native", **options) -> None:
+    """Every rank's block (``owned_block``) of ``buf`` to every rank, in place: the adjoint of
+    ``reduce_scatter`` (the second half of the algorithm's allreduce; MPI's Allgatherv where
+    the algorithm has no allgather half).  Cost: ``(p-1)/p n beta`` plus latencies."""
+    flat, _ = _checked(buf, comm, algorithm, None, options)
+    p = comm.Get_size()
+    if p == 1:
+        return
+    kind = halves(algorithm, p)
+    msgs = Messages(comm, _next_tag(comm))
+    if kind == "ring":
+        _run(_ring_allgather(flat, msgs, _ring_members(p)), msgs)
+    elif kind == "halving-doubling":
+        _run(_doubling(flat, msgs), msgs)
+    else:
+        counts = [b - a for a, b in (block_range(flat.size, p, r) for r in range(p))]
+        lo, hi = owned_block(flat.size, comm)
+        mine = send_buffer(flat[lo:hi])
+        whole = recv_buffer((flat.size,), flat.dtype, like=flat)
+        comm.Allgatherv(mine, [whole, counts])
+        flat[...] = finish_recv(whole, like=flat)
+
+
 # ---------------------------------------------------------------- cost model
 
 def ping_pong(comm, nbytes: int, repeats: int) -> list[float] | None:

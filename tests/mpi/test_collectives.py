@@ -233,3 +233,42 @@ def test_device_buffers_staged_or_direct(comm, all_ranks_agree, monkeypatch, cud
             if m:
                 problems.append(f"{algorithm}{options} n={n}: {m}")
     all_ranks_agree(not problems, "; ".join(problems[:4]))
+
+
+# ---------------------------------------------------------------- reduce-scatter / allgather halves
+
+@pytest.mark.parametrize("algorithm,options", CONFIGS, ids=lambda v: str(v))
+def test_reduce_scatter_and_allgather_halves(comm, all_ranks_agree, algorithm, options):
+    """Every algorithm's halves: reduce_scatter leaves each rank the sum of its block
+    (owned_block), allgather restores every block everywhere; together they are the allreduce;
+    and the dot-product test <RS(x), y> = <x, AG(y)> (summed over ranks) shows allgather is
+    the adjoint of reduce_scatter."""
+    from refimpl.parallel.collectives import allgather, halves, owned_block, reduce_scatter
+    problems = []
+    for n in SIZES:
+        x = local_data(n, np.float64, n + 1, comm.Get_rank())
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref)
+        rs = x.copy()
+        lo, hi = reduce_scatter(rs, comm, algorithm, **options)
+        if (lo, hi) != owned_block(n, comm):
+            problems.append(f"n={n}: block {(lo, hi)}")
+        m = mismatch(rs[lo:hi], ref[lo:hi], MPI.COMM_SELF)
+        if m:
+            problems.append(f"n={n} reduce_scatter: {m}")
+        ag = np.zeros(n)
+        ag[lo:hi] = rs[lo:hi]
+        allgather(ag, comm, algorithm, **options)
+        m = mismatch(ag, ref, comm)
+        if m:
+            problems.append(f"n={n} allgather: {m}")
+        # adjoint: <RS(x)_mine, y_mine> summed over ranks == <x, AG(y)> summed over ranks
+        y = local_data(n, np.float64, n + 7, comm.Get_rank())
+        y_block = np.zeros(n)
+        y_block[lo:hi] = y[lo:hi]
+        lhs = comm.allreduce(float(np.dot(rs[lo:hi], y[lo:hi])))
+        allgather(y_block, comm, algorithm, **options)
+        rhs = comm.allreduce(float(np.dot(x, y_block)))
+        if abs(lhs - rhs) > 1e-12 * max(1.0, abs(lhs)):
+            problems.append(f"n={n} adjoint: {lhs} vs {rhs}")
+    all_ranks_agree(not problems, f"{algorithm} ({halves(algorithm, comm.Get_size())}): " + "; ".join(problems[:4]))
