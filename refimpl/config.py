@@ -63,6 +63,7 @@ DEFAULTS = {
     "log_every": 1, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
+    "optimizer_sharding": False,
     # failure detection: seconds without progress of any rank before the job is ended (0: off)
     "stall_timeout": 600.0,
 }
@@ -250,7 +251,7 @@ RULES = {
     "dtype": _one_of(*CHOICES["dtype"]), "seed": _integer(0),
     "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
-    "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(),
+    "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(), "optimizer_sharding": _boolean(),
     "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),
     "stall_timeout": _number(),
 }

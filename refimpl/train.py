@@ -319,10 +319,20 @@ class Trainer:
         self.total_steps = config["steps"] if config["steps"] is not None else \
             (config["epochs"] or 1) * self.steps_per_epoch
         self.schedule = agree(comm, make_schedule, config, run, self.steps_per_epoch)
-        self.optimizer = agree(comm, make_optimizer, config["optimizer"], self.model.parameters(),
-                               lr=self.schedule(0), momentum=config["momentum"],
-                               nesterov=config["nesterov"], weight_decay=config["weight_decay"],
-                               betas=tuple(config["betas"]), eps=config["eps"])
+        self.sync = GradientSynchronizer(self.model.parameters(), self.grid.data_comm,
+                                         self.grid.spatial_comm, bucket_bytes=int(config["bucket_mb"] * MIB),
+                                         algorithm=config["allreduce"], overlap=config["overlap"],
+                                         shard=config["optimizer_sharding"])
+
+        def optimizer_over(params):
+            return make_optimizer(config["optimizer"], params, lr=self.schedule(0), momentum=config["momentum"],
+                                  nesterov=config["nesterov"], weight_decay=config["weight_decay"],
+                                  betas=tuple(config["betas"]), eps=config["eps"])
+        if config["optimizer_sharding"]:           # the update of this rank's block (ZeRO-1)
+            from .parallel.sharded_update import ShardedOptimizer
+            self.optimizer = agree(comm, ShardedOptimizer, optimizer_over, self.model.parameters(), self.sync)
+        else:
+            self.optimizer = agree(comm, optimizer_over, self.model.parameters())
         from .data.loader import Loader
         self.loader = Loader(self.train_reader, self.global_batch, self.grid.sample_coord,
                              self.grid.dims[0], seed=config["seed"])
@@ -344,9 +354,6 @@ class Trainer:
                     f"--epochs {config['epochs'] or 1} ({self.total_steps} steps)"
                 refuse(f"--resume: {length} is below the {self.step} steps the checkpoint has done; "
                        f"give more than {self.step} steps to train further")
-        self.sync = GradientSynchronizer(self.model.parameters(), self.grid.data_comm,
-                                         self.grid.spatial_comm, bucket_bytes=int(config["bucket_mb"] * MIB),
-                                         algorithm=config["allreduce"], overlap=config["overlap"])
 
     # ------------------------------------------------------------ data
     def _prepare_data(self):

@@ -78,6 +78,9 @@ def add_arguments(parser):
     a("--bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     a("--no-overlap", dest="overlap", action="store_const", const=False,
       help="reduce gradients after backward instead of during it")
+    a("--optimizer-sharding", action="store_const", const=True,
+      help="distributed weight update (ZeRO stage 1): reduce-scatter the gradients, each rank updates "
+           "its block of the parameters with 1/P of the optimizer state, allgather (docs/communication.md)")
     a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
@@ -97,7 +100,7 @@ FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samp
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
-             "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
+             "optimizer_sharding", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
 def given_settings(args) -> dict:

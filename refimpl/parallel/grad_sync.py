@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from ..backend import array_module
-from .collectives import ALGORITHMS, start_allreduce
+from .collectives import ALGORITHMS, reduce_scatter, start_allreduce
 from .partition import pack_buckets
 
 MIB = 1 << 20
@@ -122,7 +122,7 @@ class GradientSynchronizer:
 
     def __init__(self, params, data_comm, spatial_comm=None, bucket_bytes: int = 25 * MIB,
                  first_bucket_bytes: int = 1 * MIB, algorithm: str = "native", overlap: bool = True,
-                 reduce_comm=None, **algorithm_options):
+                 reduce_comm=None, shard: bool = False, **algorithm_options):
         params = list(params)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
@@ -135,6 +135,8 @@ class GradientSynchronizer:
         self.reduce_comm = reduce_comm if reduce_comm is not None else product_comm(data_comm, spatial_comm)
         self.algorithm, self.algorithm_options = algorithm, algorithm_options
         self.overlap = overlap
+        # shard: reduce-scatter instead of allreduce, for parallel/sharded_update.ShardedOptimizer
+        self.shard = bool(shard)
         self.buckets = make_buckets(params[::-1], bucket_bytes, first_bucket_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0            # index of the next bucket to start
@@ -157,19 +159,23 @@ class GradientSynchronizer:
                 f"gradient of {param.name or 'a parameter'} arrived after its bucket was sent; "
                 "a parameter used twice must accumulate once per backward (or use overlap=False)")
         bucket.ready.add(id(param))
-        if self.overlap:
+        if self.overlap and not self.shard:
             while self._next < len(self.buckets) and \
                     len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
                 self._start(self.buckets[self._next])
             self._progress()
 
-    def _start(self, bucket: Bucket) -> None:
-        """Copy the bucket's gradients (None counts as zeros) into its buffer and start the sum."""
+    def _pack(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients (None counts as zeros) into its buffer."""
         for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
             if param.grad is None:
                 bucket.flat[lo:hi] = 0
             else:
                 bucket.flat[lo:hi] = param.grad.reshape(-1)
+
+    def _start(self, bucket: Bucket) -> None:
+        """Pack the bucket's gradients and start the sum."""
+        self._pack(bucket)
         bucket.started_at, bucket.done_at = time.perf_counter(), None
         bucket.handle = start_allreduce(bucket.flat, self.reduce_comm, self.algorithm,
                                         **self.algorithm_options)
@@ -190,6 +196,8 @@ class GradientSynchronizer:
         """
         if not self._syncing:
             return
+        if self.shard:
+            return self._finish_sharded()
         backward_end = time.perf_counter()
         started_in_backward = self._next
         in_flight = sum(min(b.done_at or backward_end, backward_end) - b.started_at
@@ -214,6 +222,23 @@ class GradientSynchronizer:
             "wait_s": finished - backward_end,          # time finish() blocked
             "backward_s": backward_end - (self._step_began or backward_end),  # first hook -> finish
         })
+        self._step_began = None
+
+    def _finish_sharded(self) -> None:
+        """Reduce-scatter every bucket: this rank's block of each bucket's buffer holds the sum
+        (``collectives.owned_block``), for the distributed update to divide and apply; the
+        parameters' local gradients are dropped (nothing may read them as synchronised)."""
+        backward_end = time.perf_counter()
+        for bucket in self.buckets:
+            self._pack(bucket)
+            reduce_scatter(bucket.flat, self.reduce_comm, self.algorithm, **self.algorithm_options)
+            for param in bucket.params:
+                param.grad = None
+            bucket.ready.clear()
+        self.history.append({"buckets": len(self.buckets), "started_in_backward": 0,
+                             "in_flight_during_backward_s": 0.0,
+                             "wait_s": time.perf_counter() - backward_end,
+                             "backward_s": backward_end - (self._step_began or backward_end)})
         self._step_began = None
 
     @contextlib.contextmanager
