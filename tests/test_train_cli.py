@@ -138,6 +138,32 @@ def test_sigkill_then_resume_equals_uninterrupted_bit_for_bit(tmp_path, data_dir
 
 # ---------------------------------------------------------------- bad input: status 2 everywhere
 
+def test_optimizer_sharding_checkpoints_move_to_and_from_the_plain_update(tmp_path, data_dir):
+    """--optimizer-sharding (the distributed weight update) saves the plain optimizer state: 2 steps
+    with it on (2,1,1,1) resumed without it on (1,2,1,1), and 2 plain steps resumed with it on
+    (1,1,2,1), each end 4 steps later where 4 plain steps on (2,1,1,1) end (float64, 1e-12)."""
+    common = ["--data", data_dir, "--dtype", "float64", "--optimizer", "adam", "--weight-decay", "0.001",
+              "--global-batch", "4"]
+    plain = tmp_path / "plain"
+    assert train(2, "--grid", "2,1,1,1", "--steps", 4, "--out", plain, *common).returncode == 0
+    off = tmp_path / "off.toml"
+    off.write_text("optimizer_sharding = false\n")
+    runs = {"sharded->plain": ((["--optimizer-sharding"], "2,1,1,1"), (["--config", off], "1,2,1,1")),
+            "plain->sharded": (([], "2,1,1,1"), (["--optimizer-sharding"], "1,1,2,1"))}
+    want, _ = model_arrays(plain / "checkpoint.h5")
+    for name, ((first, grid1), (second, grid2)) in runs.items():
+        out = tmp_path / name.replace(">", "")
+        proc = train(2, "--grid", grid1, "--steps", 2, "--out", out, *common, *first)
+        assert proc.returncode == 0, proc.stderr
+        proc = train(2, "--grid", grid2, "--steps", 4, "--out", out, "--resume", *second)
+        assert proc.returncode == 0, proc.stderr
+        got, meta = model_arrays(out / "checkpoint.h5")
+        assert meta["step"] == 4 and got.keys() == want.keys()
+        for key, value in want.items():
+            err = numpy.abs(got[key] - value).max() / max(numpy.abs(value).max(), 1e-300)
+            assert err <= 1e-12, (name, key, err)
+
+
 def expect_error(proc, *fragments):
     text = proc.stderr
     assert proc.returncode == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"

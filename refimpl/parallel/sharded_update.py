@@ -88,7 +88,11 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Update this rank's blocks from the reduce-scattered gradients, then allgather them
         into every parameter (in place: layers keep their arrays)."""
-        for bucket, (flat, (lo, hi), block, divisors, _) in zip(self.sync.buckets, self._layout):
+        for bucket, (flat, (lo, hi), block, divisors, segments) in zip(self.sync.buckets, self._layout):
+            for _, param, a, b in segments:       # the parameters as they are now (a checkpoint
+                a2, b2 = max(a, lo), min(b, hi)    # may have been loaded into them)
+                if a2 < b2:
+                    flat[a2:b2] = param.data.reshape(-1)[a2 - a:b2 - a]
             block.grad = bucket.flat[lo:hi] / divisors
         self.inner.step()
         for flat, _, block, _, segments in self._layout:
