@@ -124,7 +124,7 @@ def test_bad_backend_variable_does_not_break_import():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("REFIMPL_BACKEND must be one of numpy, cupy, got 'cuda'")
+    assert proc.stdout.startswith("REFIMPL_BACKEND must be one of numpy, cupy, strict, got 'cuda'")
 
 
 def test_importing_settings_is_cheap():
@@ -146,7 +146,7 @@ def test_backend_and_cuda_aware_from_the_environment(monkeypatch):
     assert merge({})["backend"] == "cupy"
     assert merge({"backend": "numpy"})["backend"] == "numpy"
     monkeypatch.setenv("REFIMPL_BACKEND", "CUPY")
-    with pytest.raises(ValueError, match="REFIMPL_BACKEND must be one of numpy, cupy, got 'CUPY'"):
+    with pytest.raises(ValueError, match="REFIMPL_BACKEND must be one of numpy, cupy, strict, got 'CUPY'"):
         merge({})
 
 
@@ -161,7 +161,7 @@ BAD_VALUES = {
     "warmup_steps": -1, "schedule": "cosine", "decay": {"300": 0.25}, "warmup_epochs": -2,
     "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0,
     "checkpoint_every": 0, "validate_every": None, "log_every": 0.5, "quiet": "false", "plot": [],
-    "allreduce": "butterfly", "bucket_mb": -1, "overlap": "on", "backend": "jax", "cuda_aware": 1,
+    "allreduce": "butterfly", "bucket_mb": -1, "overlap": "on", "optimizer_sharding": "yes", "backend": "jax", "cuda_aware": 1,
     "stall_timeout": -1.0,
 }
 
