@@ -153,11 +153,13 @@ def _set_generators(model, states: dict) -> None:
         modules[name].__dict__[attr].bit_generator.state = state
 
 
-def save(path, model, optimizer, grid, meta: dict) -> None:
+def save(path, model, optimizer, grid, meta: dict, rank_state=None) -> None:
     """Collective over ``grid.comm``: gather buffers per data rank, rank 0 writes ``path``.
 
     ``meta`` (JSON-serialisable): step, epoch, loader, config, ... ; the
     optimiser, dropout and generator states and the grid are added here.
+    ``rank_state``: host arrays local to this rank (the compressor's residuals), saved as
+    ``rank/<world rank>/<name>``.
     Returns after the file is complete on every rank (barrier).
     """
     from .nn.model_parallel import buffer_shards, whole_of
@@ -173,8 +175,10 @@ def save(path, model, optimizer, grid, meta: dict) -> None:
     opt = optimizer.state_dict()
     opt_arrays = {key: to_host(whole_of(a, shards[int(key.rpartition(".")[2])], grid.model_comm))
                   for key, a in sorted(opt["arrays"].items())}
+    per_rank = grid.comm.gather(dict(rank_state or {}), root=0)
     if grid.rank == 0:
         arrays = {f"model/{name}": a for name, a in whole.items()}
+        arrays.update({f"rank/{r}/{name}": a for r, state in enumerate(per_rank) for name, a in state.items()})
         for n, bufs in enumerate(per_data_rank):
             arrays.update({f"buffers/{n}/{name}": b for name, b in bufs.items()})
         arrays.update({f"optimizer/{key}": a for key, a in opt_arrays.items()})

@@ -63,7 +63,7 @@ DEFAULTS = {
     "log_every": 1, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
-    "optimizer_sharding": False,
+    "optimizer_sharding": False, "compress": "none", "error_feedback": True,
     # failure detection: seconds without progress of any rank before the job is ended (0: off)
     "stall_timeout": 600.0,
 }
@@ -230,6 +230,11 @@ def _decay(key, value, config):
     parse_decay(value)
 
 
+def _compress(key, value, config):
+    from .parallel.compress import parse
+    parse(value)                                      # ValueError names the forms
+
+
 def _allreduce(key, value, config):
     from .parallel.collectives import ALGORITHMS
     if not isinstance(value, str) or value not in ALGORITHMS:
@@ -252,6 +257,7 @@ RULES = {
     "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
     "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(), "optimizer_sharding": _boolean(),
+    "compress": _compress, "error_feedback": _boolean(),
     "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),
     "stall_timeout": _number(),
 }

@@ -319,10 +319,20 @@ class Trainer:
         self.total_steps = config["steps"] if config["steps"] is not None else \
             (config["epochs"] or 1) * self.steps_per_epoch
         self.schedule = agree(comm, make_schedule, config, run, self.steps_per_epoch)
+        compressor = None
+        if config["compress"] != "none":
+            from .parallel.compress import Compressor
+            from .parallel.grad_sync import product_comm
+            if config["optimizer_sharding"]:
+                refuse("--compress and --optimizer-sharding do not combine (the distributed update needs "
+                       "the reduce-scatter of the exact gradients)")
+            compressor = Compressor(config["compress"], product_comm(self.grid.data_comm, self.grid.spatial_comm),
+                                    config["error_feedback"])
         self.sync = GradientSynchronizer(self.model.parameters(), self.grid.data_comm,
                                          self.grid.spatial_comm, bucket_bytes=int(config["bucket_mb"] * MIB),
                                          algorithm=config["allreduce"], overlap=config["overlap"],
-                                         shard=config["optimizer_sharding"])
+                                         shard=config["optimizer_sharding"], compressor=compressor,
+                                         reduce_comm=compressor.comm if compressor else None)
 
         def optimizer_over(params):
             return make_optimizer(config["optimizer"], params, lr=self.schedule(0), momentum=config["momentum"],
@@ -347,6 +357,7 @@ class Trainer:
             arrays, meta = resume_state
             self.notes += agree(comm, checkpoint.restore, arrays, meta, self.model,
                                 self.optimizer, self.grid)
+            agree(comm, self._restore_rank_state, arrays, meta)
             agree(comm, self.loader.load_state_dict, meta["loader"])
             self.step = int(meta["step"])
             if self.total_steps < self.step:
@@ -439,11 +450,32 @@ class Trainer:
         meta = {"step": self.step, "epoch": self.loader.epoch, "loader": self.loader.state_dict(),
                 "config": self.config, "input_norm": self.input_norm}
         try:
-            checkpoint.save(self._path(CHECKPOINT), self.model, self.optimizer, self.grid, meta)
+            checkpoint.save(self._path(CHECKPOINT), self.model, self.optimizer, self.grid, meta,
+                            rank_state=self._rank_state())
         except checkpoint.CheckpointError as err:
             raise WriteError(str(err), agreed=True) from None
         phase("plotting (rank 0)")
         on_root(self.comm, self._plot, error=WriteError)
+
+    def _rank_state(self) -> dict:
+        """This rank's own arrays for the checkpoint: the compressor's residuals."""
+        compressor = self.sync.compressor
+        if compressor is None:
+            return {}
+        return {f"compress/{key}": value for key, value in compressor.state().items()}
+
+    def _restore_rank_state(self, arrays, meta) -> None:
+        """The compressor's residuals of this rank, when the checkpoint was written on this grid."""
+        compressor = self.sync.compressor
+        prefix = f"rank/{self.rank}/compress/"
+        saved = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        if compressor is None:
+            return
+        if list(meta.get("grid", [])) == list(self.grid.dims) and meta.get("world_size") == self.comm.Get_size():
+            compressor.load_state(saved)
+        elif any(k.startswith("rank/") for k in arrays):
+            self.notes.append("the compressor's residuals (error feedback) were saved on another grid: "
+                              "they start at zero")
 
     # ------------------------------------------------------------ the loop
     def train_step(self) -> dict:
@@ -517,6 +549,8 @@ class Trainer:
             dt = time.perf_counter() - t0
             record = {"split": "train", "step": self.step, "epoch": epoch, **last,
                       "samples_per_s": self.global_batch / dt, "step_s": dt}
+            if self.sync.compressor is not None:     # what this rank's compressed messages held
+                record["grad_bytes_sent"] = self.sync.history[-1]["bytes_sent"]
             self._write_metrics(record)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4g}", **{self.metric_name: f"{last[self.metric_name]:.4g}"})
@@ -543,6 +577,11 @@ class Trainer:
                    "final_train": last, "final_val": val, "out": self.out,
                    "checkpoint": self._path(CHECKPOINT), "metrics": self._path(METRICS),
                    "plot": self._path(PLOT) if cfg["plot"] else None}
+        if self.sync.compressor is not None and steps_run:
+            summary["gradient_exchange"] = {
+                "compress": cfg["compress"], "error_feedback": cfg["error_feedback"],
+                "bytes_sent_per_step": self.sync.history[-1]["bytes_sent"],
+                "bytes_uncompressed": sum(int(b.flat.nbytes) for b in self.sync.buckets)}
         if steps_run:                  # a resume with nothing left to do keeps the old summary
             phase("writing summary.json (rank 0)")
             on_root(self.comm, write_json, self._path(SUMMARY), summary, indent=2, error=WriteError)

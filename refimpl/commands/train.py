@@ -81,6 +81,11 @@ def add_arguments(parser):
     a("--optimizer-sharding", action="store_const", const=True,
       help="distributed weight update (ZeRO stage 1): reduce-scatter the gradients, each rank updates "
            "its block of the parameters with 1/P of the optimizer state, allgather (docs/communication.md)")
+    a("--compress", metavar="SPEC", help="compress the gradient exchange: none (default), int8 (block-wise "
+      "8-bit) or topk:RATIO (the largest RATIO of each bucket, e.g. topk:0.01), with error feedback; "
+      "lossy (docs/communication.md)")
+    a("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
+      help="drop what --compress loses instead of carrying it to the next step")
     a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
@@ -100,7 +105,7 @@ FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samp
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
-             "optimizer_sharding", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
+             "optimizer_sharding", "compress", "error_feedback", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
 def given_settings(args) -> dict:

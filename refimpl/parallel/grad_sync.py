@@ -122,7 +122,7 @@ class GradientSynchronizer:
 
     def __init__(self, params, data_comm, spatial_comm=None, bucket_bytes: int = 25 * MIB,
                  first_bucket_bytes: int = 1 * MIB, algorithm: str = "native", overlap: bool = True,
-                 reduce_comm=None, shard: bool = False, **algorithm_options):
+                 reduce_comm=None, shard: bool = False, compressor=None, **algorithm_options):
         params = list(params)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
@@ -137,6 +137,10 @@ class GradientSynchronizer:
         self.overlap = overlap
         # shard: reduce-scatter instead of allreduce, for parallel/sharded_update.ShardedOptimizer
         self.shard = bool(shard)
+        # compressor (parallel/compress.Compressor): a compressed exchange after backward instead
+        self.compressor = compressor
+        if shard and compressor is not None:
+            raise ValueError("the distributed update and a compressed exchange do not combine")
         self.buckets = make_buckets(params[::-1], bucket_bytes, first_bucket_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0            # index of the next bucket to start
@@ -159,7 +163,7 @@ class GradientSynchronizer:
                 f"gradient of {param.name or 'a parameter'} arrived after its bucket was sent; "
                 "a parameter used twice must accumulate once per backward (or use overlap=False)")
         bucket.ready.add(id(param))
-        if self.overlap and not self.shard:
+        if self.overlap and not self.shard and self.compressor is None:
             while self._next < len(self.buckets) and \
                     len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
                 self._start(self.buckets[self._next])
@@ -198,6 +202,8 @@ class GradientSynchronizer:
             return
         if self.shard:
             return self._finish_sharded()
+        if self.compressor is not None:
+            return self._finish_compressed()
         backward_end = time.perf_counter()
         started_in_backward = self._next
         in_flight = sum(min(b.done_at or backward_end, backward_end) - b.started_at
@@ -208,12 +214,7 @@ class GradientSynchronizer:
             bucket.handle.wait()
         finished = time.perf_counter()
         for bucket in self.buckets:
-            for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-                divisor = self.reduce_comm.Get_size() if getattr(param, "spatial_replicated", False) \
-                    else self.data_size
-                param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / divisor
-            bucket.ready.clear()
-            bucket.handle = None
+            self._write_back(bucket)
         self._next = 0
         self.history.append({
             "buckets": len(self.buckets),
@@ -223,6 +224,32 @@ class GradientSynchronizer:
             "backward_s": backward_end - (self._step_began or backward_end),  # first hook -> finish
         })
         self._step_began = None
+
+    def _finish_compressed(self) -> None:
+        """Every bucket through the compressor (an allgather of compressed messages, summed in
+        rank order), then averaged and written back as in ``finish``."""
+        backward_end = time.perf_counter()
+        sent = self.compressor.bytes_sent
+        for key, bucket in enumerate(self.buckets):
+            self._pack(bucket)
+            self.compressor.exchange(bucket.flat, key)
+            self._write_back(bucket)
+        self.history.append({"buckets": len(self.buckets), "started_in_backward": 0,
+                             "in_flight_during_backward_s": 0.0,
+                             "wait_s": time.perf_counter() - backward_end,
+                             "backward_s": backward_end - (self._step_began or backward_end),
+                             "bytes_sent": self.compressor.bytes_sent - sent})
+        self._step_began = None
+
+    def _write_back(self, bucket: Bucket) -> None:
+        """``param.grad`` from the reduced buffer: averaged over the data group (over the whole
+        product group for a parameter replicated across the spatial group)."""
+        for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
+            divisor = self.reduce_comm.Get_size() if getattr(param, "spatial_replicated", False) \
+                else self.data_size
+            param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / divisor
+        bucket.ready.clear()
+        bucket.handle = None
 
     def _finish_sharded(self) -> None:
         """Reduce-scatter every bucket: this rank's block of each bucket's buffer holds the sum
