@@ -12,6 +12,14 @@ the best of ``--repeats`` step times (slowest rank).
 
     python scripts/bench_comm.py --ranks 1,2,4 --optimizer adam [--json FILE]
 
+``--compress-study``: CosmoFlow (``--preset``) trained on 2 ranks (2, 1, 1, 1) for ``--steps``
+steps on one generated dataset, with the exchange uncompressed, int8 and top-k 1% (error
+feedback on), and top-k 1% without error feedback, each for every seed of ``--seeds``; the
+table lists the final validation MAE and the gradient bytes each rank sends per step (the
+uncompressed row: the bucket bytes an allgather of float32 would send, for comparison).
+
+    python scripts/bench_comm.py --compress-study --steps 150 --seeds 0,1
+
 More ranks than cores time-share the cores: times are then those of an oversubscribed machine
 (memory stays exact).
 """
@@ -101,6 +109,51 @@ def run(args, p, sharded) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def compress_study(args) -> None:
+    import tempfile
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    seeds = [int(v) for v in args.seeds.split(",")]
+    work = tempfile.mkdtemp(prefix="bench_comm_")
+    data = os.path.join(work, "data")
+    subprocess.run([sys.executable, "-m", "refimpl", "datagen", "cosmoflow", "--out", data, "--samples",
+                    str(args.samples), "--val-samples", str(args.samples // 4), "--size", str(args.size),
+                    "--quiet"], check=True, env=env)
+    configs = [("none", True), ("int8", True), ("topk:0.01", True), ("topk:0.01", False)]
+    rows = []
+    print(f"# cosmoflow {args.preset} at {args.size}^3, {args.samples} training samples, 2 ranks (2,1,1,1), "
+          f"{args.steps} steps, seeds {seeds}; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'exchange':<12}{'error feedback':>15}{'seed':>6}{'val MAE':>9}{'bytes/step':>12}{'x none':>8}")
+    for spec, feedback in configs:
+        for seed in seeds:
+            out = os.path.join(work, f"{spec.replace(':', '')}_{int(feedback)}_{seed}")
+            cmd = [shutil.which("mpiexec") or "mpiexec", "--oversubscribe", "-n", "2", sys.executable, "-m",
+                   "refimpl", "train", "--model", "cosmoflow", "--preset", args.preset, "--data", data,
+                   "--grid", "2,1,1,1", "--steps", str(args.steps), "--seed", str(seed), "--quiet", "--no-plot",
+                   "--validate-every", str(args.steps), "--out", out, "--compress", spec]
+            if not feedback:
+                cmd.append("--no-error-feedback")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"{spec} seed {seed} failed:\n{proc.stderr[-2000:]}")
+            with open(os.path.join(out, "summary.json")) as f:
+                summary = json.load(f)
+            exchange = summary.get("gradient_exchange")
+            sent = exchange["bytes_sent_per_step"] if exchange else None
+            full = exchange["bytes_uncompressed"] if exchange else None
+            row = {"compress": spec, "error_feedback": feedback, "seed": seed,
+                   "val_mae": summary["final_val"]["mae"], "bytes_sent_per_step": sent, "bytes_uncompressed": full}
+            rows.append(row)
+            ratio = f"{sent / full:8.3f}" if sent else f"{'1':>8}"
+            print(f"{spec:<12}{'yes' if feedback else 'no':>15}{seed:>6}{row['val_mae']:>9.4f}"
+                  f"{(sent if sent else 0):>12}{ratio}")
+    print("# val MAE: after the last step, on the generated validation split; bytes/step: one rank's compressed "
+          "messages (each sent to the other rank); x none: / the float32 bucket bytes")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
@@ -109,11 +162,19 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compress-study", action="store_true",
+                    help="train with none / int8 / top-k 1%% (and top-k without error feedback) instead")
+    ap.add_argument("--steps", type=int, default=150, help="compress study: training steps (default 150)")
+    ap.add_argument("--seeds", default="0,1", help="compress study: seeds (default 0,1)")
+    ap.add_argument("--samples", type=int, default=64, help="compress study: training samples (default 64)")
+    ap.add_argument("--size", type=int, default=64, help="compress study: sample extent (the preset's)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sharded", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.compress_study:
+        return compress_study(args)
     try:
         ranks = [int(r) for r in args.ranks.split(",")]
     except ValueError:
