@@ -518,6 +518,11 @@ def _doubling(flat, msgs):
         lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
 
 
+def _block_counts(n: int, p: int) -> list[int]:
+    """Elements of each rank's block (``owned_block``), for MPI's vector collectives."""
+    return [b - a for a, b in (block_range(n, p, r) for r in range(p))]
+
+
 def _run(steps, msgs) -> None:
     """Drive a step generator to its end (blocking)."""
     handle = AllreduceHandle(steps, msgs, None)
@@ -561,7 +566,7 @@ def reduce_scatter(buf, comm, algorithm: str = "native", **options) -> tuple[int
     elif kind == "halving-doubling":
         _run(_halving(flat, msgs), msgs)
     elif kind == "MPI":
-        counts = [b - a for a, b in (block_range(flat.size, p, r) for r in range(p))]
+        counts = _block_counts(flat.size, p)
         whole = send_buffer(flat)
         mine = recv_buffer((hi - lo,), flat.dtype, like=flat)
         comm.Reduce_scatter(whole, mine, counts, op=MPI.SUM)
@@ -586,7 +591,7 @@ def allgather(buf, comm, algorithm: str = "native", **options) -> None:
     elif kind == "halving-doubling":
         _run(_doubling(flat, msgs), msgs)
     else:
-        counts = [b - a for a, b in (block_range(flat.size, p, r) for r in range(p))]
+        counts = _block_counts(flat.size, p)
         lo, hi = owned_block(flat.size, comm)
         mine = send_buffer(flat[lo:hi])
         whole = recv_buffer((flat.size,), flat.dtype, like=flat)
