@@ -33,7 +33,8 @@ from .collectives import allgather, owned_block
 
 
 class _Block:
-    """One rank's block of a bucket, as the inner optimizer sees a parameter."""
+    """The part of one parameter inside this rank's block of a bucket, as the inner optimizer
+    sees a parameter: ``data`` is a view of the parameter itself (the update writes in place)."""
     __slots__ = ("data", "grad", "name")
 
     def __init__(self, data, name):
@@ -44,7 +45,11 @@ class ShardedOptimizer:
     """The distributed update of ``make(blocks)`` (an ``refimpl.optim`` optimizer factory) over
     the buckets of ``sync``, a ``GradientSynchronizer(..., shard=True)``.
 
-    ``params``: the model's parameters in registration order (the order of the saved state)."""
+    ``params``: the model's parameters in registration order (the order of the saved state).
+    This rank's block of a bucket may cut across several parameters: the inner optimizer sees
+    one ``_Block`` per parameter piece, a view of the parameter's own memory, so no copy of the
+    parameters is kept; the bucket's gradient buffer, free once its block has been read, carries
+    the allgather."""
 
     def __init__(self, make, params, sync):
         if not sync.shard:
@@ -55,25 +60,24 @@ class ShardedOptimizer:
         index = {id(p): i for i, p in enumerate(self.params)}
         if set(index) != {id(p) for b in sync.buckets for p in b.params}:
             raise ValueError("the synchroniser's buckets must hold exactly the optimizer's parameters")
-        self._layout = []        # per bucket: (flat parameters, (lo, hi), block, divisors, segments)
+        self._pieces = []        # per bucket: [(parameter index, parameter, a, b, a2, b2, block, divisor)]
+        self._segments = []      # per bucket: [(parameter index, parameter, a, b)]
         blocks = []
-        for k, bucket in enumerate(sync.buckets):
-            xp = array_module(bucket.flat)
-            flat = xp.empty_like(bucket.flat)                       # the bucket's parameters, flat
-            segments = []
+        for bucket in sync.buckets:
+            lo, hi = owned_block(bucket.flat.size, self.comm)
+            pieces, segments = [], []
             for param, a, b in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-                flat[a:b] = param.data.reshape(-1)
-                segments.append((index[id(param)], param, a, b))
-            lo, hi = owned_block(flat.size, self.comm)
-            divisors = xp.empty(hi - lo, dtype=flat.dtype)           # as finish() divides per parameter
-            for _, param, a, b in segments:
-                a, b = max(a, lo), min(b, hi)
-                if a < b:
+                i = index[id(param)]
+                segments.append((i, param, a, b))
+                a2, b2 = max(a, lo), min(b, hi)
+                if a2 < b2:
                     replicated = getattr(param, "spatial_replicated", False)
-                    divisors[a - lo:b - lo] = self.comm.Get_size() if replicated else sync.data_size
-            block = _Block(flat[lo:hi], f"bucket {k} [{lo}, {hi})")
-            blocks.append(block)
-            self._layout.append((flat, (lo, hi), block, divisors, segments))
+                    divisor = self.comm.Get_size() if replicated else sync.data_size   # as finish() divides
+                    block = _Block(param.data.reshape(-1)[a2 - a:b2 - a], f"{param.name}[{a2 - a}:{b2 - a}]")
+                    pieces.append((i, param, a, b, a2, b2, block, divisor))
+                    blocks.append(block)
+            self._pieces.append(pieces)
+            self._segments.append(segments)
         self.inner = make(blocks)
 
     # the inner optimizer's schedule-facing attributes
@@ -86,32 +90,36 @@ class ShardedOptimizer:
             p.zero_grad()
 
     def step(self) -> None:
-        """Update this rank's blocks from the reduce-scattered gradients, then allgather them
-        into every parameter (in place: layers keep their arrays)."""
-        for bucket, (flat, (lo, hi), block, divisors, segments) in zip(self.sync.buckets, self._layout):
-            for _, param, a, b in segments:       # the parameters as they are now (a checkpoint
-                a2, b2 = max(a, lo), min(b, hi)    # may have been loaded into them)
-                if a2 < b2:
-                    flat[a2:b2] = param.data.reshape(-1)[a2 - a:b2 - a]
-            block.grad = bucket.flat[lo:hi] / divisors
+        """Update this rank's pieces from the reduce-scattered gradients (in the parameters
+        themselves), then allgather every bucket into every rank's parameters."""
+        for bucket, pieces in zip(self.sync.buckets, self._pieces):
+            for _, _, _, _, a2, b2, block, divisor in pieces:
+                block.grad = bucket.flat[a2:b2] / divisor
         self.inner.step()
-        for flat, _, block, _, segments in self._layout:
-            block.grad = None
-            allgather(flat, self.comm, self.sync.algorithm, **self.sync.algorithm_options)
+        for bucket, pieces, segments in zip(self.sync.buckets, self._pieces, self._segments):
+            for _, _, _, _, a2, b2, block, _ in pieces:
+                block.grad = None
+                bucket.flat[a2:b2] = block.data
+            allgather(bucket.flat, self.comm, self.sync.algorithm, **self.sync.algorithm_options)
             for _, param, a, b in segments:
-                param.data[...] = flat[a:b].reshape(param.data.shape)
+                param.data[...] = bucket.flat[a:b].reshape(param.data.shape)
 
     # ------------------------------------------------------------ checkpoints (collective)
     def state_dict(self) -> dict:
         """The plain optimizer's state dict: ``"<slot>.<parameter index>"`` -> whole host array
-        (each bucket's blocks allgathered: collective over the group)."""
-        arrays = {}
-        for (flat, (lo, hi), _, _, segments), state in zip(self._layout, self.inner.state):
+        (each bucket's pieces allgathered: collective over the group)."""
+        arrays, k = {}, 0
+        for bucket, pieces, segments in zip(self.sync.buckets, self._pieces, self._segments):
+            states = self.inner.state[k:k + len(pieces)]
+            k += len(pieces)
             for slot in self.inner.slots:
-                if slot not in state:
+                # the same decision on every rank (a rank may hold no piece of a small bucket)
+                if not self.comm.allreduce(int(any(slot in st for st in states))):
                     continue
-                whole = array_module(flat).zeros_like(flat)
-                whole[lo:hi] = state[slot]
+                whole = array_module(bucket.flat).zeros_like(bucket.flat)
+                for (_, _, _, _, a2, b2, _, _), st in zip(pieces, states):
+                    if slot in st:
+                        whole[a2:b2] = st[slot]
                 allgather(whole, self.comm, self.sync.algorithm, **self.sync.algorithm_options)
                 host = to_host(whole)
                 for i, param, a, b in segments:
@@ -120,33 +128,26 @@ class ShardedOptimizer:
                 "arrays": arrays}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take this rank's blocks of a plain-format state (ValueError on a mismatch)."""
+        """Take this rank's pieces of a plain-format state (ValueError on a mismatch)."""
         if state.get("name") != type(self.inner).__name__:
             raise ValueError(f"optimizer state is for {state.get('name')!r}, this is {type(self.inner).__name__}")
         arrays = state["arrays"]
-        known = {f"{slot}.{i}" for _, _, _, _, segs in self._layout for i, _, _, _ in segs for slot in self.inner.slots}
+        known = {f"{slot}.{i}" for segs in self._segments for i, _, _, _ in segs for slot in self.inner.slots}
         unknown = sorted(set(arrays) - known)
         if unknown:
             raise ValueError(f"optimizer state has unknown entries {unknown[:3]}")
+        for key, value in arrays.items():
+            i = int(key.rpartition(".")[2])
+            if tuple(value.shape) != tuple(self.params[i].data.shape):
+                raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, parameter "
+                                 f"{self.params[i].name!r} has {tuple(self.params[i].data.shape)}")
         fresh = []
-        for flat, (lo, hi), _, _, segments in self._layout:
-            xp = array_module(flat)
-            blocks = {}
-            for slot in self.inner.slots:
-                have = [f"{slot}.{i}" in arrays for i, _, _, _ in segments]
-                if not any(have):
-                    continue
-                if not all(have):
-                    raise ValueError(f"optimizer state {slot!r} covers only some parameters of a bucket")
-                whole = xp.empty_like(flat)
-                for i, param, a, b in segments:
-                    value = arrays[f"{slot}.{i}"]
-                    if tuple(value.shape) != tuple(param.data.shape):
-                        raise ValueError(f"optimizer state '{slot}.{i}' has shape {tuple(value.shape)}, "
-                                         f"parameter {param.name!r} has {tuple(param.data.shape)}")
-                    whole[a:b] = xp.asarray(value, dtype=flat.dtype).reshape(-1)
-                blocks[slot] = whole[lo:hi].copy()
-            fresh.append(blocks)
+        for pieces in self._pieces:
+            for i, param, a, b, a2, b2, block, _ in pieces:
+                xp = array_module(param.data)
+                fresh.append({slot: xp.asarray(arrays[f"{slot}.{i}"], dtype=param.data.dtype).reshape(-1)
+                              [a2 - a:b2 - a].copy()
+                              for slot in self.inner.slots if f"{slot}.{i}" in arrays})
         self.inner.state = fresh
         self.inner.step_count = int(state["step_count"])
         self.inner.lr = float(state["lr"])
