@@ -597,8 +597,13 @@ def _representatives(dims):
 
 
 def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="sgd", algorithm="native",
-              bucket_bytes=GRAD_BUCKET_BYTES, first_bucket_bytes=FIRST_BUCKET_BYTES, every_rank=False) -> GridPlan:
-    """Predicted step of ``layers`` on grid ``dims`` for a global ``batch`` (float32 by default)."""
+              bucket_bytes=GRAD_BUCKET_BYTES, first_bucket_bytes=FIRST_BUCKET_BYTES, every_rank=False,
+              optimizer_sharding=False) -> GridPlan:
+    """Predicted step of ``layers`` on grid ``dims`` for a global ``batch`` (float32 by default).
+
+    ``optimizer_sharding``: the distributed weight update (parallel/sharded_update.py): the
+    optimizer state is this rank's 1/|G| block of it (G: the ranks holding the same parameters);
+    its reduce-scatter + allgather move the allreduce's bytes."""
     dims = grid5(dims)
     pn, pd, ph, pw, pm = dims
     why = feasibility(layers, dims, batch)
@@ -616,8 +621,11 @@ def plan_grid(layers, dims, batch, machine=Machine(), *, itemsize=4, optimizer="
         if members[0] > 1:             # each bucket packed from the gradients and unpacked back
             ar += 2 * sum(buckets) / machine.mem_bandwidth
         weights = sum(buckets)
+        state = weights * OPTIMIZER_COPIES[optimizer]
+        if optimizer_sharding:
+            state = -(-state // members[0])                    # this rank's block of the state
         memory = sum(c.saved_bytes for c in costs) + max((c.transient_bytes for c in costs), default=0) + \
-            weights * (3 + OPTIMIZER_COPIES[optimizer])    # + gradient + bucket copy + optimizer
+            weights * 3 + state                                # + gradient + bucket copy + optimizer
         compute = sum(c.compute_s for c in costs)
         halo = sum(c.halo_s for c in costs)
         comm = sum(c.comm_s for c in costs)

@@ -218,3 +218,16 @@ def test_bench_plan_smoke(tmp_path):
     grids = {tuple(r["grid"]) for r in report["rows"]}
     assert (1, 1, 1, 1, 2) in grids and len(grids) >= 4
     assert all(r["measured_s"] > 0 and r["predicted_peak_bytes"] > 0 for r in report["rows"])
+
+
+def test_optimizer_sharding_divides_the_state():
+    """--optimizer-sharding: the optimizer state is the rank's 1/|G| block (G: the data x spatial
+    ranks holding the same parameters), the rest of the memory and the time unchanged."""
+    layers = model_layers("cosmoflow", "small")
+    for dims in [(4, 1, 1, 1), (2, 2, 1, 1), (1, 1, 1, 1)]:
+        plain = plan_grid(layers, dims, 8, Machine(), optimizer="adam")
+        shard = plan_grid(layers, dims, 8, Machine(), optimizer="adam", optimizer_sharding=True)
+        group = dims[0] * dims[1] * dims[2] * dims[3]
+        state = 2 * plain.grad_bytes
+        assert plain.memory_bytes - shard.memory_bytes == state - -(-state // group)
+        assert shard.step_s == plain.step_s

@@ -48,6 +48,9 @@ def add_arguments(parser):
     parser.add_argument("--model-parallel", choices=("filter", "channel", "off"), default="filter",
                         help="how grids with Pm > 1 split the model (default filter); off: no model axis")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--optimizer-sharding", action="store_true",
+                        help="the distributed weight update (refimpl train --optimizer-sharding): each rank "
+                             "holds 1/|G| of the optimizer state")
     parser.add_argument("--allreduce", default="native", help="gradient allreduce algorithm (as refimpl train)")
     parser.add_argument("--base-batch", type=int, default=None, metavar="B0",
                         help="the batch the learning rate was tuned for: prints the linear-scaling rule")
@@ -190,7 +193,7 @@ def plot_scaling(args, path, machine):
     families = ("data", "spatial", "model", "hybrid")
     series = {f: ([], [], []) for f in families}
     for p in ps:
-        plans = search(layers, p, args.batch, machine, layers_mp=layers_mp, optimizer=args.optimizer,
+        plans = search(layers, p, args.batch, machine, layers_mp=layers_mp, optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding,
                        algorithm=args.allreduce)
         for family in families:
             best = next((g for g in plans if g.feasible and (g.family.startswith(family) or
@@ -244,7 +247,7 @@ def plan(args) -> int:
             return 0
     layers = layers_of(args)
     layers_mp = None if args.model_parallel == "off" else layers_of(args, args.model_parallel)
-    kw = dict(optimizer=args.optimizer, algorithm=args.allreduce)
+    kw = dict(optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding, algorithm=args.allreduce)
     if grid is not None:
         from ..plan import feasibility
         dims = tuple(grid) + (1,) * (5 - len(grid))
