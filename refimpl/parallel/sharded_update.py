@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from ..backend import array_module, to_host
 from .collectives import allgather, owned_block
+from .objects import allreduce_sum
 
 
 class _Block:
@@ -114,7 +115,7 @@ class ShardedOptimizer:
             k += len(pieces)
             for slot in self.inner.slots:
                 # the same decision on every rank (a rank may hold no piece of a small bucket)
-                if not self.comm.allreduce(int(any(slot in st for st in states))):
+                if not allreduce_sum(self.comm, int(any(slot in st for st in states))):
                     continue
                 whole = array_module(bucket.flat).zeros_like(bucket.flat)
                 for (_, _, _, _, a2, b2, _, _), st in zip(pieces, states):
