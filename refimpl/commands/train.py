@@ -22,7 +22,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser):
