@@ -365,6 +365,7 @@ class Watchdog:
 
     # ------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        previous = time.monotonic()
         while not self._stop.wait(self.poll):
             try:
                 self._receive()
@@ -372,8 +373,15 @@ class Watchdog:
                 if now >= self.next_beat:
                     self._beat()
                     self.next_beat = now + self.interval
-                if self.timeout > 0 and not self.ending:
+                if self_frozen(previous, now, self.timeout):
+                    # this process itself did not run for a whole timeout (SIGSTOP then SIGCONT, a
+                    # frozen VM): the silence it sees is its own; its peers judge it, it restarts
+                    # its clocks instead of accusing them
+                    self.last_beat = [now] * self.size
+                    self.last_change = [now] * self.size
+                elif self.timeout > 0 and not self.ending:
                     self._check(now)
+                previous = now
             except Exception as err:  # noqa: BLE001 - the watchdog must never die silently
                 print(f"refimpl {self.command}: watchdog on rank {self.rank} failed: {describe(err)}",
                       file=sys.stderr, flush=True)
@@ -499,6 +507,12 @@ class Watchdog:
     def _exit_quietly(self, code: int) -> None:
         _leave()
         os._exit(code)
+
+
+def self_frozen(previous: float, now: float, timeout: float) -> bool:
+    """Whether the watchdog thread itself went a whole stall timeout without running (its
+    process was stopped or frozen): then its own view of who is silent is void."""
+    return timeout > 0 and now - previous >= timeout
 
 
 def _ranks(ranks) -> str:

@@ -144,3 +144,13 @@ def test_stall_verdicts():
     other.last_beat[0] = now - 10.5
     other._check(now)
     assert other.verdicts == []
+
+
+def test_a_watchdog_that_was_itself_frozen_accuses_no_one():
+    """A rank stopped (SIGSTOP) and continued (Open MPI continues its processes before killing
+    them) sees every peer silent for as long as it was stopped: that silence is its own, so its
+    watchdog restarts its clocks instead of naming the others (its peers have named it)."""
+    from refimpl.failstop import self_frozen
+    assert self_frozen(10.0, 13.5, 3.0) and self_frozen(0.0, 3.0, 3.0)
+    assert not self_frozen(10.0, 10.2, 3.0)
+    assert not self_frozen(0.0, 100.0, 0.0)          # --stall-timeout 0: off
