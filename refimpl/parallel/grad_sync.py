@@ -216,14 +216,25 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             self._write_back(bucket)
         self._next = 0
+        self._record(backward_end, finished, started_in_backward, in_flight)
+
+    def _record(self, backward_end, finished, started_in_backward=0, in_flight=0.0, **extra) -> None:
+        """One step's entry of ``history``; the next step's backward starts a new clock."""
         self.history.append({
             "buckets": len(self.buckets),
             "started_in_backward": started_in_backward,
             "in_flight_during_backward_s": in_flight,   # summed over buckets
             "wait_s": finished - backward_end,          # time finish() blocked
             "backward_s": backward_end - (self._step_began or backward_end),  # first hook -> finish
+            **extra,
         })
         self._step_began = None
+
+    def divisor(self, param) -> int:
+        """What the summed gradient of ``param`` is divided by: the data-group size (an average
+        over the replicas), or the whole product group's for a parameter replicated across the
+        spatial group (its spatial ranks hold the same gradient, not partial sums)."""
+        return self.reduce_comm.Get_size() if getattr(param, "spatial_replicated", False) else self.data_size
 
     def _finish_compressed(self) -> None:
         """Every bucket through the compressor (an allgather of compressed messages, summed in
@@ -234,20 +245,12 @@ class GradientSynchronizer:
             self._pack(bucket)
             self.compressor.exchange(bucket.flat, key)
             self._write_back(bucket)
-        self.history.append({"buckets": len(self.buckets), "started_in_backward": 0,
-                             "in_flight_during_backward_s": 0.0,
-                             "wait_s": time.perf_counter() - backward_end,
-                             "backward_s": backward_end - (self._step_began or backward_end),
-                             "bytes_sent": self.compressor.bytes_sent - sent})
-        self._step_began = None
+        self._record(backward_end, time.perf_counter(), bytes_sent=self.compressor.bytes_sent - sent)
 
     def _write_back(self, bucket: Bucket) -> None:
-        """``param.grad`` from the reduced buffer: averaged over the data group (over the whole
-        product group for a parameter replicated across the spatial group)."""
+        """``param.grad`` from the reduced buffer, divided by ``divisor(param)``."""
         for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-            divisor = self.reduce_comm.Get_size() if getattr(param, "spatial_replicated", False) \
-                else self.data_size
-            param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / divisor
+            param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / self.divisor(param)
         bucket.ready.clear()
         bucket.handle = None
 
@@ -262,11 +265,7 @@ class GradientSynchronizer:
             for param in bucket.params:
                 param.grad = None
             bucket.ready.clear()
-        self.history.append({"buckets": len(self.buckets), "started_in_backward": 0,
-                             "in_flight_during_backward_s": 0.0,
-                             "wait_s": time.perf_counter() - backward_end,
-                             "backward_s": backward_end - (self._step_began or backward_end)})
-        self._step_began = None
+        self._record(backward_end, time.perf_counter())
 
     @contextlib.contextmanager
     def no_sync(self):

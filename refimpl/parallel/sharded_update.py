@@ -72,8 +72,7 @@ class ShardedOptimizer:
                 segments.append((i, param, a, b))
                 a2, b2 = max(a, lo), min(b, hi)
                 if a2 < b2:
-                    replicated = getattr(param, "spatial_replicated", False)
-                    divisor = self.comm.Get_size() if replicated else sync.data_size   # as finish() divides
+                    divisor = sync.divisor(param)                 # as the plain finish() divides
                     block = _Block(param.data.reshape(-1)[a2 - a:b2 - a], f"{param.name}[{a2 - a}:{b2 - a}]")
                     pieces.append((i, param, a, b, a2, b2, block, divisor))
                     blocks.append(block)
