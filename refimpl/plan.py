@@ -113,19 +113,13 @@ class Machine:
         (``conv_key``) at other voxel counts, the nearest one outside their range; for a
         shape never measured, the nearest measured shape of the same kind, kernel, stride
         and input gradient (nearest in log C + log F); else ``gflops``."""
-        shape = conv_key(layer)
-        kind, rest = shape.split(" ", 1)
-        tail = rest.split(" ", 1)[1]
-        measured = {}                                       # shape -> [(log voxels, log rate)]
-        for key, rate in self.conv_gflops:
-            k, (c, f), t, v = _parse_conv_key(key)
-            if k == kind and t == tail:
-                measured.setdefault((c, f), []).append((math.log(v), math.log(rate)))
+        kind, _, tail, _ = _parse_conv_key(conv_key(layer, (1, 1, 1)))
+        measured = _rate_table(self.conv_gflops).get((kind, tail))   # (C, F) -> [(log voxels, log rate)]
         if not measured:
             return self.gflops
         c, f = min(measured, key=lambda cf: (abs(math.log2(cf[0] / layer.c_in)) +
                                              abs(math.log2(cf[1] / layer.c_out)), cf))
-        points = sorted(measured[(c, f)])
+        points = measured[(c, f)]
         x = math.log(max(voxels, 1))
         if x <= points[0][0]:
             return math.exp(points[0][1])
@@ -158,6 +152,20 @@ def conv_key(layer, in_dhw=None) -> str:
     k, st = "x".join(map(str, layer.kernel)), "x".join(map(str, layer.stride))
     key = f"{layer.kind} {layer.c_in}->{layer.c_out} k{k} s{st}" + ("" if layer.input_grad else " no-dx")
     return key if in_dhw is None else key + " @" + "x".join(map(str, in_dhw))
+
+
+@functools.lru_cache(maxsize=64)
+def _rate_table(conv_gflops) -> dict:
+    """``Machine.conv_gflops`` parsed once: (kind, 'kAxBxC sAxBxC[ no-dx]') -> (C, F) -> the
+    sorted (log input voxels, log rate) points measured for that shape."""
+    table = {}
+    for key, rate in conv_gflops:
+        kind, cf, tail, voxels = _parse_conv_key(key)
+        table.setdefault((kind, tail), {}).setdefault(cf, []).append((math.log(voxels), math.log(rate)))
+    for shapes in table.values():
+        for points in shapes.values():
+            points.sort()
+    return table
 
 
 def _parse_conv_key(key):
