@@ -306,8 +306,12 @@ class Trainer:
         agree(comm, set_backend, config["backend"])
         set_cuda_aware(config["cuda_aware"])
         if config["backend"] != "numpy":            # how device buffers meet MPI, said once
-            from .parallel.buffers import device_path_report
-            self.notes.append(agree(comm, device_path_report, config["backend"]))
+            from .parallel.buffers import device_path_report, mpi_cuda_support
+            from .parallel.objects import bcast_object
+            # the MPI library is the same on every rank: rank 0 asks it (ompi_info is a process)
+            support = None if config["backend"] == "strict" else \
+                bcast_object(comm, mpi_cuda_support() if self.rank == 0 else None)
+            self.notes.append(agree(comm, device_path_report, config["backend"], support))
         self.dtype = resolve_dtype(config["dtype"])
         self.grid = ProcessGrid(comm, run["dims"])
         self.model = agree(comm, build_model, config["model"], run["model_config"], self.grid,
@@ -467,10 +471,10 @@ class Trainer:
     def _restore_rank_state(self, arrays, meta) -> None:
         """The compressor's residuals of this rank, when the checkpoint was written on this grid."""
         compressor = self.sync.compressor
-        prefix = f"rank/{self.rank}/compress/"
-        saved = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
         if compressor is None:
             return
+        prefix = f"rank/{self.rank}/compress/"
+        saved = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
         if list(meta.get("grid", [])) == list(self.grid.dims) and meta.get("world_size") == self.comm.Get_size():
             compressor.load_state(saved)
         elif any(k.startswith("rank/") for k in arrays):
