@@ -44,7 +44,7 @@ import re
 from dataclasses import dataclass, field
 
 from .parallel.partition import (block_range, conv_halo_plan, grid_coords, grid_rank, moved_bytes, pack_buckets,
-                                 transposed_conv_halo_plan)
+                                 transposed_conv_halo_plan, transposed_output_extent, window_output_extent)
 
 GRAD_BUCKET_BYTES = 25 * 2 ** 20          # GradientSynchronizer's defaults
 FIRST_BUCKET_BYTES = 1 * 2 ** 20
@@ -742,10 +742,10 @@ def calibration_layers(layers):
         size = max(4, min(32, int((CALIBRATION_FLOPS / per_voxel) ** (1 / 3)), max(layer.in_dhw)))
         for in_dhw in ((size,) * 3, (max(1, size // 2), size, size)):
             if layer.kind == "conv":
-                out_dhw = tuple((n + 2 * p - k) // st + 1 for n, k, p, st in
+                out_dhw = tuple(window_output_extent(n, k, st, p, 1) for n, k, p, st in
                                 zip(in_dhw, layer.kernel, layer.padding, layer.stride))
             else:
-                out_dhw = tuple((n - 1) * st - 2 * p + k + op for n, k, p, st, op in
+                out_dhw = tuple(transposed_output_extent(n, k, st, p, 1, op) for n, k, p, st, op in
                                 zip(in_dhw, layer.kernel, layer.padding, layer.stride, layer.output_padding))
             out.append(replace(layer, in_dhw=in_dhw, out_dhw=out_dhw, split="none", split_in=False))
     return out
