@@ -231,7 +231,6 @@ def halving_doubling(flat, msgs):
     """
     p2, new, partner, real = _fold(msgs)
     xp = array_module(flat)
-    off = _offsets(flat.size, p2)
     if partner is not None:  # fold: even sends its data to odd
         if new is None:
             yield [msgs.send(flat, partner)]
@@ -240,26 +239,8 @@ def halving_doubling(flat, msgs):
             yield [msgs.recv(got, partner)]
             flat += got
     if new is not None:
-        tmp = xp.empty(max(off[p2 // 2], flat.size - off[p2 // 2]), dtype=flat.dtype)  # largest half
-        lo, hi = 0, p2  # my block range
-        d = p2 // 2
-        while d >= 1:  # reduce-scatter by recursive halving
-            mid = (lo + hi) // 2
-            (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if new & d else ((lo, mid), (mid, hi))
-            got = tmp[:off[khi] - off[klo]]
-            peer = real(new ^ d)
-            yield [msgs.send(flat[off[slo]:off[shi]], peer), msgs.recv(got, peer)]
-            flat[off[klo]:off[khi]] += got
-            lo, hi = klo, khi
-            d //= 2
-        d = 1
-        while d < p2:  # allgather by recursive doubling
-            olo, ohi = (lo - d, lo) if new & d else (hi, hi + d)
-            peer = real(new ^ d)
-            yield [msgs.send(flat[off[lo]:off[hi]], peer),
-                   msgs.recv(flat[off[olo]:off[ohi]], peer)]
-            lo, hi = min(lo, olo), max(hi, ohi)
-            d *= 2
+        yield from _halving(flat, msgs, new, p2, real)     # reduce-scatter: block ``new``
+        yield from _doubling(flat, msgs, new, p2, real)    # allgather
     if partner is not None:  # unfold: odd returns the result
         yield [msgs.recv(flat, partner) if new is None else msgs.send(flat, partner)]
 
@@ -490,32 +471,39 @@ def owned_block(n: int, comm) -> tuple[int, int]:
     return block_range(n, comm.Get_size(), comm.Get_rank())
 
 
-def _halving(flat, msgs):
-    """The reduce-scatter half of ``halving_doubling`` for p a power of two: rank r ends
-    owning the sum of block r."""
+def _halving(flat, msgs, new, p2, real):
+    """Reduce-scatter by recursive halving over p2 (a power of two) ranks numbered ``new``
+    (``real(v)``: the comm rank of number v): at distance d = p2/2, ..., 1 a rank keeps the
+    half of its block range on its side of bit d, sends the other half to number ``new ^ d``
+    and adds the half it receives; it ends owning the sum of block ``new``."""
     xp = array_module(flat)
-    p = msgs.size
-    off = _offsets(flat.size, p)
-    tmp = xp.empty(max(off[p // 2], flat.size - off[p // 2]), dtype=flat.dtype)
-    lo, hi, d = 0, p, p // 2
+    off = _offsets(flat.size, p2)
+    tmp = xp.empty(max(off[p2 // 2], flat.size - off[p2 // 2]), dtype=flat.dtype)  # largest half
+    lo, hi, d = 0, p2, p2 // 2
     while d >= 1:
         mid = (lo + hi) // 2
-        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if msgs.rank & d else ((lo, mid), (mid, hi))
+        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if new & d else ((lo, mid), (mid, hi))
         got = tmp[:off[khi] - off[klo]]
-        yield [msgs.send(flat[off[slo]:off[shi]], msgs.rank ^ d), msgs.recv(got, msgs.rank ^ d)]
+        peer = real(new ^ d)
+        yield [msgs.send(flat[off[slo]:off[shi]], peer), msgs.recv(got, peer)]
         flat[off[klo]:off[khi]] += got
         lo, hi, d = klo, khi, d // 2
 
 
-def _doubling(flat, msgs):
-    """The allgather half of ``halving_doubling`` (p a power of two): block r from rank r."""
-    p = msgs.size
-    off = _offsets(flat.size, p)
-    lo, hi, d = msgs.rank, msgs.rank + 1, 1
-    while d < p:
-        olo, ohi = (lo - d, lo) if msgs.rank & d else (hi, hi + d)
-        yield [msgs.send(flat[off[lo]:off[hi]], msgs.rank ^ d), msgs.recv(flat[off[olo]:off[ohi]], msgs.rank ^ d)]
+def _doubling(flat, msgs, new, p2, real):
+    """Allgather by recursive doubling (the halving's exchanges in reverse, copying): number
+    ``new`` starts with block ``new`` and ends with all p2 blocks."""
+    off = _offsets(flat.size, p2)
+    lo, hi, d = new, new + 1, 1
+    while d < p2:
+        olo, ohi = (lo - d, lo) if new & d else (hi, hi + d)
+        peer = real(new ^ d)
+        yield [msgs.send(flat[off[lo]:off[hi]], peer), msgs.recv(flat[off[olo]:off[ohi]], peer)]
         lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
+
+
+def _identity(v):
+    return v
 
 
 def _block_counts(n: int, p: int) -> list[int]:
@@ -564,7 +552,7 @@ def reduce_scatter(buf, comm, algorithm: str = "native", **options) -> tuple[int
     if kind == "ring":
         _run(_ring_reduce_scatter(flat, msgs, _ring_members(p)), msgs)
     elif kind == "halving-doubling":
-        _run(_halving(flat, msgs), msgs)
+        _run(_halving(flat, msgs, msgs.rank, p, _identity), msgs)
     elif kind == "MPI":
         counts = _block_counts(flat.size, p)
         whole = send_buffer(flat)
@@ -589,7 +577,7 @@ def allgather(buf, comm, algorithm: str = "native", **options) -> None:
     if kind == "ring":
         _run(_ring_allgather(flat, msgs, _ring_members(p)), msgs)
     elif kind == "halving-doubling":
-        _run(_doubling(flat, msgs), msgs)
+        _run(_doubling(flat, msgs, msgs.rank, p, _identity), msgs)
     else:
         counts = _block_counts(flat.size, p)
         lo, hi = owned_block(flat.size, comm)
