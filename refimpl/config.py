@@ -64,6 +64,7 @@ DEFAULTS = {
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
     "optimizer_sharding": False, "compress": "none", "error_feedback": True,
+    "priority": "none", "chunk_mb": None,
     # failure detection: seconds without progress of any rank before the job is ended (0: off)
     "stall_timeout": 600.0,
 }
@@ -79,7 +80,7 @@ CHOICES = {
     "model": ("cosmoflow", "unet3d"), "optimizer": (None, "sgd", "adam"),
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
     "backend": ("numpy", "cupy", "strict"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
-    "normalize": (True, False),
+    "normalize": (True, False), "priority": ("none", "input-first"),
 }
 
 # config keys whose default comes from an environment variable (see the precedence above)
@@ -258,6 +259,7 @@ RULES = {
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
     "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(), "optimizer_sharding": _boolean(),
     "compress": _compress, "error_feedback": _boolean(),
+    "priority": _one_of(*CHOICES["priority"]), "chunk_mb": _number(optional=True),
     "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),
     "stall_timeout": _number(),
 }

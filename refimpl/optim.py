@@ -48,13 +48,18 @@ class Optimizer:
     def step(self) -> None:
         """One update of every parameter that has a gradient (with ``self.lr``)."""
         self.step_count += 1
-        for param, state in zip(self.params, self.state):
-            if param.grad is None:
-                continue
-            g = param.grad
-            if self.weight_decay:
-                g = g + self.weight_decay * param.data
-            self._update(param.data, g, state)
+        for index, param in enumerate(self.params):
+            if param.grad is not None:
+                self.apply(index, param.grad)
+
+    def apply(self, index: int, grad) -> None:
+        """The update of parameter ``index`` with gradient ``grad``, at the current ``step_count``
+        and ``lr``: ``step`` is a count increment and one ``apply`` per parameter, which lets
+        ``parallel/priority.LayerwiseUpdate`` apply each layer's update when it is needed."""
+        param = self.params[index]
+        if self.weight_decay:
+            grad = grad + self.weight_decay * param.data
+        self._update(param.data, grad, self.state[index])
 
     def _update(self, p, g, state) -> None:
         raise NotImplementedError

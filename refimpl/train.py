@@ -34,6 +34,7 @@ rate is a pure function of the step.
 from __future__ import annotations
 
 import json
+import statistics
 import math
 import os
 import sys
@@ -332,11 +333,22 @@ class Trainer:
                        "the reduce-scatter of the exact gradients)")
             compressor = Compressor(config["compress"], product_comm(self.grid.data_comm, self.grid.spatial_comm),
                                     config["error_feedback"])
+        if config["priority"] != "none":
+            other = [flag for flag, on in (("--optimizer-sharding", config["optimizer_sharding"]),
+                                           ("--compress", compressor is not None),
+                                           ("--no-overlap", not config["overlap"])) if on]
+            if other:
+                refuse(f"--priority {config['priority']} does not combine with {' and '.join(other)}: it "
+                       "reorders the overlapped allreduce of exact gradients and defers their update")
+        chunk_mb = config["chunk_mb"] if config["chunk_mb"] is not None else \
+            (1.0 if config["priority"] != "none" else 0.0)
         self.sync = GradientSynchronizer(self.model.parameters(), self.grid.data_comm,
                                          self.grid.spatial_comm, bucket_bytes=int(config["bucket_mb"] * MIB),
                                          algorithm=config["allreduce"], overlap=config["overlap"],
                                          shard=config["optimizer_sharding"], compressor=compressor,
-                                         reduce_comm=compressor.comm if compressor else None)
+                                         reduce_comm=compressor.comm if compressor else None,
+                                         priority=config["priority"],
+                                         chunk_bytes=int(chunk_mb * MIB))
 
         def optimizer_over(params):
             return make_optimizer(config["optimizer"], params, lr=self.schedule(0), momentum=config["momentum"],
@@ -347,6 +359,8 @@ class Trainer:
             self.optimizer = agree(comm, ShardedOptimizer, optimizer_over, self.model.parameters(), self.sync)
         else:
             self.optimizer = agree(comm, optimizer_over, self.model.parameters())
+        from .parallel.priority import LayerwiseUpdate
+        self.update = LayerwiseUpdate(self.model, self.sync, self.optimizer)   # finish + step
         from .data.loader import Loader
         self.loader = Loader(self.train_reader, self.global_batch, self.grid.sample_coord,
                              self.grid.dims[0], seed=config["seed"])
@@ -450,6 +464,8 @@ class Trainer:
             plot_metrics(self._path(METRICS), self._path(PLOT), self.metric_name)
 
     def save(self) -> None:
+        phase("applying the deferred updates")
+        self.update.flush()
         phase("checkpoint write (rank 0 writes, the others wait)")
         meta = {"step": self.step, "epoch": self.loader.epoch, "loader": self.loader.state_dict(),
                 "config": self.config, "input_norm": self.input_norm}
@@ -497,11 +513,8 @@ class Trainer:
             raise Diverged(f"the loss became {loss} at step {self.step + 1} (on {bad} rank(s)); stopped "
                            f"before the update: {kept}. Lower --lr or add --warmup-steps", agreed=True)
         self.model.backward(dout)
-        phase("gradient allreduce")
-        self.sync.finish()
-        phase("optimizer step")
-        self.optimizer.lr = self.schedule(self.step)
-        self.optimizer.step()
+        phase("gradient allreduce and optimizer step")
+        self.update.step(self.schedule(self.step))     # --priority input-first: deferred per layer
         self.step += 1
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "lr": self.optimizer.lr}
 
@@ -581,6 +594,8 @@ class Trainer:
                    "final_train": last, "final_val": val, "out": self.out,
                    "checkpoint": self._path(CHECKPOINT), "metrics": self._path(METRICS),
                    "plot": self._path(PLOT) if cfg["plot"] else None}
+        if self.update.gaps:         # end of backward -> the next forward's first layer
+            summary["backward_to_next_forward_s"] = statistics.median(self.update.gaps)
         if self.sync.compressor is not None and steps_run:
             summary["gradient_exchange"] = {
                 "compress": cfg["compress"], "error_feedback": cfg["error_feedback"],

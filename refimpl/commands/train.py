@@ -85,6 +85,12 @@ def add_arguments(parser):
       "lossy (docs/communication.md)")
     a("--no-error-feedback", dest="error_feedback", action="store_const", const=False,
       help="drop what --compress loses instead of carrying it to the next step")
+    a("--priority", choices=CHOICES["priority"], help="input-first: start the buckets of the layers nearest "
+      "the input first, cut large buckets into chunks they can overtake, and apply each layer's update "
+      "just before its next forward, so that forward starts before every bucket is summed "
+      "(docs/communication.md; default none)")
+    a("--chunk-mb", type=float, metavar="MIB", help="cut each gradient bucket into allreduces of at most "
+      "MIB MiB (default: 1 with --priority input-first, else 0 = whole buckets)")
     a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
@@ -104,7 +110,7 @@ FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samp
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
-             "optimizer_sharding", "compress", "error_feedback", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
+             "optimizer_sharding", "compress", "error_feedback", "priority", "chunk_mb", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
 def given_settings(args) -> dict:

@@ -35,6 +35,20 @@ Usage, per step::
 
 ``with sync.no_sync(): ...`` runs backward without synchronising (gradient
 accumulation); the next synchronised step reduces the accumulated sum.
+
+Priorities (MLSL, Sridharan et al. 2018): the next forward needs the layers
+nearest the input first, and backward produces their gradients last.  With
+``priority="input-first"`` each bucket is cut into chunks of at most
+``chunk_bytes`` (``partition.chunk_ranges``), every chunk its own allreduce,
+and the chunks are started highest priority first (priority = the bucket's
+position in backward order, so the input layers' bucket is highest): each
+gradient hook starts at most one waiting chunk, ``finish(wait=False)`` starts
+the rest, so the input-side bucket, ready last, overtakes the remaining chunks
+of the large output-side buckets.  The start order must be the same on every
+rank (collectives are matched in order), so it depends only on the order in
+which gradients appear -- the same everywhere -- and never on timing.  The
+waiting and the update of each bucket then happen layer by layer during the
+next forward (``parallel/priority.LayerwiseUpdate``).
 """
 from __future__ import annotations
 
@@ -46,9 +60,10 @@ from mpi4py import MPI
 
 from ..backend import array_module
 from .collectives import ALGORITHMS, reduce_scatter, start_allreduce
-from .partition import pack_buckets
+from .partition import chunk_ranges, pack_buckets
 
 MIB = 1 << 20
+PRIORITIES = ("none", "input-first")
 
 
 @dataclass
@@ -57,22 +72,29 @@ class Bucket:
     params: list                     # in backward (reverse registration) order
     offsets: list                    # element offset of each param in flat, plus the end
     flat: object                     # (n,) reduction buffer, dtype of its params
+    chunks: list = field(default_factory=list)   # [lo, hi) of flat, one allreduce each
+    priority: int = 0                # higher is started first (input-first: backward position)
     ready: set = field(default_factory=set)   # ids of params hooked this step
-    handle: object = None            # AllreduceHandle while in flight
-    started_at: float = 0.0
-    done_at: float | None = None     # first time test() saw it finished
+    handles: list = field(default_factory=list)   # AllreduceHandle of each started chunk
+    started_at: list = field(default_factory=list)   # per started chunk
+    done_at: list = field(default_factory=list)      # per started chunk: first time seen finished
 
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes
 
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.handles)
 
-def make_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[Bucket]:
+
+def make_buckets(params, bucket_bytes: int, first_bucket_bytes: int, chunk_bytes: int = 0) -> list[Bucket]:
     """Pack params (given in backward order) into buckets of one dtype and array module.
 
     A bucket is closed when the next parameter would take it past its cap
     (``first_bucket_bytes`` for the first, ``bucket_bytes`` after), or has another
-    dtype; a parameter larger than the cap gets a bucket of its own.
+    dtype; a parameter larger than the cap gets a bucket of its own.  Each bucket's ``chunks``
+    cut it into pieces of at most ``chunk_bytes`` (0: one piece).
     """
     params = list(params)
     kinds = [(p.data.dtype, array_module(p.data)) for p in params]
@@ -84,7 +106,8 @@ def make_buckets(params, bucket_bytes: int, first_bucket_bytes: int) -> list[Buc
         for param in group:
             offsets.append(offsets[-1] + param.data.size)
         xp = array_module(group[0].data)
-        buckets.append(Bucket(group, offsets, xp.zeros(offsets[-1], dtype=group[0].data.dtype)))
+        flat = xp.zeros(offsets[-1], dtype=group[0].data.dtype)
+        buckets.append(Bucket(group, offsets, flat, chunk_ranges(flat.size, flat.itemsize, chunk_bytes)))
     return buckets
 
 
@@ -118,15 +141,25 @@ class GradientSynchronizer:
     ``reduce_comm``: the product group, if the caller already has it (e.g.
     from a process grid); otherwise built by ``product_comm``.
     ``algorithm`` and ``algorithm_options``: see refimpl.parallel.collectives.
+    ``priority`` ("none" | "input-first") and ``chunk_bytes``: see the module docstring.
+    ``trace``: keep one record per chunk and step in ``self.trace`` (bucket, chunk, bytes,
+    priority, start and finish times) for a timeline.
     """
 
     def __init__(self, params, data_comm, spatial_comm=None, bucket_bytes: int = 25 * MIB,
                  first_bucket_bytes: int = 1 * MIB, algorithm: str = "native", overlap: bool = True,
-                 reduce_comm=None, shard: bool = False, compressor=None, **algorithm_options):
+                 reduce_comm=None, shard: bool = False, compressor=None, priority: str = "none",
+                 chunk_bytes: int = 0, trace: bool = False, **algorithm_options):
         params = list(params)
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
+        if priority != "none" and (shard or compressor is not None or not overlap):
+            raise ValueError("priority input-first needs the overlapped allreduce: it does not combine with "
+                             "the distributed update, a compressed exchange or overlap=False")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-        for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
+        for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes),
+                            ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if len({id(p) for p in params}) != len(params):
@@ -141,24 +174,35 @@ class GradientSynchronizer:
         self.compressor = compressor
         if shard and compressor is not None:
             raise ValueError("the distributed update and a compressed exchange do not combine")
-        self.buckets = make_buckets(params[::-1], bucket_bytes, first_bucket_bytes)
+        self.buckets = make_buckets(params[::-1], bucket_bytes, first_bucket_bytes, int(chunk_bytes))
+        self.priority = priority
+        for index, bucket in enumerate(self.buckets):
+            bucket.priority = index if priority == "input-first" else -index
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0            # index of the next bucket to start
+        self._next = 0            # index of the next bucket to become ready (buckets fill in order)
+        self._waiting = []        # (bucket, chunk index) packed but not started, input-first only
         self._syncing = True
         self._step_began = None
+        self.before_backward = None   # callback at the first gradient of a step (LayerwiseUpdate)
         self.history = []         # one record (dict) per synchronised step
+        self.tracing, self.trace, self._steps = bool(trace), [], 0
         self.attach()
+
+    def bucket_of(self, param) -> Bucket:
+        return self._bucket_of[id(param)]
 
     # ------------------------------------------------------------ during backward
 
     def _grad_ready(self, param) -> None:
         """Parameter.accumulate_grad hook: mark ready, start full buckets, make progress."""
+        if self.before_backward is not None and self._step_began is None:
+            self.before_backward()         # the buffers are about to be refilled
         if not self._syncing:
             return
         if self._step_began is None:
             self._step_began = time.perf_counter()
         bucket = self._bucket_of[id(param)]
-        if bucket.handle is not None:
+        if bucket.in_flight:
             raise RuntimeError(
                 f"gradient of {param.name or 'a parameter'} arrived after its bucket was sent; "
                 "a parameter used twice must accumulate once per backward (or use overlap=False)")
@@ -166,8 +210,22 @@ class GradientSynchronizer:
         if self.overlap and not self.shard and self.compressor is None:
             while self._next < len(self.buckets) and \
                     len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
-                self._start(self.buckets[self._next])
+                self._ready(self.buckets[self._next])
+            if self._waiting:             # input-first: one chunk per gradient, best first
+                self._start_chunk(*self._waiting.pop(0))
             self._progress()
+
+    def _ready(self, bucket: Bucket) -> None:
+        """The bucket's gradients are all in: pack it and start it (priority none) or queue its
+        chunks by priority (input-first)."""
+        self._pack(bucket)
+        self._next += 1
+        if self.priority == "none":
+            for chunk in range(len(bucket.chunks)):
+                self._start_chunk(bucket, chunk)
+        else:
+            self._waiting += [(bucket, chunk) for chunk in range(len(bucket.chunks))]
+            self._waiting.sort(key=lambda item: (-item[0].priority, item[1]))
 
     def _pack(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients (None counts as zeros) into its buffer."""
@@ -177,25 +235,44 @@ class GradientSynchronizer:
             else:
                 bucket.flat[lo:hi] = param.grad.reshape(-1)
 
-    def _start(self, bucket: Bucket) -> None:
-        """Pack the bucket's gradients and start the sum."""
-        self._pack(bucket)
-        bucket.started_at, bucket.done_at = time.perf_counter(), None
-        bucket.handle = start_allreduce(bucket.flat, self.reduce_comm, self.algorithm,
-                                        **self.algorithm_options)
-        self._next += 1
+    def _start_chunk(self, bucket: Bucket, chunk: int) -> None:
+        """Start the sum of one chunk of a packed bucket (chunks of a bucket start in order)."""
+        lo, hi = bucket.chunks[chunk]
+        bucket.started_at.append(time.perf_counter())
+        bucket.done_at.append(None)
+        bucket.handles.append(start_allreduce(bucket.flat[lo:hi], self.reduce_comm, self.algorithm,
+                                              **self.algorithm_options))
 
     def _progress(self) -> None:
-        """Advance every bucket in flight as far as it goes without blocking."""
+        """Advance every chunk in flight as far as it goes without blocking."""
         for bucket in self.buckets[:self._next]:
-            if bucket.done_at is None and bucket.handle.test():
-                bucket.done_at = time.perf_counter()
+            for chunk, handle in enumerate(bucket.handles):
+                if bucket.done_at[chunk] is None and handle.test():
+                    bucket.done_at[chunk] = time.perf_counter()
+
+    def _start_rest(self) -> None:
+        """After backward: every bucket not yet ready is packed, every chunk not yet started is
+        started (input-first: best first)."""
+        while self._next < len(self.buckets):
+            self._ready(self.buckets[self._next])
+        for bucket, chunk in self._waiting:
+            self._start_chunk(bucket, chunk)
+        self._waiting = []
+
+    def wait_bucket(self, bucket: Bucket) -> None:
+        """Block until every chunk of the (started) bucket is summed."""
+        for chunk, handle in enumerate(bucket.handles):
+            handle.wait()
+            if bucket.done_at[chunk] is None:
+                bucket.done_at[chunk] = time.perf_counter()
 
     # ------------------------------------------------------------ after backward
 
-    def finish(self) -> None:
+    def finish(self, wait: bool = True) -> None:
         """Start what is left, wait for every bucket, average and write ``param.grad``.
 
+        ``wait=False`` (input-first, for ``LayerwiseUpdate``) returns once everything is
+        started; the caller then takes each bucket with ``wait_bucket`` and ``gradients``.
         Inside ``no_sync()`` this does nothing (gradients stay local sums).
         """
         if not self._syncing:
@@ -205,24 +282,27 @@ class GradientSynchronizer:
         if self.compressor is not None:
             return self._finish_compressed()
         backward_end = time.perf_counter()
-        started_in_backward = self._next
-        in_flight = sum(min(b.done_at or backward_end, backward_end) - b.started_at
-                        for b in self.buckets[:self._next])
-        while self._next < len(self.buckets):
-            self._start(self.buckets[self._next])
-        for bucket in self.buckets:
-            bucket.handle.wait()
+        started_in_backward = sum(len(b.handles) for b in self.buckets)
+        in_flight = sum(min(done or backward_end, backward_end) - start
+                        for b in self.buckets for start, done in zip(b.started_at, b.done_at))
+        self._start_rest()
+        self._next = 0
+        if not wait:
+            self._record(backward_end, backward_end, started_in_backward, in_flight)
+            return
+        for bucket in sorted(self.buckets, key=lambda b: -b.priority):
+            self.wait_bucket(bucket)
         finished = time.perf_counter()
         for bucket in self.buckets:
             self._write_back(bucket)
-        self._next = 0
         self._record(backward_end, finished, started_in_backward, in_flight)
 
     def _record(self, backward_end, finished, started_in_backward=0, in_flight=0.0, **extra) -> None:
         """One step's entry of ``history``; the next step's backward starts a new clock."""
+        self._steps += 1
         self.history.append({
             "buckets": len(self.buckets),
-            "started_in_backward": started_in_backward,
+            "started_in_backward": started_in_backward,    # chunks (one per bucket unless chunked)
             "in_flight_during_backward_s": in_flight,   # summed over buckets
             "wait_s": finished - backward_end,          # time finish() blocked
             "backward_s": backward_end - (self._step_began or backward_end),  # first hook -> finish
@@ -247,12 +327,26 @@ class GradientSynchronizer:
             self._write_back(bucket)
         self._record(backward_end, time.perf_counter(), bytes_sent=self.compressor.bytes_sent - sent)
 
+    def gradients(self, bucket: Bucket):
+        """(param, synchronised gradient) of a summed bucket: its slice of the buffer divided by
+        ``divisor(param)``; the bucket is then free for the next step."""
+        out = [(param, bucket.flat[lo:hi].reshape(param.data.shape) / self.divisor(param))
+               for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:])]
+        if self.tracing:
+            index = self.buckets.index(bucket)
+            self.trace += [{"step": self._steps, "bucket": index, "chunk": chunk,
+                            "bytes": (hi - lo) * bucket.flat.itemsize, "priority": bucket.priority,
+                            "start": start, "finish": done}
+                           for chunk, ((lo, hi), start, done) in
+                           enumerate(zip(bucket.chunks, bucket.started_at, bucket.done_at))]
+        bucket.ready.clear()
+        bucket.handles, bucket.started_at, bucket.done_at = [], [], []
+        return out
+
     def _write_back(self, bucket: Bucket) -> None:
         """``param.grad`` from the reduced buffer, divided by ``divisor(param)``."""
-        for param, lo, hi in zip(bucket.params, bucket.offsets, bucket.offsets[1:]):
-            param.grad = bucket.flat[lo:hi].reshape(param.data.shape) / self.divisor(param)
-        bucket.ready.clear()
-        bucket.handle = None
+        for param, grad in self.gradients(bucket):
+            param.grad = grad
 
     def _finish_sharded(self) -> None:
         """Reduce-scatter every bucket: this rank's block of each bucket's buffer holds the sum
@@ -270,7 +364,7 @@ class GradientSynchronizer:
     @contextlib.contextmanager
     def no_sync(self):
         """Skip synchronisation: backward inside accumulates gradients locally only."""
-        if any(b.handle is not None or b.ready for b in self.buckets):
+        if any(b.in_flight or b.ready for b in self.buckets):
             raise RuntimeError("no_sync() entered while a synchronised backward is unfinished; "
                                "call finish() first")
         self._syncing = False

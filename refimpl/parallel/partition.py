@@ -362,3 +362,15 @@ def pack_buckets(sizes, kinds, bucket_bytes: int, first_bucket_bytes: int) -> li
     if current:
         groups.append(current)
     return groups
+
+
+def chunk_ranges(length: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` element ranges cutting a buffer of ``length`` items into pieces of at most
+    ``chunk_bytes`` (at least one item each; ``chunk_bytes`` 0: one piece, the whole buffer).
+
+    A prioritised gradient exchange reduces a large bucket piece by piece, so that the bucket
+    the next forward needs first can be started between two of its pieces."""
+    if chunk_bytes <= 0 or length == 0:
+        return [(0, length)]
+    step = max(1, chunk_bytes // itemsize)
+    return [(lo, min(lo + step, length)) for lo in range(0, length, step)]
