@@ -39,6 +39,20 @@ is kept, as noise from other processes only ever adds time.  Hidden share =
 behind backward (0 = none, 1 = all).  Python has no progress thread: a bucket
 advances only inside the gradient hooks (which test() it) and MPI's own
 progress, so overlap is real but partial.
+
+Part 3 -- priorities (MLSL): CosmoFlow ``small`` (refimpl.models, float32, data-parallel grid
+(P,1,1,1), local batch ``--local-batch``) trains whole steps (forward, loss, backward, update)
+with ``parallel/priority.LayerwiseUpdate`` in three configurations, all with 1 MiB buckets (so
+the conv layers' gradients are not in the dense head's bucket), in rounds of 3 consecutive steps
+per configuration: plain (``priority="none"``: finish() waits for every bucket, then the whole
+update), the same with buckets cut into 256 KiB chunks, and ``priority="input-first"`` (256 KiB
+chunks, input side first, each layer's update deferred to just before its next forward).  Per
+configuration: the median over steps of the time from the end of backward to the start of the
+next forward's first layer (within a round; slowest rank), and of the whole step.  ``--trace FILE`` writes every
+chunk's start and finish of every rank and step as JSON lines (plus one "step" line per rank and
+step with the end of backward and the next forward's first layer), ``--timeline PNG`` draws rank
+0's last traced step of each configuration: one row per bucket, one bar per chunk, times from the
+end of backward.
 """
 from __future__ import annotations
 
@@ -56,8 +70,25 @@ ap.add_argument("--repeats", type=int, default=None, help="timed repeats per siz
 ap.add_argument("--colors", type=int, default=2, help="multicolor: number of colours k")
 ap.add_argument("--group-size", type=int, default=None, help="hierarchical: ranks per group g")
 ap.add_argument("--skip-train", action="store_true", help="skip part 2 (the training step)")
+ap.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 3 or 1,2 (default 1,2,3)")
+ap.add_argument("--steps", type=int, default=None, help="part 3: timed steps per configuration "
+                "(default 12, quick 5)")
+ap.add_argument("--local-batch", type=int, default=1, help="part 3: samples per rank (default 1)")
+ap.add_argument("--trace", metavar="FILE", help="part 3: every chunk's start/finish as JSON lines (rank 0 "
+                "gathers)")
+ap.add_argument("--timeline", metavar="PNG", help="part 3: the timeline picture of rank 0 (needs matplotlib)")
 ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE (rank 0)")
 args = ap.parse_args()
+PARTS = set()
+for part in args.parts.split(","):
+    if part.strip() not in ("1", "2", "3"):
+        ap.error(f"--parts: {part!r} is not one of 1, 2, 3")
+    PARTS.add(int(part))
+if args.skip_train:
+    PARTS -= {2, 3}
+for flag, value in (("--steps", args.steps), ("--local-batch", args.local_batch)):
+    if value is not None and value < 1:
+        ap.error(f"{flag} must be >= 1, got {value}")
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -284,13 +315,132 @@ def part2():
     return dict(backward_s=t_bwd, allreduce_s=t_comm, gradient_bytes=grad_bytes, configurations=rows)
 
 
+# ---------------------------------------------------------------- part 3
+
+PRIORITY_CONFIGS = [("plain (none)", "none", 0), ("none, 256 KiB chunks", "none", MIB // 4),
+                    ("input-first, 256 KiB chunks", "input-first", MIB // 4)]
+ROUND = 3           # consecutive steps of one configuration: the gaps inside a round are its own
+
+
+def part3():
+    from refimpl.models import build_model
+    from refimpl.models.presets import PRESETS
+    from refimpl.optim import make_optimizer
+    from refimpl.parallel.grid import ProcessGrid
+    from refimpl.parallel.priority import LayerwiseUpdate
+
+    steps = args.steps or (5 if args.quick else 12)
+    grid = ProcessGrid(comm, (p, 1, 1, 1))
+    config = dict(PRESETS["cosmoflow"]["small"], dropout=0.0)
+    batch = args.local_batch * p
+    rng = np.random.default_rng(rank)
+    runs = {}
+    for label, priority, chunk in PRIORITY_CONFIGS:
+        model = build_model("cosmoflow", config, grid, seed=0, dtype=np.float32, global_batch=batch)
+        sync = GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm, priority=priority,
+                                    bucket_bytes=MIB, first_bucket_bytes=MIB, chunk_bytes=chunk, trace=True)
+        opt = make_optimizer("adam", model.parameters(), lr=1e-4)
+        runs[label] = (model, sync, LayerwiseUpdate(model, sync, opt), [], [])
+    x = rng.standard_normal((args.local_batch,) + tuple(config["input_shape"])).astype(np.float32)
+    y = rng.uniform(-1, 1, (args.local_batch, runs[PRIORITY_CONFIGS[0][0]][0].num_outputs)).astype(np.float32)
+
+    def one_step(model, update):
+        model.zero_grad()
+        _, dout, _ = model.loss(model.forward(x), y)
+        model.backward(dout)
+        update.step(1e-4)
+
+    rounds = -(-steps // (ROUND - 1)) + 1         # the first round warms up
+    for number in range(rounds):
+        for label, (model, sync, update, times, gaps) in runs.items():
+            comm.Barrier()
+            seen = len(update.marks)
+            for _ in range(ROUND):
+                t0 = time.perf_counter()
+                one_step(model, update)
+                times.append(time.perf_counter() - t0)
+            if number:                            # the round's first mark closes the last round
+                gaps += update.gaps[seen + 1:]
+    rows, trace = [], []
+    for label, (model, sync, update, times, gaps) in runs.items():
+        update.flush()
+        gaps = slowest(gaps)
+        step_s = slowest(times[ROUND:])
+        first = sync.buckets[-1]
+        rows.append(dict(configuration=label, buckets=len(sync.buckets),
+                         chunks=sum(len(b.chunks) for b in sync.buckets), input_bucket_bytes=first.nbytes,
+                         gap_s=float(np.median(gaps)), step_s=float(np.median(step_s))))
+        for (end, start), number in zip(update.marks, range(1, len(update.marks) + 1)):
+            trace.append({"configuration": label, "rank": rank, "step": number, "event": "step",
+                          "backward_end": end, "first_layer_start": start})
+        trace += [dict(r, configuration=label, rank=rank, event="chunk") for r in sync.trace]
+        sync.detach()
+    grid.free()
+    base = rows[0]
+    say(f"\n== Part 3: priorities, CosmoFlow small on grid ({p},1,1,1), local batch {args.local_batch}, "
+        f"float32, Adam; median of {steps} steps (slowest rank), round-robin")
+    say(f"{'configuration':>28} {'buckets':>7} {'chunks':>6} {'bwd->next fwd':>14} {'vs plain':>8} "
+        f"{'step':>9} {'vs plain':>8}")
+    for row in rows:
+        say(f"{row['configuration']:>28} {row['buckets']:>7} {row['chunks']:>6} {row['gap_s'] * 1e3:>12.1f}ms "
+            f"{row['gap_s'] / base['gap_s']:>8.2f} {row['step_s'] * 1e3:>7.0f}ms {row['step_s'] / base['step_s']:>8.3f}")
+    everything = comm.gather(trace, root=0)
+    if rank == 0:
+        everything = [r for part in everything for r in part]
+        if args.trace:
+            with open(args.trace, "w") as f:
+                for record in everything:
+                    f.write(json.dumps(record) + "\n")
+            print(f"wrote {args.trace} ({len(everything)} records)")
+        if args.timeline:
+            draw_timeline(everything, args.timeline)
+            print(f"wrote {args.timeline}")
+    return dict(model="cosmoflow small", local_batch=args.local_batch, steps=steps, configurations=rows)
+
+
+def draw_timeline(records, path):
+    """Rank 0's last step of each configuration: a bar per chunk (bucket on the y axis), times
+    from the end of backward; the dashed line is where the next forward's first layer started."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [label for label, _, _ in PRIORITY_CONFIGS]
+    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 2.2 * len(labels)), sharex=True)
+    for ax, label in zip(axes, labels):
+        mine = [r for r in records if r["configuration"] == label and r["rank"] == 0]
+        last = max(r["step"] for r in mine if r["event"] == "step")
+        mark = next(r for r in mine if r["event"] == "step" and r["step"] == last)
+        chunks = [r for r in mine if r["event"] == "chunk" and r["step"] == last]
+        t0 = mark["backward_end"]
+        buckets = max(r["bucket"] for r in chunks) + 1
+        for r in chunks:
+            ax.barh(r["bucket"], (r["finish"] - r["start"]) * 1e3, left=(r["start"] - t0) * 1e3, height=0.7,
+                    color=plt.cm.viridis(r["bucket"] / max(buckets - 1, 1)), edgecolor="k", lw=0.3)
+        ax.axvline(0, color="k", lw=1)
+        ax.axvline((mark["first_layer_start"] - t0) * 1e3, color="r", ls="--", lw=1.2)
+        ax.set_ylabel("bucket")
+        ax.set_yticks(range(buckets))
+        ax.set_title(f"{label}: next forward starts {1e3 * (mark['first_layer_start'] - t0):.1f} ms "
+                     "after backward", fontsize=9)
+    axes[-1].set_xlabel("ms from the end of backward (black line); bars: a chunk's allreduce from its start "
+                        "to when it was seen finished;\nbucket 0 = output side (ready first), the last = input side; "
+                        "red: the next forward's first layer starts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main():
-    alpha, beta, gamma, alpha_round, c0 = machine_constants()
-    result = dict(ranks=p, alpha_mpi_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma,
-                  alpha_round_s=alpha_round, call_overhead_s=c0, options=OPTIONS,
-                  allreduce=part1(alpha, beta, gamma, alpha_round, c0))
-    if not args.skip_train:
+    result = dict(ranks=p, options=OPTIONS)
+    if 1 in PARTS:
+        alpha, beta, gamma, alpha_round, c0 = machine_constants()
+        result.update(alpha_mpi_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma,
+                      alpha_round_s=alpha_round, call_overhead_s=c0,
+                      allreduce=part1(alpha, beta, gamma, alpha_round, c0))
+    if 2 in PARTS:
         result["training_step"] = part2()
+    if 3 in PARTS:
+        result["priorities"] = part3()
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -41,10 +41,11 @@ nearest the input first, and backward produces their gradients last.  With
 ``priority="input-first"`` each bucket is cut into chunks of at most
 ``chunk_bytes`` (``partition.chunk_ranges``), every chunk its own allreduce,
 and the chunks are started highest priority first (priority = the bucket's
-position in backward order, so the input layers' bucket is highest): each
-gradient hook starts at most one waiting chunk, ``finish(wait=False)`` starts
-the rest, so the input-side bucket, ready last, overtakes the remaining chunks
-of the large output-side buckets.  The start order must be the same on every
+position in backward order, so the input layers' bucket is highest): at most
+``HELD_CHUNKS`` ready chunks are held back (each gradient hook starts the best
+of the rest), ``finish(wait=False)`` starts what is held, so the input-side
+bucket, ready last, overtakes the held chunks of the output-side buckets, while
+everything beyond them still overlaps backward.  The start order must be the same on every
 rank (collectives are matched in order), so it depends only on the order in
 which gradients appear -- the same everywhere -- and never on timing.  The
 waiting and the update of each bucket then happen layer by layer during the
@@ -64,6 +65,7 @@ from .partition import chunk_ranges, pack_buckets
 
 MIB = 1 << 20
 PRIORITIES = ("none", "input-first")
+HELD_CHUNKS = 4     # input-first: ready chunks kept back for a better bucket to overtake
 
 
 @dataclass
@@ -211,7 +213,7 @@ class GradientSynchronizer:
             while self._next < len(self.buckets) and \
                     len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
                 self._ready(self.buckets[self._next])
-            if self._waiting:             # input-first: one chunk per gradient, best first
+            while len(self._waiting) > HELD_CHUNKS:      # input-first: best first
                 self._start_chunk(*self._waiting.pop(0))
             self._progress()
 
@@ -277,6 +279,7 @@ class GradientSynchronizer:
         """
         if not self._syncing:
             return
+        self._steps += 1              # the synchronised step this is (1-based), for the trace
         if self.shard:
             return self._finish_sharded()
         if self.compressor is not None:
@@ -299,7 +302,6 @@ class GradientSynchronizer:
 
     def _record(self, backward_end, finished, started_in_backward=0, in_flight=0.0, **extra) -> None:
         """One step's entry of ``history``; the next step's backward starts a new clock."""
-        self._steps += 1
         self.history.append({
             "buckets": len(self.buckets),
             "started_in_backward": started_in_backward,    # chunks (one per bucket unless chunked)

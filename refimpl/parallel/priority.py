@@ -22,8 +22,8 @@ gradient (the chunks of a bucket add the same numbers; only the order in which t
 adds the ranks' contributions may differ) at the same ``lr`` and step count.
 
 With ``priority="none"`` ``step`` is exactly ``finish(); optimizer.step()``, so the two can be
-timed by one loop: ``gaps`` records, per step, the seconds from the end of backward to the start
-of the next forward's first layer.
+timed by one loop: ``marks`` records, per step, the end of backward and the start of the next
+forward's first layer (``gaps``: the seconds between them).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class LayerwiseUpdate:
         if set(self._index) != {id(p) for b in sync.buckets for p in b.params}:
             raise ValueError("the optimizer and the synchroniser must hold the same parameters")
         self.owed = set()            # ids of buckets summed (or being summed) but not yet applied
-        self.gaps = []               # per step: end of backward -> next forward's first layer (s)
+        self.marks = []              # per step: (end of backward, next forward's first layer), perf_counter
         self._backward_end = None
         for _, module in model.named_modules():
             if module._parameters:
@@ -84,8 +84,13 @@ class LayerwiseUpdate:
                 if id(bucket) in self.owed:
                     self._apply(bucket)
         if self._backward_end is not None:
-            self.gaps.append(time.perf_counter() - self._backward_end)
+            self.marks.append((self._backward_end, time.perf_counter()))
             self._backward_end = None
+
+    @property
+    def gaps(self) -> list:
+        """Seconds from the end of each backward to the start of the next forward's first layer."""
+        return [start - end for end, start in self.marks]
 
     def _apply(self, bucket) -> None:
         self.sync.wait_bucket(bucket)
