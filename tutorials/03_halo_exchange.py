@@ -1,9 +1,9 @@
 # %% [markdown]
-# # Tutorial 1 — Halo exchange and its adjoint
+# # Tutorial 3 — Halo exchange and its adjoint
 #
 # Run it with any number of ranks:
 #
-#     mpiexec -n 4 python tutorials/01_halo_exchange.py
+#     mpiexec -n 4 python tutorials/03_halo_exchange.py
 #
 # A spatially parallel convolution splits every sample into blocks, one per rank. A 3×3×3
 # kernel at the edge of a block reads voxels that a *neighbour* owns: before computing, each
@@ -94,4 +94,4 @@ say(f"<F x, y> = {lhs:.12f}\n<x, F*y> = {rhs:.12f}   (relative difference {abs(l
 assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
 
 # %% [markdown]
-# Next: `02_spatial_conv.py` wraps this exchange around a local convolution.
+# Next: `04_spatial_conv.py` wraps this exchange around a local convolution.

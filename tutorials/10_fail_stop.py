@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Tutorial 5 — Fail-stop: no rank waits forever
+# # Tutorial 10 — Fail-stop: no rank waits forever
 #
-#     mpiexec -n 4 python tutorials/05_fail_stop.py        (any number of ranks; 1 works too)
+#     mpiexec -n 4 python tutorials/10_fail_stop.py        (any number of ranks; 1 works too)
 #
 # In an SPMD program every rank runs the same code and meets the others in collectives
 # (allreduce, halo exchange, broadcast). That makes failures dangerous: if one rank raises

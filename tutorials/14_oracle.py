@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Tutorial 7 — Checking your implementation shard by shard
+# # Tutorial 14 — Checking your implementation shard by shard
 #
-#     python tutorials/07_oracle.py        (needs PyTorch: pip install -e ".[oracle]")
+#     python tutorials/14_oracle.py        (needs PyTorch: pip install -e ".[oracle]")
 #
 # One process is enough. Under mpiexec, every rank runs the whole tutorial on its own.
 #
@@ -64,7 +64,7 @@ workdir = tempfile.mkdtemp(prefix="refimpl-tutorial7-")     # every process gets
 
 # %%
 SUITE = """
-description = "tutorial 7: an even-kernel conv and a batch norm"
+description = "tutorial 14: an even-kernel conv and a batch norm"
 seed = 0
 dtypes = ["float64", "float32"]
 

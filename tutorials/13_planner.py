@@ -1,7 +1,7 @@
 # %% [markdown]
-# # Tutorial 8 — Planning a grid: where the time and memory go
+# # Tutorial 13 — Planning a grid: where the time and memory go
 #
-#     python tutorials/08_planner.py        (one process; pure math, nothing is trained)
+#     python tutorials/13_planner.py        (one process; pure math, nothing is trained)
 #
 # Under mpiexec, every rank runs the whole tutorial on its own and prints the same thing.
 #
