@@ -1,5 +1,16 @@
-"""Every tutorial runs top to bottom under mpiexec (its asserts are its checks)."""
+"""Every tutorial runs top to bottom under mpiexec with the rank counts it declares (its asserts
+are its checks), and one runs as a notebook.
+
+A tutorial declares how it is run in its header, on a line of its own:
+
+    #     mpiexec -n 4 python tutorials/NN_name.py     (any number of ranks; 1 works too)
+    #     python tutorials/NN_name.py        (one process ...)
+
+It is run with that rank count (1 for plain ``python``), and also with 1 and 3 ranks when the
+line says "any number of ranks" (3: a count that divides nothing evenly).
+"""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,15 +24,56 @@ ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("[0-9]*.py"))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPLBACKEND="Agg")
+RUN_LINE = re.compile(r"^#\s+(?:mpiexec -n (\d+) )?python tutorials/(\S+\.py)(.*)$", re.M)
 
 
-def test_tutorials_exist():
-    assert len(TUTORIALS) >= 3
+def declared_ranks(path: Path) -> list[int]:
+    """The rank counts ``path``'s header declares (module docstring)."""
+    match = RUN_LINE.search(path.read_text())
+    if match is None or match.group(2) != path.name:
+        raise ValueError(f"{path.name} declares no run line for itself in its header")
+    ranks = {int(match.group(1) or 1)}
+    if "any number of ranks" in match.group(3):
+        ranks |= {1, 3}
+    return sorted(ranks)
 
 
-@pytest.mark.parametrize("nranks", [1, 3, 4])
-@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+RUNS = [(t, n) for t in TUTORIALS for n in declared_ranks(t)]
+
+
+def test_the_learning_path_is_complete():
+    """Twelve or more tutorials, numbered 01, 02, ... without gaps, each a Jupytext percent script."""
+    numbers = [int(t.name[:2]) for t in TUTORIALS]
+    assert len(TUTORIALS) >= 12 and numbers == list(range(1, len(TUTORIALS) + 1)), numbers
+    for t in TUTORIALS:
+        text = t.read_text()
+        assert text.startswith("# %% [markdown]\n# # Tutorial"), t.name
+
+
+@pytest.mark.parametrize("tutorial,nranks", RUNS, ids=[f"{t.stem}-{n}" for t, n in RUNS])
 def test_tutorial_runs(tutorial, nranks, tmp_path):
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(nranks), sys.executable, str(tutorial)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{tutorial.name} with {nranks} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_a_tutorial_runs_as_a_notebook(tmp_path):
+    """What a learner does in Jupyter: the percent script converted with jupytext, executed cell by
+    cell in a kernel (one process), every cell without error, the printed checks in the outputs."""
+    jupytext = pytest.importorskip("jupytext", reason="pip install -e '.[test]'")
+    nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[test]'")
+    tutorial = ROOT / "tutorials" / "03_halo_exchange.py"
+    notebook = jupytext.read(tutorial)
+    assert sum(c.cell_type == "markdown" for c in notebook.cells) >= 3
+    saved = dict(os.environ)
+    os.environ.update({k: v for k, v in ENV.items() if k not in saved or saved[k] != v})
+    try:
+        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                   for out in cell.get("outputs", []))
+    assert "every rank's extended block equals the global slice" in text, text[:2000]
+    assert re.search(r"relative difference \d\.\de-?\d+", text), text[:2000]

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 4 — A spatially partitioned convolution equals the unpartitioned one
 #
-#     mpiexec -n 4 python tutorials/04_spatial_conv.py
+#     mpiexec -n 4 python tutorials/04_spatial_conv.py     (any number of ranks; 1 works too)
 #
 # A partitioned layer is: **halo exchange → pad at the domain edge → local conv** in forward,
 # and **local backward → crop → adjoint exchange** in backward. The weight gradient of each

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 7 — Allreduce algorithms, from point-to-point messages
 #
-#     mpiexec -n 4 python tutorials/07_allreduce.py
+#     mpiexec -n 4 python tutorials/07_allreduce.py     (any number of ranks; 1 works too)
 #
 # Data-parallel training sums gradients over ranks. `refimpl.parallel.collectives` builds the
 # classic algorithms from `Isend`/`Irecv` so you can read each one in a page:

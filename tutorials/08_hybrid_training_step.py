@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 8 — One hybrid-parallel training step, and why it equals the one-process step
 #
-#     mpiexec -n 4 python tutorials/08_hybrid_training_step.py
+#     mpiexec -n 4 python tutorials/08_hybrid_training_step.py     (any number of ranks; 1 works too)
 #
 # The grid `(Pn, Pd, Ph, Pw)` combines **data parallelism** (Pn groups, each with its own samples)
 # and **spatial parallelism** (each sample split over Pd x Ph x Pw ranks). One training step is:
