@@ -5,7 +5,7 @@
 #
 # Under mpiexec, every rank runs the whole tutorial on its own and prints the same thing.
 #
-# Tutorials 1-6 split one training step over a process grid `(Pn, Pd, Ph, Pw, Pm)`: samples
+# The earlier tutorials split one training step over a process grid `(Pn, Pd, Ph, Pw, Pm)`: samples
 # over Pn, voxels over Pd x Ph x Pw, channels over Pm. Which grid should you pick for a given
 # number of ranks? The answer depends on the model, the sample size, the batch and the
 # machine. The planner (`refimpl.plan`, `refimpl plan` on the command line) predicts, for

@@ -5,7 +5,7 @@
 #
 # One process is enough. Under mpiexec, every rank runs the whole tutorial on its own.
 #
-# Tutorials 2 and 6 check refimpl's partitioned layers against the unpartitioned oracle by
+# Tutorials 4 and 11 check refimpl's partitioned layers against the unpartitioned oracle by
 # gathering y, dx, dW and db and comparing the *global* tensors. That is enough to say
 # "right" or "wrong". It is not enough to debug someone else's implementation (LBANN,
 # DistDL, DTensor, your own). A message like "max relative error of y: 0.3" does not say
