@@ -3,8 +3,8 @@
 1. ``mkdocs build --strict`` succeeds (the CLI reference generated from the parsers, the API
    reference from the docstrings, every tutorial executed; scripts/mkdocs_hooks.py).
 2. Every command shown in a ```bash, ```console or ```sh block of docs/**/*.md that starts with
-   ``refimpl `` or ``python -m refimpl`` (in console blocks: after a ``$ `` prompt) runs and
-   exits 0, and every ```python block runs as a script. A page's blocks run in page order in one
+   ``refimpl `` or ``python -m refimpl``, directly or after ``mpiexec`` and its options (in console
+   blocks: after a ``$ `` prompt), runs and exits 0 (``--oversubscribe`` is added to mpiexec), and every ```python block runs as a script. A page's blocks run in page order in one
    scratch directory, so a later command can read what an earlier one wrote.
 
 Markers, HTML comments on the lines right before a block (docs/index.md, "Writing docs that are
@@ -36,6 +36,9 @@ FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^
                    re.M | re.S)
 MARKER = re.compile(r"^\s*<!--\s*(?P<key>[\w-]+)\s*:\s*(?P<value>.*?)\s*-->\s*$")
 KNOWN_MARKERS = {"not-run", "save-as", "exit-codes", "ranks"}
+#: a refimpl command, run directly or under mpiexec (its options before the program)
+LAUNCHED = re.compile(r"^(?:mpiexec(?:\s+-{1,2}[\w-]+(?:\s+(?!refimpl\b|python\b)[^\s-]\S*)?)*\s+)?"
+                      r"(?:refimpl|python -m refimpl)\s")
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPLBACKEND="Agg",
            PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -75,7 +78,7 @@ class Block:
             out.append(text)
         if pending is not None:
             out.append(pending)
-        return [c for c in out if c.startswith(("refimpl ", "python -m refimpl"))]
+        return [c for c in out if LAUNCHED.match(c)]
 
 
 def blocks(page: Path) -> list[Block]:
@@ -165,6 +168,8 @@ def test_page_blocks_run(page, tmp_path):
             commands = b.commands()
             codes = [int(c) for c in b.markers.get("exit-codes", "").split()] or [0] * len(commands)
             for command, code in zip(commands, codes, strict=True):
+                if command.startswith("mpiexec ") and "--oversubscribe" not in command:
+                    command = "mpiexec --oversubscribe " + command[len("mpiexec "):]   # 2 cores here
                 _run(command, tmp_path, b.where, expected=code, shell=True)
 
 
