@@ -52,7 +52,9 @@ def test_the_learning_path_is_complete():
 
 @pytest.mark.parametrize("tutorial,nranks", RUNS, ids=[f"{t.stem}-{n}" for t, n in RUNS])
 def test_tutorial_runs(tutorial, nranks, tmp_path):
-    cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(nranks), sys.executable, str(tutorial)]
+    # python -m mpi4py: an exception on one rank aborts them all (never a hang until the timeout)
+    cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(nranks), sys.executable, "-m", "mpi4py",
+           str(tutorial)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{tutorial.name} with {nranks} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 

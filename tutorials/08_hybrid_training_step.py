@@ -82,5 +82,5 @@ assert worst < 1e-10
 
 # %% [markdown]
 # The same holds for any grid and for the 3D U-Net (batch norm then reduces its statistics
-# over the whole grid); `tests/mpi/test_models_grid_invariance.py` checks it for every grid of
-# 1, 2, 3, 4 and 8 ranks. To train for real: `refimpl train --help`.
+# over the whole grid); `tests/mpi/test_models_grid_invariance.py` checks it on grids of
+# 1, 2, 3, 4, 6 and 8 ranks (pure data, pure spatial and mixed; uneven blocks included). To train for real: `refimpl train --help`.

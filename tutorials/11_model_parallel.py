@@ -137,9 +137,10 @@ say("1.5-D layers equal the unpartitioned pair (output, dX, dW), bytes as predic
 # ## 3. Where next
 # `refimpl check-layer conv3d ... --grid 1,2,1,1,2 --model-parallel filter` (or `channel`) runs
 # the same comparison for any shape, stride, padding and dilation; docs/model_parallel.md
-# describes the layouts, the conventions for replicated tensors and what is still to come
-# (model-parallel placement inside CosmoFlow and the U-Net, and `refimpl train --grid` with
-# five entries).
+# describes the layouts and the conventions for replicated tensors. Inside the models,
+# `model_parallel="filter"` or `"channel"` places CosmoFlow's and the U-Net's widest layers on the
+# model axis, and `refimpl train --grid Pn,Pd,Ph,Pw,Pm --model-parallel filter` trains with it
+# (`tests/mpi/test_models_grid_invariance.py` checks both models on such grids).
 
 # %%
 grid.free()
