@@ -553,8 +553,10 @@ class Trainer:
                   f"{cfg['optimizer']} lr {self.schedule(self.step):.3g} ({cfg['schedule']}), "
                   f"{self.total_steps} steps ({self.steps_per_epoch} per epoch), out {self.out}"
                   + (f", resumed at step {self.step}" if self.step else ""))
+        # the bar only on a terminal: redirected into a job log its redraws would fill the file
+        # (the log lines on stdout, every --log-every steps, report the progress there)
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=self.rank != 0 or cfg["quiet"], file=sys.stderr)
+                   disable=self.rank != 0 or cfg["quiet"] or not sys.stderr.isatty(), file=sys.stderr)
         started, last, val = time.perf_counter(), None, None
         steps_run = 0
         while self.step < self.total_steps:
@@ -623,7 +625,8 @@ def append_line(path, line: str) -> None:
 
 def summary_line(summary: dict, metric_name: str) -> str:
     parts = [f"done: {summary['steps']} steps ({summary['epochs']:.2f} epochs) in {summary['seconds']:.1f} s",
-             f"{summary['samples_per_s']:.1f} samples/s"]
+             f"{summary['samples_per_s']:.1f} samples/s over the whole run (start-up, validation and "
+             "checkpoints included)"]
     if summary["final_train"]:
         t = summary["final_train"]
         parts.append(f"train loss {t['loss']:.5g} {metric_name} {t[metric_name]:.4g}")

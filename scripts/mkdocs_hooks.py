@@ -113,7 +113,7 @@ def cli_reference() -> str:
 # ------------------------------------------------------------------------------ tutorials
 
 def _source_key() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(Path(__file__).read_bytes())          # this hook too: it edits the pages
     for path in sorted((ROOT / "refimpl").rglob("*")):
         if path.is_file() and path.suffix in (".py", ".toml"):
             h.update(str(path.relative_to(ROOT)).encode())
@@ -155,6 +155,14 @@ def execute_tutorial(path: Path, out: Path) -> float:
             client.execute(env=dict(os.environ, **KERNEL_ENV))
         except nbclient.exceptions.CellExecutionError as err:
             raise PluginError(f"tutorials/{path.name} failed when executed for the docs:\n{err}") from err
+    # the outputs are a 1-rank run: say so under the title, with the command that shows the messages
+    match = re.search(r"^#\s+(mpiexec -n \d+ python tutorials/\S+\.py)", path.read_text(encoding="utf-8"), re.M)
+    if match:
+        notebook.cells.insert(1, nbformat.v4.new_markdown_cell(
+            "!!! note \"The outputs below are from one process\"\n"
+            "    The site runs each tutorial as a notebook, on one rank: no message is sent. Run it as "
+            f"its header says to see the ranks at work:\n    `{match.group(1).replace('mpiexec', 'mpiexec --oversubscribe', 1)}` "
+            "(`--oversubscribe`: more ranks than cores)."))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     nbformat.write(notebook, str(tmp))

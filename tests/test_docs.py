@@ -7,7 +7,7 @@
    blocks: after a ``$ `` prompt), runs and exits 0 (``--oversubscribe`` is added to mpiexec), and every ```python block runs as a script. A page's blocks run in page order in one
    scratch directory, so a later command can read what an earlier one wrote.
 
-Markers, HTML comments on the lines right before a block (docs/index.md, "Writing docs that are
+Markers, HTML comments on the lines right before a block (docs/contributing.md, "Writing docs that are
 tested"):
 
     <!-- not-run: REASON -->      skip the block (cluster-only, long, a fragment); REASON required

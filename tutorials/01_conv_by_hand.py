@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Tutorial 01 — A 3D convolution by hand
+# # Tutorial 1 — A 3D convolution by hand
 #
 #     mpiexec -n 4 python tutorials/01_conv_by_hand.py     (any number of ranks; 1 works too)
 #
@@ -500,7 +500,7 @@ if rank == 0:
 # | transposed conv | $\mathrm{convT}(u) = \mathrm{col2im}(W^\top u)$ | `conv_transpose3d` |
 #
 # Next: splitting a sample over ranks, and why a convolution then needs its neighbours' voxels
-# (the halo exchange, tutorial 03).
+# (blocks, needed ranges and halos: tutorial 02; the halo exchange itself: tutorial 03).
 
 # %%
 ok = comm.allreduce(1, op=MPI.SUM)

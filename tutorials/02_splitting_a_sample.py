@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Tutorial 02 — Splitting a sample: blocks, needed ranges and halos
+# # Tutorial 2 — Splitting a sample: blocks, needed ranges and halos
 #
 #     mpiexec -n 4 python tutorials/02_splitting_a_sample.py     (any number of ranks; 1 works too)
 #

@@ -9,7 +9,10 @@
 # kernel at the edge of a block reads voxels that a *neighbour* owns: before computing, each
 # rank fetches those "ghost" voxels — the **halo exchange**. In backward, the gradient that
 # lands on a ghost belongs to its owner: the **adjoint** exchange sends it back, *adds* it
-# into the owner's block, and *clears* the ghost. This tutorial builds both and checks them.
+# into the owner's block, and *clears* the ghost. This tutorial runs both (`HaloExchange.forward`
+# and `.adjoint` in `refimpl/parallel/halo.py`: read them next to it, each a few dozen lines of
+# `Isend`/`Irecv` over the plan of tutorial 02) and checks them. The grid of ranks is a tuple
+# `(Pn, Pd, Ph, Pw)`: samples split over Pn groups, each sample's voxels over Pd x Ph x Pw.
 
 # %%
 import numpy as np

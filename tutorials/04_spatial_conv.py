@@ -25,7 +25,7 @@ grid = ProcessGrid(comm, (1, 1, comm.size, 1))       # split the height axis ove
 # %% [markdown]
 # ## 1. The layer and the data
 # An anisotropic, even-sized, dilated, strided kernel with asymmetric padding — the cases the
-# anchors (LBANN/Distconv, Mesh-TF) restrict. Same seed on every rank: same weights.
+# LBANN/Distconv and Mesh-TF do not support. Same seed on every rank: same weights.
 
 # %%
 N, C, Fo, dhw = 2, 3, 4, (7, 13, 6)

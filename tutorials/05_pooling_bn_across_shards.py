@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Tutorial 05 — Pooling, transposed convolution and batch norm across shards
+# # Tutorial 5 — Pooling, transposed convolution and batch norm across shards
 #
 #     mpiexec -n 4 python tutorials/05_pooling_bn_across_shards.py     (any number of ranks; 1 works too)
 #
@@ -211,7 +211,9 @@ assert total_sent > 0 or all(len(g) == 0 for g in comm.allgather(ghost_planes))
 # part comes home through the adjoint exchange. $dW$ and $db$ are sums over every output voxel of
 # every sample, so each rank's are partial: summed over the grid (spatial shards *and* sample
 # groups) they equal the one-process gradients — the gradient synchroniser of tutorial 08 does
-# this sum in training.
+# this sum in training. (Tutorial 08 says it *averages* over the sample groups: both hold, because
+# in training each group's loss gradient is scaled by Pn, so the average of the scaled partial
+# gradients is the sum of the unscaled ones.)
 
 # %%
 C_in, C_out, up_in = 4, 3, (7, 3, 5)

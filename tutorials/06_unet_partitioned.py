@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Tutorial 06 — A 3D U-Net across a partitioned domain
+# # Tutorial 6 — A 3D U-Net across a partitioned domain
 #
 #     mpiexec -n 4 python tutorials/06_unet_partitioned.py     (any number of ranks; 1 works too)
 #
@@ -76,7 +76,7 @@ def check(ok, what):
 # | decoder level $i = L-1..0$ | transposed conv k2 s2 `up_i`, **concatenate** with skip $i$, [conv → BN → ReLU] × 2 = `dec_i` | $w_{i+1} \to w_i$, $2w_i$, $w_i$ | $S/2^{i+1} \to S/2^i$ |
 # | head | conv 1³ | $K$ classes | $S$ |
 #
-# The extents follow from the window formulas of tutorial 04: a 3³ conv with padding 1 keeps $n$;
+# The extents follow from the window formulas of tutorials 01 and 02: a 3³ conv with padding 1 keeps $n$;
 # the pool gives $\lfloor (n-2)/2 \rfloor + 1 = n/2$ for even $n$; the transposed conv gives
 # $(n-1)\cdot 2 + (2-1) + 1 = 2n$. The loss is per voxel $v$. Softmax cross-entropy is
 # $\mathrm{CE} = -\frac{1}{|V|}\sum_v \log \mathrm{softmax}(z_v)_{y_v}$ over every voxel of the

@@ -4,7 +4,12 @@
 #     mpiexec -n 4 python tutorials/07_allreduce.py     (any number of ranks; 1 works too)
 #
 # Data-parallel training sums gradients over ranks. `refimpl.parallel.collectives` builds the
-# classic algorithms from `Isend`/`Irecv` so you can read each one in a page:
+# classic algorithms from `Isend`/`Irecv` (each a short generator in
+# `refimpl/parallel/collectives.py`: read it next to this tutorial); "native" is MPI's own
+# `MPI_Allreduce`. Costs use the alpha-beta(-gamma) model: a message of n bytes takes
+# alpha + beta n (alpha: latency, beta: seconds per byte), adding n bytes takes gamma n. With more
+# ranks than cores (mpiexec --oversubscribe) the measured times exceed the predictions: the ranks
+# take turns on the cores.
 #
 # | algorithm | alpha-beta cost (p ranks, n bytes) |
 # |---|---|

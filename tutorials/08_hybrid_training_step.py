@@ -35,6 +35,15 @@ say(f"grid (Pn, Pd, Ph, Pw) = {dims}")
 # %% [markdown]
 # ## 1. The model on the grid, and the same model on one process
 # Weights come from the seed alone, so both start identical. float64 to compare tightly.
+#
+# The `GradientSynchronizer` is what turns each rank's partial weight gradients into the true
+# ones. It packs the gradients into a few flat **buckets** in the order backward produces them
+# (output side first); a hook on each parameter starts a bucket's allreduce over the data x
+# spatial ranks as soon as its last gradient is written, while backward goes on with the earlier
+# layers; `sync.finish()` after backward waits for every bucket and divides by Pn (an average over
+# the sample groups; over the spatial ranks the partial sums just add up). `bucket_bytes` caps a
+# bucket's size. (Tutorial 06 passes `reduce_comm`: the product communicator when the caller has
+# it already; tutorial 12 reorders and splits the exchange.)
 
 # %%
 config = dict(PRESETS["cosmoflow"]["tiny"], dropout=0.5)   # dropout on: masks must line up too

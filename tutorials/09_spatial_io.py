@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Tutorial 09 — Spatially parallel I/O: each rank reads its hyperslab
+# # Tutorial 9 — Spatially parallel I/O: each rank reads its hyperslab
 #
 #     mpiexec -n 4 python tutorials/09_spatial_io.py     (any number of ranks; 1 works too)
 #
@@ -248,8 +248,9 @@ say(f"4 x 512^3 float32 = {big / 2 ** 30:.0f} GiB; on a (4, 4, 4) spatial group 
 # The reader measures what the library actually pulled (`file_bytes_read`, through a counting
 # file object): the touched chunks plus a little metadata (the chunk index, `unitPar`). When every
 # block boundary is a multiple of $e$ the chunks are shared out exactly and the group reads
-# the sample once; when a boundary cuts a chunk, **both** neighbours read that chunk — here with
-# 3 ranks, $32 = 11 + 11 + 10$ cuts the 8-voxel chunks and the group reads 1.5 samples from disk.
+# the sample once; when a boundary cuts a chunk, **both** neighbours read that chunk — e.g. with
+# 3 ranks (run it with `-n 3`), $32 = 11 + 11 + 10$ cuts the 8-voxel chunks and the group reads
+# 1.5 samples from disk; with 4 ranks on (1, 2, 2, 1) every boundary is a chunk boundary.
 # That is why `docs/data.md` says: pick `--chunk` to divide the block sizes you will run with
 # (128 over 4 ranks: chunk 32), and why chunks should not be much bigger than a block.
 

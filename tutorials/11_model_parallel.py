@@ -92,7 +92,8 @@ assert all(row[-1] for row in comm.allgather((ok,))) and sent_forward == sent_ba
 #   `2 alpha log Pc + 2 beta (Pc-1)/Pc d_out d_in / Pr`.
 #
 # The first two shrink with Pc, the last with Pr: for a fixed batch the cheapest grid is
-# usually neither pure data nor pure model parallel. Two such layers in a row, against the
+# usually neither pure data nor pure model parallel. (On this tutorial's grid Pn = 1, so the dW
+# allreduce over Pc moves nothing; run it on a grid with Pn > 1 to see it.) Two such layers in a row, against the
 # unpartitioned pair:
 
 # %%

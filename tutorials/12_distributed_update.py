@@ -177,7 +177,8 @@ err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(first, pl
 last_step = [r for r in sync.trace if r["step"] == 4]
 order = [r["bucket"] for r in sorted(last_step, key=lambda r: r["start"])]
 say(f"{len(sync.buckets)} buckets in {len(last_step)} chunks; start order of the buckets' chunks "
-    f"(0 = output side): {order}")
+    f"(0 = output side, ready first in backward; {len(sync.buckets) - 1} = input side, ready last): {order}")
+say("the output side's chunks held back at the end of backward start last: the input side overtook them")
 say(f"input-first vs plain after 4 Adam steps: max relative difference {err:.1e}")
 assert err < 1e-12
 top = len(sync.buckets) - 1

@@ -212,8 +212,8 @@ for g in ((4, 2, 1, 1, 1), (2, 2, 2, 1, 1), (1, 2, 2, 2, 1), (1, 8, 1, 1, 1), (8
 # The halo grows with the number of spatial cuts; the gradient allreduce is the same size on
 # every grid (every rank holds every weight: `head.0`, the flatten layer, keeps its whole
 # 4 MiB weight on every spatial rank and allreduces its whole gradient), and the memory grows
-# a little with the cuts (each cut adds halo-extended inputs). All four grids are within a few tenths of a percent of each other: at
-# this size the planner says "any of these".
+# a little with the cuts (each cut adds halo-extended inputs). All four grids are within a few percent of each other: at this size
+# the planner says "any of these".
 #
 # ## 6. Searching every grid
 # `search` enumerates every factorisation of the ranks into `(Pn, Pd, Ph, Pw, Pm)`. It keeps

@@ -42,7 +42,7 @@ from refimpl.oracle import torch_adapter
 from refimpl.oracle.compare import CAUSAL_ORDER, root_cause
 from refimpl.oracle.expect import embed
 
-workdir = tempfile.mkdtemp(prefix="refimpl-tutorial7-")     # every process gets its own; removed at the end
+workdir = tempfile.mkdtemp(prefix="refimpl-tutorial14-")     # every process gets its own; removed at the end
 
 # %% [markdown]
 # ## 1. A suite of cases
