@@ -19,6 +19,7 @@
 
 # %%
 import os
+import shutil
 import tempfile
 import time
 
@@ -80,6 +81,8 @@ except WriteError as err:
 every = comm.allgather(outcome)
 say("every rank got:", every[0])
 assert all(o == every[0] for o in every) and every[0][1] == failstop.EXIT_IO
+if comm.rank == 0:
+    shutil.rmtree(scratch)                                   # the scratch directory, cleaned up
 
 # %% [markdown]
 # ## 3. The watchdog: heartbeats and phases
