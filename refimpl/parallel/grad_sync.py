@@ -68,7 +68,7 @@ PRIORITIES = ("none", "input-first")
 HELD_CHUNKS = 4     # input-first: ready chunks kept back for a better bucket to overtake
 
 
-@dataclass
+@dataclass(eq=False)          # a bucket is itself (identity), never equal by its arrays' values
 class Bucket:
     """Parameters whose gradients are reduced together in one flat buffer."""
     params: list                     # in backward (reverse registration) order

@@ -13,7 +13,6 @@ import pytest
 from refimpl.models import build_model
 from refimpl.optim import make_optimizer
 from refimpl.parallel.grad_sync import GradientSynchronizer
-from refimpl.parallel.partition import block_range
 from refimpl.parallel.sharded_update import ShardedOptimizer
 
 CONFIG = {"input_shape": (2, 8, 8, 8), "conv_size": 3, "n_conv_layers": 2, "fc1_size": 8, "fc2_size": 4,
@@ -35,8 +34,7 @@ def run(grid, optimizer, sharded, algorithm, steps=5, state=None):
     rng = np.random.default_rng(11)
     x = rng.standard_normal((BATCH,) + CONFIG["input_shape"])
     t = rng.uniform(-1, 1, (BATCH, model.num_outputs))
-    n0, n1 = block_range(BATCH, grid.dims[0], grid.sample_coord)
-    x_local = np.ascontiguousarray(x[(slice(n0, n1), slice(None)) + grid.local_block(CONFIG["input_shape"][1:])])
+    x_local = np.ascontiguousarray(model.local_input(x))        # (B/Pn, C, local block)
     t_local = model.local_target(t)
     for _ in range(steps):
         model.zero_grad()
