@@ -111,6 +111,10 @@ _REGISTRY = (
     _choice_setting("REFIMPL_CONV_ALGORITHM", ("auto", "im2col", "winograd"), "auto",
                     "conv algorithm of every conv layer: auto (Winograd where it pays), im2col "
                     "(the plain sum everywhere) or winograd"),
+    _choice_setting("REFIMPL_CONV_SCHEDULE", ("auto", "host", "device"), "auto",
+                    "how im2col convs are scheduled: auto (by where the arrays live), host "
+                    "(cache-sized tiles on worker threads: CPUs) or device (a few large "
+                    "operations: GPUs); the same sums, added in another order"),
     Setting("REFIMPL_THREADS", _positive_int, _POSITIVE, None,
             "worker threads for the memory-bound passes of convs, pooling, batch norm and "
             "activations (default: the BLAS threads)"),

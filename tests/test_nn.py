@@ -234,7 +234,7 @@ def test_first_conv_skips_the_input_gradient():
 
 
 @pytest.mark.parametrize("var, value", [("REFIMPL_THREADS", "two"), ("REFIMPL_CONV_ALGORITHM", "fft"),
-                                        ("REFIMPL_ALLOCATOR", "pool")])
+                                        ("REFIMPL_CONV_SCHEDULE", "gpu"), ("REFIMPL_ALLOCATOR", "pool")])
 def test_refimpl_command_refuses_malformed_speed_settings(monkeypatch, capsys, var, value):
     from refimpl.cli import main
     monkeypatch.setenv(var, value)

@@ -113,6 +113,7 @@ def test_models_train_bit_identically_with_few_syncs(name, config, batch, strict
     synchronisations per step are a fixed few, the same for a model twice as deep.  (One worker
     thread for NumPy too: a device runs the chunked passes as one kernel, in one order.)"""
     monkeypatch.setenv("REFIMPL_THREADS", "1")
+    monkeypatch.setenv("REFIMPL_CONV_SCHEDULE", "device")        # NumPy's convs scheduled as a device's
     results, per_step = {}, {}
     for kind in ("numpy", "strict"):
         backend.set_backend(kind)
@@ -197,6 +198,10 @@ def test_every_layer_partitioned_under_strict(cuda_aware):
             assert '"ok": true' in proc.stdout
 
 
+#: The NumPy run of a bit-for-bit comparison schedules its convs as a device does.
+NUMPY_AS_DEVICE = {"REFIMPL_CONV_SCHEDULE": "device"}
+
+
 def _checkpoint_arrays(path):
     out = {}
     with h5py.File(path, "r") as f:
@@ -215,7 +220,7 @@ def test_training_under_strict_equals_numpy(model, ranks, grid, extra, tmp_path)
     """refimpl train under the stand-in, device buffers staged (CUDA-aware off) and direct (on),
     ends with the NumPy run's checkpoint, every array bit for bit."""
     runs = {}
-    for name, env in (("numpy", {}), ("staged", {"REFIMPL_BACKEND": "strict"}),
+    for name, env in (("numpy", NUMPY_AS_DEVICE), ("staged", {"REFIMPL_BACKEND": "strict"}),
                       ("direct", {"REFIMPL_BACKEND": "strict", "REFIMPL_CUDA_AWARE": "1"})):
         out = tmp_path / name
         proc = _mpiexec(ranks, ["train", "--model", model, "--preset", "tiny", "--grid", grid, "--steps", "3",
@@ -233,7 +238,7 @@ def test_resume_on_another_grid_under_strict(tmp_path):
     """A run written on (1,2,1,1) under the stand-in resumes on (2,1,1,1) (checkpoint restore and
     redistribution on device arrays) and ends where the same NumPy runs end, bit for bit."""
     runs = {}
-    for name, env in (("numpy", {}), ("strict", {"REFIMPL_BACKEND": "strict"})):
+    for name, env in (("numpy", NUMPY_AS_DEVICE), ("strict", {"REFIMPL_BACKEND": "strict"})):
         out = str(tmp_path / name)
         for ranks, grid, steps, more in ((2, "1,2,1,1", "2", []), (2, "2,1,1,1", "3", ["--resume"])):
             proc = _mpiexec(ranks, ["train", "--model", "cosmoflow", "--preset", "tiny", "--grid", grid,

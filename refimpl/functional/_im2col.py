@@ -52,6 +52,9 @@ from __future__ import annotations
 
 from itertools import product
 
+import numpy
+
+from .. import settings
 from ..backend import array_module
 from . import _threads
 
@@ -61,6 +64,15 @@ MAX_TEMP_BYTES = 64 * 2**20
 TARGET_TILE_BYTES = 8 * 2**20
 #: ... but never fewer output positions than this per tile (small GEMMs run slowly).
 MIN_TILE_POSITIONS = 2048
+
+
+def device_schedule(xp):
+    """Whether ``forward`` and ``backward`` run ``_im2col_device``'s schedule (a few large
+    operations) instead of the CPU's (cache-sized tiles on worker threads):
+    ``REFIMPL_CONV_SCHEDULE`` = device or host, or (auto, the default) where the arrays
+    live on a device (CuPy, or the strict stand-in)."""
+    choice = settings.env_setting("REFIMPL_CONV_SCHEDULE")
+    return choice == "device" or (choice == "auto" and xp is not numpy)
 
 
 def budget_or_default(max_temp_bytes):
@@ -239,6 +251,8 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     conv_transpose3d's backward is exactly this pair.
     """
     xp = array_module(x, w)
+    if device_schedule(xp):
+        return _im2col_device.forward(x, w, stride, padding, dilation, out_spatial, budget, g)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     y = xp.empty((n_b, f) + tuple(out_spatial), dtype=x.dtype)   # every tile writes its block
@@ -298,6 +312,8 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     independent and split among the workers, each with its own ``dW^T``.
     """
     xp = array_module(dy, x, w)
+    if device_schedule(xp):
+        return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     taps = k[0] * k[1] * k[2]
@@ -478,3 +494,6 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
                 dwts[worker][a] += xp.matmul(plan.tap(hw, i, a, dl, d1 - d0), gv.T)
     _threads.run(one, plan.tiles, plan.workers)
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
+
+
+from . import _im2col_device  # noqa: E402  (it imports ``tiles`` from here)

@@ -40,7 +40,7 @@ gradient / contribute nothing), which is what transposed convolution with
 from __future__ import annotations
 
 from .. import settings
-from ..backend import check_same_dtype
+from ..backend import array_module, check_same_dtype
 from . import _im2col, winograd
 from ._args import check_float, check_ndim, triple, window_out_shape
 
@@ -56,7 +56,7 @@ def algorithm_setting():
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1):
+                      n_batch=1, on_device=False):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
@@ -76,9 +76,16 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
                          f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
                          f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
     if algorithm == "auto":
+        if on_device:          # measured on an H100: Winograd's many small passes lose 10-20x there
+            return "im2col"
         wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch)
         return "winograd" if fits and wide else "im2col"
     return algorithm
+
+
+def on_device(a):
+    """Whether ``a``'s convs run the device schedule (``_im2col.device_schedule``)."""
+    return _im2col.device_schedule(array_module(a))
 
 
 def conv_params(stride, padding, dilation):
@@ -130,7 +137,8 @@ def check_dy_extent(dy, expected, name="dy"):
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
-    if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0]) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0],
+                         on_device=on_device(x)) == "winograd":
         return winograd.forward(x, w, p, out, budget, bias)
     y = _im2col.forward(x, w, s, p, dl, out, budget)
     if bias is not None:
@@ -141,7 +149,8 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
-    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0]) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
+                         on_device(dy)) == "winograd":
         return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
     return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
 

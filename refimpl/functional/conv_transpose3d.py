@@ -20,8 +20,8 @@ from __future__ import annotations
 from ..backend import check_same_dtype
 from . import _im2col
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import (AXES, check_bias, conv_params, forward_with_bias, input_grad, resolve_algorithm,
-                     weight_grad)
+from .conv3d import (AXES, check_bias, conv_params, forward_with_bias, input_grad, on_device,
+                     resolve_algorithm, weight_grad)
 
 
 def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
@@ -79,7 +79,7 @@ def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, d
     # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
     n_in = tuple(x.shape[2:])
     full = not any(op)
-    if resolve_algorithm(algorithm, w.shape, s, dl, n_in, full, x.shape[0]) == "winograd":
+    if resolve_algorithm(algorithm, w.shape, s, dl, n_in, full, x.shape[0], on_device(dy)) == "winograd":
         dx = forward_with_bias(dy, w, s, p, dl, n_in, budget, "winograd")
         dw = weight_grad(x, dy, w.shape, s, p, dl, budget, "winograd", full)
     else:   # one pass over the column tiles of dy gives both
