@@ -34,9 +34,25 @@ needs two allreduces.)  Sums travel as float64 arrays of shape (C,).
 Passes: every step is one pass over its inputs, run block by block
 (``_channel_blocks``: a block is all C channels of one sample over a cache-sized
 range of voxels, the blocks shared by the worker threads of ``_threads``), so the
-few elementwise operations of a step (shift, square, normalise, scale) read the
-cache, not memory.  The cache keeps ``x`` itself (no normalised copy): ``xhat`` is
-recomputed block by block in the backward, where it is used twice.
+few elementwise operations of a step read the cache, not memory.  The cache keeps
+``x`` itself (no normalised copy).  Per block, the per-channel sums are BLAS
+products in the input's dtype (``_row_sums``: a matrix-vector product with ones;
+``_row_dots``: one dot product per channel row, each over at most
+``BLOCK_ELEMENTS / C`` values), and the blocks' partial sums are added in float64.
+(Summing float32 into float64 directly, ``sum(dtype=float64)``, casts every
+element and cost 3x as much as the rest of the pass.)  The backward needs
+
+    sum(dy),  sum(dy * xhat) = inv_std * sum(dy * (x - mean))
+
+(two BLAS products after one subtraction), and then, per channel with
+``a = gamma * inv_std``, ``b = -a * inv_std * mean(dy * xhat)``, ``c = -a * mean(dy) - b * mean``,
+
+    dx = a * dy + b * x + c                  (4 elementwise operations; 11 before)
+
+which is the formula above rearranged.  Its rounding: ``b * x + c`` stands for
+``b * (x - mean)`` and carries an error of about ``eps * |mean| / std`` of that term,
+harmless unless ``|mean| >> std`` (then the shift that the layers pass, the running
+mean, keeps the forward accurate, and the backward loses ``log10(|mean| / std)`` digits).
 """
 from __future__ import annotations
 
@@ -94,8 +110,21 @@ def _run_blocks(fn, blocks):
 
 
 def _channel_sums(partials, c):
-    """Sum per-block (..., C) float64 partial sums in block order -> (C,)."""
-    return _threads.sum_in_order([p.reshape(-1, c).sum(axis=0) for p in partials])
+    """Sum per-block (..., C) partial sums in block order, in float64 -> (C,)."""
+    return _threads.sum_in_order([p.reshape(-1, c).astype(numpy.float64).sum(axis=0) for p in partials])
+
+
+def _row_sums(a):
+    """Per-row sums of a (..., C, L) block -> (..., C) in its dtype: one matrix-vector
+    product with ones (BLAS)."""
+    xp = array_module(a)
+    return xp.matmul(a, xp.ones(a.shape[-1], dtype=a.dtype))
+
+
+def _row_dots(a, b):
+    """Per-row dot products of two (..., C, L) blocks -> (..., C) in their dtype (BLAS)."""
+    xp = array_module(a)
+    return xp.matmul(a[..., None, :], b[..., :, None])[..., 0, 0]
 
 
 def _col(v, dtype):
@@ -127,9 +156,7 @@ def batch_norm_local_sums(x, shift=None):
 
     def sums(xb):
         xs = xb if k is None else xb - k
-        s1 = xp.sum(xs, axis=-1, dtype=xp.float64)
-        xs = xs * xs if k is None else xp.multiply(xs, xs, out=xs)
-        return s1, xp.sum(xs, axis=-1, dtype=xp.float64)
+        return _row_sums(xs), _row_dots(xs, xs)
     parts = _run_blocks(sums, _channel_blocks(x))
     return count, _channel_sums([a for a, _ in parts], c), _channel_sums([b for _, b in parts], c)
 
@@ -182,16 +209,14 @@ def batch_norm_backward_local_sums(dy, cache):
     if dy.shape != cache.x.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected {cache.x.shape}")
     xp = array_module(dy)
-    m, s = _col(cache.mean, dy.dtype), _col(cache.inv_std, dy.dtype)
+    m = _col(cache.mean, dy.dtype)
 
-    def sums(gb, xb):
-        xhat = xp.subtract(xb, m)
-        xhat *= s
-        xhat *= gb
-        return xp.sum(gb, axis=-1, dtype=xp.float64), xp.sum(xhat, axis=-1, dtype=xp.float64)
+    def sums(gb, xb):                          # sum(dy), sum(dy * (x - mean))
+        return _row_sums(gb), _row_dots(gb, xp.subtract(xb, m))
     c = dy.shape[1]
     parts = _run_blocks(sums, _channel_blocks(dy, cache.x))
-    return _channel_sums([a for a, _ in parts], c), _channel_sums([b for _, b in parts], c)
+    sum_dy_centred = _channel_sums([b for _, b in parts], c)
+    return _channel_sums([a for a, _ in parts], c), sum_dy_centred * cache.inv_std.astype(xp.float64)
 
 
 def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
@@ -208,19 +233,19 @@ def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
                                        if local_sums is None else local_sums)
     xp = array_module(dy)
     dt = dy.dtype
-    scale = cache.inv_std if cache.gamma is None else cache.inv_std * cache.gamma
-    scale, m, s = _col(scale, dt), _col(cache.mean, dt), _col(cache.inv_std, dt)
-    mean_dy = _col(sum_dy / count, dt)
-    mean_dy_xhat = _col(sum_dy_xhat / count, dt)
+    f64 = xp.float64
+    inv_std = cache.inv_std.astype(f64)
+    a = inv_std if cache.gamma is None else inv_std * cache.gamma.astype(f64)
+    # dx = a * (dy - mean(dy) - xhat * mean(dy xhat)) = a * dy + b * x + c   (module doc)
+    b = -a * inv_std * (sum_dy_xhat / count)
+    c = -a * (sum_dy / count) - b * cache.mean.astype(f64)
+    a, b, c = _col(a, dt), _col(b, dt), _col(c, dt)
     dx = xp.empty(dy.shape, dtype=dt)
 
-    def grad(db, gb, xb):                      # scale * (dy - mean(dy) - xhat * mean(dy xhat))
-        xp.subtract(xb, m, out=db)
-        db *= s
-        db *= mean_dy_xhat
-        xp.subtract(gb, db, out=db)
-        db -= mean_dy
-        db *= scale
+    def grad(db, gb, xb):
+        xp.multiply(xb, b, out=db)
+        db += c
+        db += gb * a
     _run_blocks(grad, _channel_blocks(dx, dy, cache.x))
     if cache.gamma is None:
         return dx, None, None
