@@ -523,3 +523,26 @@ def test_device_schedule_runs_for_device_arrays():
     dx_ref, dw_ref, _ = conv3d_backward(dy, x, w, padding=1, algorithm="im2col")
     assert rel_err(strict.to_host(dx), dx_ref) <= 1e-13
     assert rel_err(strict.to_host(dw), dw_ref) <= 1e-13
+
+
+@needs_torch
+@given(case=conv_case(stride_one=True), seed=st.integers(0, 2**16), data=st.data())
+def test_host_flipped_kernel_input_grad_matches_torch(case, seed, data):
+    """On the host, stride-1 convs with F <= C take dx as the conv of the zero-padded dy with
+    the flipped kernel (``flipped_kernel_pays``): equal to torch to 1e-10 in float64, for
+    dilations, paddings beyond the kernel's reach and a dy covering only the first outputs."""
+    c = case
+    assume(c["f"] <= c["c"])
+    rng = np.random.default_rng(seed)
+    short = tuple(data.draw(st.integers(1, o)) for o in c["out"])
+    x = rng.standard_normal((c["n"], c["c"]) + c["size"])
+    w = rng.standard_normal((c["f"], c["c"]) + c["k"])
+    dy = rng.standard_normal((c["n"], c["f"]) + short)
+    assert _im2col.flipped_kernel_pays(dy, w, x.shape, c["s"], 64 * 2**20)
+    full = np.zeros((c["n"], c["f"]) + c["out"])
+    full[:, :, :short[0], :short[1], :short[2]] = dy
+    _, dx_ref, dw_ref, _ = torch_conv(x, w, np.zeros(c["f"]), full, c["s"], c["p"], c["d"])
+    dx, dw = conv3d_backward(full, x, w, c["s"], c["p"], c["d"], algorithm="im2col")[:2]
+    assert rel_err(dx, dx_ref) <= RTOL and rel_err(dw, dw_ref) <= RTOL
+    assert rel_err(conv3d_input_grad(dy, w, x.shape, c["s"], c["p"], c["d"], algorithm="im2col"),
+                   dx_ref) <= RTOL

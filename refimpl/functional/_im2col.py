@@ -314,6 +314,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     xp = array_module(dy, x, w)
     if device_schedule(xp):
         return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
+    if need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget):
+        dx = input_grad_by_flipped_kernel(dy, w, tuple(x.shape[2:]), padding, dilation, budget)
+        return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
+                    if need_dw else None)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     taps = k[0] * k[1] * k[2]
@@ -362,6 +366,58 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
     return dx, _sum_transposed(dwts, w.shape)
+
+
+# --------------------------------------------------------- stride 1: dx as a forward conv
+
+def placed(a, offsets, ext):
+    """A zero array ``(N, C) + ext`` holding ``a[..., o]`` at ``o + offset`` per spatial axis
+    (an offset may be negative: what falls outside is cut off)."""
+    xp = array_module(a)
+    out = xp.zeros(tuple(a.shape[:2]) + tuple(ext), dtype=a.dtype)
+    dst, src = [], []
+    for off, e, n in zip(offsets, ext, a.shape[2:]):
+        lo, hi = max(0, off), max(max(0, off), min(e, n + off))      # positions [lo, hi) hold a[lo - off : hi - off]
+        dst.append(slice(lo, hi))
+        src.append(slice(lo - off, hi - off))
+    out[(slice(None), slice(None)) + tuple(dst)] = a[(slice(None), slice(None)) + tuple(src)]
+    return out
+
+
+def input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget):
+    """``dx`` of a stride-1 conv as a forward conv (one strided copy and one GEMM per tile,
+    no col2im).  Output ``o`` reads input ``i = o + t*dl - p`` through tap ``t``, so
+
+        dx[c, i] = sum_{f, t} dy[f, i + p - t*dl] W[f, c, t]
+                 = sum_{f, u} Z[f, i + u*dl] W[f, c, k-1-u]          (u = k-1-t)
+
+    with ``Z[j] = dy[j - (k-1)*dl + p]`` (zero outside ``dy``) of extent ``n + (k-1)*dl``:
+    the valid (unpadded) conv of ``Z`` with the flipped, transposed kernel
+    ``W'[c, f, u] = W[f, c, k-1-u]``, whose output extent is ``n``.  A negative offset
+    ``(k-1)*dl - p`` drops outputs that read padding only; a ``dy`` shorter than the conv's
+    outputs is zero beyond its end, as ``Z`` is."""
+    xp = array_module(dy)
+    k = tuple(w.shape[2:])
+    offsets = tuple((kk - 1) * dl - p for kk, dl, p in zip(k, dilation, padding))
+    ext = tuple(n + (kk - 1) * dl for n, kk, dl in zip(in_spatial, k, dilation))
+    z = placed(dy, offsets, ext)                                        # (N, F) + ext
+    wt = xp.ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])   # (C, F, k) flipped
+    return forward(z, wt, (1, 1, 1), (0, 0, 0), dilation, tuple(in_spatial), budget)
+
+
+def flipped_kernel_pays(dy, w, input_shape, stride, budget):
+    """Whether the host computes ``dx`` as the conv with the flipped kernel: stride 1, no more
+    output than input channels, and the zero-padded copy of ``dy`` it needs fits ``budget``
+    (the temporaries stay bounded).  Measured (2 threads, float32, dx + dW of 3x3x3 convs):
+    1.1-2.2x faster than col2im for F <= C (4->4 and 8->4 at 64^3, 8->8 and 16->8 at 32^3,
+    16->16 at 16^3), 0.5-0.9x for F = 2C .. 8C (its columns have F*k rows, col2im's C*k)."""
+    if tuple(stride) != (1, 1, 1) or w.shape[0] > w.shape[1]:
+        return False
+    k = w.shape[2:]
+    padded = dy.shape[0] * dy.shape[1] * dy.dtype.itemsize
+    for n, kk in zip(input_shape[2:], k):
+        padded *= n + kk - 1
+    return padded <= budget
 
 
 # --------------------------------------------------------------- depth taps share columns

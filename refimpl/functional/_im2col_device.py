@@ -40,26 +40,12 @@ from __future__ import annotations
 from math import prod
 
 from ..backend import array_module
-from ._im2col import tiles
+from ._im2col import input_grad_by_flipped_kernel, placed, tiles
 
 
 def _reach(o, k, s, dl):
     """Padded extent the first ``o`` outputs read along one axis: ``(o-1)*s + (k-1)*dl + 1``."""
     return (o - 1) * s + (k - 1) * dl + 1
-
-
-def _placed(a, offsets, ext):
-    """A zero array ``(N, C) + ext`` holding ``a[..., o]`` at ``o + offset`` per spatial axis
-    (an offset may be negative: what falls outside is cut off)."""
-    xp = array_module(a)
-    out = xp.zeros(tuple(a.shape[:2]) + tuple(ext), dtype=a.dtype)
-    dst, src = [], []
-    for off, e, n in zip(offsets, ext, a.shape[2:]):
-        lo, hi = max(0, off), max(max(0, off), min(e, n + off))      # positions [lo, hi) hold a[lo - off : hi - off]
-        dst.append(slice(lo, hi))
-        src.append(slice(lo - off, hi - off))
-    out[(slice(None), slice(None)) + tuple(dst)] = a[(slice(None), slice(None)) + tuple(src)]
-    return out
 
 
 def _padded(x, padding, out, k, stride, dilation):
@@ -69,7 +55,7 @@ def _padded(x, padding, out, k, stride, dilation):
     ext = tuple(_reach(o, kk, s, dl) for o, kk, s, dl in zip(out, k, stride, dilation))
     if not any(padding) and all(e <= n for e, n in zip(ext, x.shape[2:])):
         return xp.ascontiguousarray(x[(slice(None), slice(None)) + tuple(slice(0, e) for e in ext)])
-    return _placed(x, padding, ext)
+    return placed(x, padding, ext)
 
 
 def _column_view(xpad, tile, k, stride, dilation, wo):
@@ -159,7 +145,7 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         return (xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None,
                 xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
     if need_dx and tuple(stride) == (1, 1, 1):
-        dx = _input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget)
+        dx = input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget)
         return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
                     if need_dw else None)
     plan = _Plan(xp, dy.dtype, n_b, kk, f, out, budget)
@@ -186,24 +172,3 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         dx = xp.ascontiguousarray(dxpad[(slice(None), slice(None))
                                         + tuple(slice(p, p + n) for p, n in zip(padding, in_spatial))])
     return dx, (dw2.reshape(tuple(w.shape)) if need_dw else None)
-
-
-def _input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget):
-    """``dx`` of a stride-1 conv as a forward conv (one strided copy and one GEMM per tile,
-    no col2im).  Output ``o`` reads input ``i = o + t*dl - p`` through tap ``t``, so
-
-        dx[c, i] = sum_{f, t} dy[f, i + p - t*dl] W[f, c, t]
-                 = sum_{f, u} Z[f, i + u*dl] W[f, c, k-1-u]          (u = k-1-t)
-
-    with ``Z[j] = dy[j - (k-1)*dl + p]`` (zero outside ``dy``) of extent ``n + (k-1)*dl``:
-    the valid (unpadded) conv of ``Z`` with the flipped, transposed kernel
-    ``W'[c, f, u] = W[f, c, k-1-u]``, whose output extent is ``n``.  A negative offset
-    ``(k-1)*dl - p`` drops outputs that read padding only; a ``dy`` shorter than the conv's
-    outputs is zero beyond its end, as ``Z`` is."""
-    xp = array_module(dy)
-    k = tuple(w.shape[2:])
-    offsets = tuple((kk - 1) * dl - p for kk, dl, p in zip(k, dilation, padding))
-    ext = tuple(n + (kk - 1) * dl for n, kk, dl in zip(in_spatial, k, dilation))
-    z = _placed(dy, offsets, ext)                                        # (N, F) + ext
-    wt = xp.ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])   # (C, F, k) flipped
-    return forward(z, wt, (1, 1, 1), (0, 0, 0), dilation, tuple(in_spatial), budget)
