@@ -41,6 +41,13 @@ that the functions allocate only their result (and a ``(K, F)`` weight-grad
 accumulator and a contiguous copy of ``W^T`` in the backward).  Default:
 ``MAX_TEMP_BYTES`` = 64 MiB, read at call time.
 
+Two other routes share this math.  The input gradient of a stride-1 conv with no more
+output than input channels is the forward conv of the zero-padded ``dy`` with the flipped
+kernel (``input_grad_by_flipped_kernel``: columns of ``F*k`` rows instead of ``C*k``, no
+overlapping adds), where that measured faster and its padded ``dy`` fits the budget.  And
+device arrays (CuPy) run ``_im2col_device``'s schedule of a few large operations
+(``device_schedule``, ``REFIMPL_CONV_SCHEDULE``).
+
 Transposed convolution is the input-adjoint of convolution (Chainer's
 convolution_nd / deconvolution_nd): ``conv_transpose3d`` calls
 ``input_grad`` here, and its backward is ``forward(dy, w, g=x)`` (the conv of
