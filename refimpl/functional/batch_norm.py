@@ -35,19 +35,20 @@ Passes: every step is one pass over its inputs, run block by block
 (``_channel_blocks``: a block is all C channels of one sample over a cache-sized
 range of voxels, the blocks shared by the worker threads of ``_threads``), so the
 few elementwise operations of a step read the cache, not memory.  The cache keeps
-``x`` itself (no normalised copy).  Per block, the per-channel sums are BLAS
-products in the input's dtype (``_row_sums``: a matrix-vector product with ones;
-``_row_dots``: one dot product per channel row, each over at most
-``BLOCK_ELEMENTS / C`` values), and the blocks' partial sums are added in float64.
-(Summing float32 into float64 directly, ``sum(dtype=float64)``, casts every
-element and cost 3x as much as the rest of the pass.)  The backward needs
+``x`` itself (no normalised copy).  Every per-channel sum is accumulated in float64
+(``sum(dtype=float64)``), although casting each element costs as much as the rest of
+a pass: float32 partial sums, even as BLAS products over cache-sized rows (3x faster),
+change the statistics by ~sqrt(L) eps between grids, and the sums cancel (``sum(dy)``
+is about 0 for a batch norm whose output another batch norm normalises again, as in
+the U-Net), where Adam turns rounding near 0 into a full step of either sign: float32
+training then differed between grids by 12 % of such a bias.  The backward needs
 
     sum(dy),  sum(dy * xhat) = inv_std * sum(dy * (x - mean))
 
-(two BLAS products after one subtraction), and then, per channel with
+(one subtraction and one product, then the two sums).  Then, per channel with
 ``a = gamma * inv_std``, ``b = -a * inv_std * mean(dy * xhat)``, ``c = -a * mean(dy) - b * mean``,
 
-    dx = a * dy + b * x + c                  (4 elementwise operations; 11 before)
+    dx = a * dy + b * x + c                  (4 elementwise operations instead of 6)
 
 which is the formula above rearranged.  Its rounding: ``b * x + c`` stands for
 ``b * (x - mean)`` and carries an error of about ``eps * |mean| / std`` of that term,
@@ -114,19 +115,6 @@ def _channel_sums(partials, c):
     return _threads.sum_in_order([p.reshape(-1, c).astype(numpy.float64).sum(axis=0) for p in partials])
 
 
-def _row_sums(a):
-    """Per-row sums of a (..., C, L) block -> (..., C) in its dtype: one matrix-vector
-    product with ones (BLAS)."""
-    xp = array_module(a)
-    return xp.matmul(a, xp.ones(a.shape[-1], dtype=a.dtype))
-
-
-def _row_dots(a, b):
-    """Per-row dot products of two (..., C, L) blocks -> (..., C) in their dtype (BLAS)."""
-    xp = array_module(a)
-    return xp.matmul(a[..., None, :], b[..., :, None])[..., 0, 0]
-
-
 def _col(v, dtype):
     """(C,) -> (C, 1) in ``dtype``: per-channel scalars for a (..., C, L) block."""
     return v.astype(dtype).reshape(-1, 1)
@@ -156,7 +144,9 @@ def batch_norm_local_sums(x, shift=None):
 
     def sums(xb):
         xs = xb if k is None else xb - k
-        return _row_sums(xs), _row_dots(xs, xs)
+        s1 = xp.sum(xs, axis=-1, dtype=xp.float64)
+        xs = xs * xs if k is None else xp.multiply(xs, xs, out=xs)
+        return s1, xp.sum(xs, axis=-1, dtype=xp.float64)
     parts = _run_blocks(sums, _channel_blocks(x))
     return count, _channel_sums([a for a, _ in parts], c), _channel_sums([b for _, b in parts], c)
 
@@ -211,8 +201,10 @@ def batch_norm_backward_local_sums(dy, cache):
     xp = array_module(dy)
     m = _col(cache.mean, dy.dtype)
 
-    def sums(gb, xb):                          # sum(dy), sum(dy * (x - mean))
-        return _row_sums(gb), _row_dots(gb, xp.subtract(xb, m))
+    def sums(gb, xb):                          # sum(dy), sum(dy * (x - mean)), in float64
+        t = xp.subtract(xb, m)
+        t *= gb
+        return xp.sum(gb, axis=-1, dtype=xp.float64), xp.sum(t, axis=-1, dtype=xp.float64)
     c = dy.shape[1]
     parts = _run_blocks(sums, _channel_blocks(dy, cache.x))
     sum_dy_centred = _channel_sums([b for _, b in parts], c)
