@@ -319,12 +319,13 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     independent and split among the workers, each with its own ``dW^T``.
     """
     xp = array_module(dy, x, w)
-    if device_schedule(xp):
-        return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
-    if need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget):
+    on_device = device_schedule(xp)
+    if need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget, on_device):
         dx = input_grad_by_flipped_kernel(dy, w, tuple(x.shape[2:]), padding, dilation, budget)
         return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
                     if need_dw else None)
+    if on_device:
+        return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     taps = k[0] * k[1] * k[2]
@@ -412,13 +413,19 @@ def input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget):
     return forward(z, wt, (1, 1, 1), (0, 0, 0), dilation, tuple(in_spatial), budget)
 
 
-def flipped_kernel_pays(dy, w, input_shape, stride, budget):
-    """Whether the host computes ``dx`` as the conv with the flipped kernel: stride 1, no more
-    output than input channels, and the zero-padded copy of ``dy`` it needs fits ``budget``
-    (the temporaries stay bounded).  Measured (2 threads, float32, dx + dW of 3x3x3 convs):
-    1.1-2.2x faster than col2im for F <= C (4->4 and 8->4 at 64^3, 8->8 and 16->8 at 32^3,
-    16->16 at 16^3), 0.5-0.9x for F = 2C .. 8C (its columns have F*k rows, col2im's C*k)."""
-    if tuple(stride) != (1, 1, 1) or w.shape[0] > w.shape[1]:
+def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
+    """Whether ``dx`` is computed as the conv with the flipped kernel: stride 1, and on a
+    device always (one gather and one GEMM per tile instead of kd*kh*kw strided adds); on the
+    host where it measured faster, no more output than input channels, and where the
+    zero-padded copy of ``dy`` it needs fits ``budget`` (the temporaries stay bounded).
+    Measured on the host (2 threads, float32, dx + dW of 3x3x3 convs): 1.1-2.2x faster than
+    col2im for F <= C (4->4 and 8->4 at 64^3, 8->8 and 16->8 at 32^3, 16->16 at 16^3),
+    0.5-0.9x for F = 2C .. 8C (its columns have F*k rows, col2im's C*k)."""
+    if tuple(stride) != (1, 1, 1):
+        return False
+    if on_device:
+        return True
+    if w.shape[0] > w.shape[1]:
         return False
     k = w.shape[2:]
     padded = dy.shape[0] * dy.shape[1] * dy.dtype.itemsize

@@ -23,7 +23,9 @@ Here:
   (one ``tensordot``), ``dcol (nb, K, M) = W^T (K, F) @ dy``;
 * col2im adds the ``K`` rows back tap by tap into a padded ``dx`` (kd*kh*kw strided
   adds per tile, every sample of the tile at once: within one tap no input position
-  repeats), and the padding is cut off at the end;
+  repeats), and the padding is cut off at the end.  (``_im2col.backward`` takes dx of a
+  stride-1 conv as the forward conv with the flipped kernel instead, on this schedule too:
+  ``flipped_kernel_pays``);
 * tiles are as large as ``max_temp_bytes`` allows: whole samples, else whole depth
   planes, else rows (``_im2col.tiles``), at least one row.
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 from math import prod
 
 from ..backend import array_module
-from ._im2col import input_grad_by_flipped_kernel, placed, tiles
+from ._im2col import placed, tiles
 
 
 def _reach(o, k, s, dl):
@@ -50,7 +52,8 @@ def _reach(o, k, s, dl):
 
 def _padded(x, padding, out, k, stride, dilation):
     """``x`` zero-padded by ``padding`` at the start of each spatial axis, and cut or padded at
-    the end to the extent the outputs ``out`` read.  No copy when no padding is needed."""
+    the end to the extent the outputs ``out`` read.  ``x`` itself when it has that extent
+    already and needs no padding."""
     xp = array_module(x)
     ext = tuple(_reach(o, kk, s, dl) for o, kk, s, dl in zip(out, k, stride, dilation))
     if not any(padding) and all(e <= n for e, n in zip(ext, x.shape[2:])):
@@ -144,10 +147,6 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     if not (dy.size and prod(x.shape)):
         return (xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None,
                 xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
-    if need_dx and tuple(stride) == (1, 1, 1):
-        dx = input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget)
-        return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
-                    if need_dw else None)
     plan = _Plan(xp, dy.dtype, n_b, kk, f, out, budget)
     xpad = _padded(x, padding, out, k, stride, dilation) if need_dw else None
     dw2 = xp.zeros((f, kk), dtype=dy.dtype) if need_dw else None

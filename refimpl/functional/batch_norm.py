@@ -111,8 +111,8 @@ def _run_blocks(fn, blocks):
 
 
 def _channel_sums(partials, c):
-    """Sum per-block (..., C) partial sums in block order, in float64 -> (C,)."""
-    return _threads.sum_in_order([p.reshape(-1, c).astype(numpy.float64).sum(axis=0) for p in partials])
+    """Sum per-block (..., C) float64 partial sums in block order -> (C,)."""
+    return _threads.sum_in_order([p.reshape(-1, c).sum(axis=0) for p in partials])
 
 
 def _col(v, dtype):
