@@ -467,6 +467,41 @@ def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
     assert rel_err(dwt, dwt_ref) <= RTOL
 
 
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, k, p, d, rows", [
+    (2, 3, 4, (9, 7, 6), (3, 3, 3), (1, 1, 1), (1, 1, 1), 2),       # blocks of 3 planes x 2 rows
+    (1, 2, 3, (11, 8, 5), (3, 2, 3), (0, 1, 2), (2, 1, 1), 3),      # dilated depth: reach 4
+    (2, 2, 2, (7, 5, 4), (2, 3, 1), (1, 1, 0), (1, 1, 1), 1),       # even kd, one-row blocks
+])
+def test_depth_tap_forward_in_blocks_of_rows(n, c, f, size, k, p, d, rows, monkeypatch):
+    """The depth-tap forward's cache-sized tiles: where whole planes do not fit
+    FORWARD_TILE_BYTES, blocks of several planes by a few rows, whose block of ``y`` is no
+    (F, M) view (each is summed in an accumulator and copied into ``y``): equal to torch to
+    1e-10 in float64, and the plan really holds such blocks."""
+    planes = 3
+    monkeypatch.setattr(_im2col, "DEPTH_TAP_PLANES", planes)
+    rng = np.random.default_rng(sum(size) + rows)
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    s = (1, 1, 1)
+    out = tuple(window_out_size(a, b, ss, pp, dd) for a, b, ss, pp, dd in zip(size, k, s, p, d))
+    reach = (k[0] - 1) * d[0]
+    nd = max(planes, 2 * reach)
+    kh_kw_rows = c * k[1] * k[2]
+    monkeypatch.setattr(_im2col, "FORWARD_TILE_BYTES", nd * rows * out[2] * kh_kw_rows * 8)
+    plan = _im2col._DepthTapPlan.build(np, x.dtype, n, c, f, k, s, d, out, 64 * 2**20, 2,
+                                       _im2col.FORWARD_TILE_BYTES)
+    assert plan is not None
+    assert any(not _im2col._y_view(t, out) for t in plan.tiles)       # staged blocks exist
+    assert all(t[5] - t[4] <= rows for t in plan.tiles)
+    dy = rng.standard_normal((n, f) + out)
+    y_ref, _, _, _ = torch_conv(x, w, np.zeros(f), dy, s, p, d)
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        y = conv3d(x, w, stride=s, padding=p, dilation=d, algorithm="im2col")
+        assert rel_err(y, y_ref) <= RTOL
+
+
 # ------------------------------------------------------- the device schedule (CuPy)
 
 @needs_torch
