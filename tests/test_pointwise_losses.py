@@ -11,7 +11,8 @@ from refimpl.functional.dropout import dropout, dropout_backward, dropout_mask, 
 from refimpl.functional.linear import flatten, flatten_backward, linear, linear_backward
 from refimpl.functional.losses import (
     cross_entropy_backward, cross_entropy_local_sums, dice_score, mae_loss, mean_finish, mse_loss,
-    soft_dice_backward, soft_dice_finish, soft_dice_local_sums, soft_dice_loss, softmax_cross_entropy)
+    SoftmaxParts, soft_dice_backward, soft_dice_finish, soft_dice_local_sums, soft_dice_loss,
+    softmax_cross_entropy)
 
 torch = pytest.importorskip("torch", reason="PyTorch absent: pip install 'refimpl[oracle]'")
 F = torch.nn.functional
@@ -167,6 +168,28 @@ def test_cross_entropy_matches_torch(case):
     wt = None if weights is None else torch.tensor(weights)
     ref, (dref,) = torch_grad(lambda z: F.cross_entropy(z, torch.tensor(labels), weight=wt), logits)
     assert rel_err(loss, ref) <= 1e-10 and rel_err(dlogits, dref) <= 1e-10
+
+
+@given(classification)
+def test_shared_softmax_gives_the_same_loss(case):
+    """The pieces of a loss fed one ``SoftmaxParts`` (as the U-Net's loss does) equal the same
+    pieces computing their own softmax, and torch; large logits (a class far ahead: a
+    probability that underflows) keep a finite cross-entropy."""
+    logits, labels, weights = labelled(case)
+    logits[(0, 0) + (0,) * (logits.ndim - 2)] = 800.0 if logits.shape[1] > 1 else 0.0
+    parts = SoftmaxParts(logits)
+    ce = cross_entropy_local_sums(logits, labels, weights, parts)
+    assert rel_err(ce, cross_entropy_local_sums(logits, labels, weights)) <= 1e-12
+    assert np.isfinite(ce).all()
+    wt = None if weights is None else torch.tensor(weights)
+    ref, (dref,) = torch_grad(lambda z: F.cross_entropy(z, torch.tensor(labels), weight=wt), logits)
+    assert rel_err(mean_finish(ce), ref) <= 1e-10
+    assert rel_err(cross_entropy_backward(logits, labels, ce, weights, parts=parts), dref) <= 1e-10
+    dice = soft_dice_local_sums(logits, labels, parts)
+    assert rel_err(dice, soft_dice_local_sums(logits, labels)) <= 1e-12
+    assert rel_err(soft_dice_backward(logits, labels, dice, parts=parts),
+                   soft_dice_backward(logits, labels, dice)) <= 1e-12
+    assert np.array_equal(parts.p, SoftmaxParts(logits).p)     # not modified by the pieces
 
 
 def torch_soft_dice(z, labels, eps):

@@ -131,6 +131,29 @@ def softmax(logits):
     return e
 
 
+class SoftmaxParts:
+    """The softmax of logits over the class axis 1, computed once and shared by the pieces of
+    a loss (the cross-entropy sums and gradient, the soft Dice sums and gradient):
+    ``p = exp(z - lse)`` (N, K, ...) and the log of the normaliser ``lse = log sum_k exp z_k``
+    (N, 1, ...).  Each piece would otherwise take its own softmax: on the U-Net's logits
+    (2 x 3 x 64^3) a softmax is 10 ms, the loss 42 ms of which 25 ms were repeated softmax."""
+
+    def __init__(self, logits):
+        xp = array_module(logits)
+        m = xp.max(logits, axis=1, keepdims=True)
+        e = logits - m
+        xp.exp(e, out=e)
+        s = xp.sum(e, axis=1, keepdims=True)
+        e /= s
+        self.p = e                                  # (N, K, ...)
+        self.lse = xp.log(s) + m                    # (N, 1, ...)
+
+
+def softmax_parts(logits, parts=None):
+    """``parts`` when given (computed from these logits by the caller), else ``SoftmaxParts(logits)``."""
+    return SoftmaxParts(logits) if parts is None else parts
+
+
 #: Up to this many classes, the value at each voxel's label is picked with one 0/1 mask
 #: per class (3 classes at 64^3: several times faster than take_along_axis's fancy
 #: indexing, and than ufuncs with ``where=``).
@@ -179,26 +202,27 @@ def _label_weights(labels, class_weights, dtype):
     return class_weights[labels]                                  # (N, ...) w[y_v]
 
 
-def cross_entropy_local_sums(logits, labels, class_weights=None):
-    """[sum_v w[y_v], sum_v w[y_v] * nll_v] as float64 (2,)."""
+def cross_entropy_local_sums(logits, labels, class_weights=None, parts=None):
+    """[sum_v w[y_v], sum_v w[y_v] * nll_v] as float64 (2,), with ``nll_v = lse_v - z_{y_v}``
+    (``parts``: the ``SoftmaxParts`` of ``logits`` when the caller has them)."""
     _check_logits_labels(logits, labels, class_weights)
     xp = array_module(logits)
-    logp = log_softmax(logits)                                    # (N, K, ...)
-    nll = _at_labels(logp, labels)                                # (N, ...), -nll
+    nll = softmax_parts(logits, parts).lse[:, 0] - _at_labels(logits, labels)   # (N, ...)
     if class_weights is None:                                     # w = 1: no weight array
         return xp.stack([xp.asarray(float(labels.size), dtype=xp.float64),
-                         -xp.sum(nll, dtype=xp.float64)])
+                         xp.sum(nll, dtype=xp.float64)])
     w = _label_weights(labels, class_weights, logits.dtype)
-    return xp.stack([xp.sum(w, dtype=xp.float64), -xp.sum(w * nll, dtype=xp.float64)])
+    return xp.stack([xp.sum(w, dtype=xp.float64), xp.sum(w * nll, dtype=xp.float64)])
 
 
-def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0):
+def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, parts=None):
     """d loss / d logits = w[y] (softmax(z) - onehot(y)) / sum of the target weights.
 
     The one-hot is subtracted in place at the labels (no (N, K, ...) one-hot array) and
-    unit weights are not multiplied in: the same floats, fewer passes."""
+    unit weights are not multiplied in: the same floats, fewer passes.  With ``parts``
+    (``SoftmaxParts``) their probabilities are copied, not recomputed."""
     _check_logits_labels(logits, labels, class_weights)
-    grad = softmax(logits)                                          # (N, K, ...)
+    grad = softmax(logits) if parts is None else parts.p.copy()     # (N, K, ...)
     _subtract_one_at_labels(grad, labels)                           # p - onehot(y)
     if class_weights is not None:
         grad *= _label_weights(labels, class_weights, logits.dtype)[:, None]
@@ -219,11 +243,12 @@ def _per_class_sum(a):
     return xp.sum(a, axis=(0,) + tuple(range(2, a.ndim)), dtype=xp.float64)
 
 
-def soft_dice_local_sums(logits, labels):
-    """[I_k, P_k, T_k] as float64 (3, K) on softmax probabilities."""
+def soft_dice_local_sums(logits, labels, parts=None):
+    """[I_k, P_k, T_k] as float64 (3, K) on softmax probabilities (``parts``: as in
+    ``cross_entropy_local_sums``)."""
     _check_logits_labels(logits, labels)
     xp = array_module(logits)
-    p = softmax(logits)
+    p = softmax_parts(logits, parts).p
     t = one_hot(labels, logits.shape[1], logits.dtype)
     return xp.stack([_per_class_sum(p * t), _per_class_sum(p), _per_class_sum(t)])
 
@@ -234,7 +259,7 @@ def soft_dice_finish(sums, eps=1e-5):
     return float(1.0 - numpy.mean((2 * inter + eps) / (psum + tsum + eps)))
 
 
-def soft_dice_backward(logits, labels, sums, eps=1e-5, dloss=1.0):
+def soft_dice_backward(logits, labels, sums, eps=1e-5, dloss=1.0, parts=None):
     """d loss / d logits through the softmax.
 
     dL/dp_kv = -(1/K) (2 t_kv (P_k + T_k + eps) - (2 I_k + eps)) / (P_k + T_k + eps)^2,
@@ -246,7 +271,7 @@ def soft_dice_backward(logits, labels, sums, eps=1e-5, dloss=1.0):
     shape = (1, num_classes) + (1,) * (logits.ndim - 2)
     numer = (2 * sums[0] + eps).astype(logits.dtype).reshape(shape)
     denom = (sums[1] + sums[2] + eps).astype(logits.dtype).reshape(shape)
-    p = softmax(logits)
+    p = softmax_parts(logits, parts).p
     t = one_hot(labels, num_classes, logits.dtype)
     g = (2 * t * denom - numer) / (denom * denom) * (-dloss / num_classes)
     return p * (g - xp.sum(p * g, axis=1, keepdims=True))
@@ -299,7 +324,7 @@ def dice_score(logits, labels):
 
 
 __all__ = ["mse_local_sums", "mse_loss_backward", "mse_loss", "mae_local_sums", "mae_loss_backward",
-           "mae_loss", "mean_finish", "log_softmax", "softmax", "one_hot",
+           "mae_loss", "mean_finish", "log_softmax", "softmax", "SoftmaxParts", "one_hot",
            "cross_entropy_local_sums", "cross_entropy_backward", "softmax_cross_entropy",
            "soft_dice_local_sums", "soft_dice_finish", "soft_dice_backward", "soft_dice_loss",
            "dice_score_local_sums", "dice_score_finish", "dice_score"]

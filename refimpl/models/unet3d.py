@@ -32,7 +32,7 @@ import numpy
 from ..backend import array_module, asarray
 from ..functional.losses import (
     cross_entropy_backward, cross_entropy_local_sums, dice_score_finish, dice_score_local_sums,
-    mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums)
+    mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums, SoftmaxParts)
 from ..nn.activation import ReLU
 from ..nn.module import Sequential
 from .base import (
@@ -175,23 +175,27 @@ class UNet3D(Model):
         """
         xp = array_module(out_local)
         k = self.num_classes
+        parts = SoftmaxParts(out_local)                  # one softmax for every piece
         pieces = [dice_score_local_sums(out_local, target_local).reshape(-1)]          # (3K,)
         if "ce" in self.terms:
-            pieces.append(cross_entropy_local_sums(out_local, target_local, self.class_weights))  # (2,)
+            pieces.append(cross_entropy_local_sums(out_local, target_local, self.class_weights,
+                                                   parts))                             # (2,)
         if "dice" in self.terms:
-            pieces.append(soft_dice_local_sums(out_local, target_local).reshape(-1))    # (3K,)
+            pieces.append(soft_dice_local_sums(out_local, target_local, parts).reshape(-1))   # (3K,)
         sums = self.reduce_sums(xp.concatenate(pieces), over="grid")
         scale = float(self.data_parallel)
-        loss, dout, at = 0.0, xp.zeros_like(out_local), 3 * k
+        loss, dout, at = 0.0, None, 3 * k
         if "ce" in self.terms:
             ce_sums, at = sums[at:at + 2], at + 2
             loss += mean_finish(ce_sums)
-            dout += cross_entropy_backward(out_local, target_local, ce_sums, self.class_weights, scale)
+            dout = cross_entropy_backward(out_local, target_local, ce_sums, self.class_weights, scale,
+                                          parts)
         if "dice" in self.terms:
             dice_sums = sums[at:at + 3 * k].reshape(3, k)
             eps = float(self.config["dice_eps"])
             loss += soft_dice_finish(dice_sums, eps)
-            dout += soft_dice_backward(out_local, target_local, dice_sums, eps, scale)
+            g = soft_dice_backward(out_local, target_local, dice_sums, eps, scale, parts)
+            dout = g if dout is None else dout + g
         dice = float(numpy.mean(dice_score_finish(sums[:3 * k].reshape(3, k))))
         return loss, dout, {"dice": dice}
 
