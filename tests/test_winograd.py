@@ -191,6 +191,12 @@ def test_auto_choice():
     assert resolve_algorithm("auto", w, s1, d1, (3, 3, 3), n_batch=2) == W   # 216/27 = 8 per output
     assert resolve_algorithm("auto", w, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
     assert resolve_algorithm("auto", (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"   # too narrow
+    assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 4.0 < 5
+    # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 6
+    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3) == W          # 5.3
+    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped=True) == "im2col"
+    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3, versus_flipped=True) == W
     assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", w, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", (16, 8, 3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
@@ -223,7 +229,7 @@ def test_algorithm_errors(monkeypatch):
 def test_environment_picks_the_algorithm_of_the_layers(monkeypatch):
     """The layers call with algorithm=None: the variable switches them, same numbers."""
     from refimpl.nn import Conv3d
-    layer = Conv3d(8, 9, 3, padding=1, rng=np.random.default_rng(0), dtype=np.float64)
+    layer = Conv3d(8, 16, 3, padding=1, rng=np.random.default_rng(0), dtype=np.float64)
     x = np.random.default_rng(1).standard_normal((2, 8, 7, 6, 5))
     calls = []
     real = winograd.forward
@@ -270,3 +276,26 @@ def test_auto_picks_im2col_on_a_device():
                              on_device=True) == "im2col"
     assert resolve_algorithm("winograd", w_shape, (1,) * 3, (1,) * 3, (16,) * 3,
                              on_device=True) == "winograd"
+
+
+def test_forward_and_backward_choose_apart(monkeypatch):
+    """16 -> 8 (C*F/(C+F) = 5.3, F <= C): the forward runs Winograd, the backward im2col (its dx
+    by the flipped kernel measured faster there); the weight gradient alone, which has no
+    flipped-kernel dx to beat, runs Winograd.  Same numbers as the plain sum in float64."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 16, 9, 8, 7))
+    w = rng.standard_normal((8, 16, 3, 3, 3))
+    dy = rng.standard_normal((2, 8, 9, 8, 7))
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(winograd, name)
+        monkeypatch.setattr(winograd, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    y = conv3d(x, w, padding=1)
+    dx, dw, _ = conv3d_backward(dy, x, w, padding=1)
+    assert calls == ["forward"]
+    dw_alone = conv3d_weight_grad(dy, x, w.shape, padding=1)
+    assert calls == ["forward", "backward"]
+    assert rel_err(y, conv3d(x, w, padding=1, algorithm="im2col")) <= 1e-12
+    dx_ref, dw_ref, _ = conv3d_backward(dy, x, w, padding=1, algorithm="im2col")
+    assert rel_err(dx, dx_ref) <= 1e-12 and rel_err(dw, dw_ref) <= 1e-12
+    assert rel_err(dw_alone, dw_ref) <= 1e-12

@@ -20,8 +20,9 @@ Two algorithms, picked per call by ``algorithm=``:
   output once in channels-last order.
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
   the multiplications, the channels are not too narrow and there are enough
-  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4
-  and <= 4 x tiles), else im2col.
+  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 5,
+  >= 6 for an input gradient im2col takes by the flipped kernel, and <= 4 x tiles),
+  else im2col.  The forward and the backward of a layer choose apart.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI
@@ -56,13 +57,16 @@ def algorithm_setting():
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False):
+                      n_batch=1, on_device=False, versus_flipped=False):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
 
     ``full_dy=False`` when a gradient covers only the first outputs per axis (the
     building blocks of transposed conv with output_padding): im2col only.
+    ``versus_flipped=True`` when the choice is for an input gradient that im2col would
+    compute as the conv with the flipped kernel (``_im2col.flipped_kernel_pays``): "auto"
+    then asks Winograd to beat that (``winograd.worthwhile``).
     """
     source = "algorithm"
     if algorithm is None:
@@ -78,7 +82,8 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     if algorithm == "auto":
         if on_device:          # measured on an H100: Winograd's many small passes lose 10-20x there
             return "im2col"
-        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch)
+        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch,
+                                   versus_flipped)
         return "winograd" if fits and wide else "im2col"
     return algorithm
 
@@ -149,8 +154,10 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
+    device = on_device(dy)
+    flipped = need_dx and _im2col.flipped_kernel_pays(dy, w, x.shape, s, budget, device)
     if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
-                         on_device(dy)) == "winograd":
+                         device, flipped) == "winograd":
         return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
     return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
 

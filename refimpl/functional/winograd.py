@@ -126,9 +126,16 @@ def multiplies_per_output(out_spatial):
 
 #: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
 #: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F; measured
-#: (fwd + bwd, 32^3, 1 and 2 threads) im2col is as fast or faster for 4->16 and 4->32
-#: (3.2, 3.6), Winograd 1.7-4x faster from 8->16 (5.3) on.
-MIN_CHANNEL_PRODUCT_RATIO = 4.0
+#: (fwd + bwd, 32^3, 1 and 2 threads, Intel AVX-512) im2col is as fast or faster for 4->16
+#: and 4->32 (3.2, 3.6), Winograd 1.7-4x faster from 8->16 (5.3) on; on a 2-core AMD EPYC
+#: VM (2 threads) im2col's forward of 8->8 (4.0) is 5-20 % faster at 32^3 and 64^3.
+MIN_CHANNEL_PRODUCT_RATIO = 5.0
+
+#: ... and for an input gradient that im2col computes as the conv with the flipped kernel
+#: (stride 1, F <= C: one gather and one GEMM per tile, ``_im2col.flipped_kernel_pays``),
+#: only from this ratio on: measured (dx + dW, 2 threads, AMD EPYC VM) im2col 11-17 % faster
+#: for 8->8 and 16->8 (4.0, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0).
+MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
 
 
 #: ... and only where the transformed weights (216 C F) are not much bigger than the
@@ -138,15 +145,17 @@ MIN_CHANNEL_PRODUCT_RATIO = 4.0
 MAX_WEIGHT_TO_DATA_RATIO = 4.0
 
 
-def worthwhile(out_spatial, c, f, n_batch=1):
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
     output, the channels are wide enough for the saved flops to pay for the transforms
-    (``MIN_CHANNEL_PRODUCT_RATIO``), and there are enough tiles for the weight
+    (``MIN_CHANNEL_PRODUCT_RATIO``, or ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against
+    im2col's flipped-kernel input gradient), and there are enough tiles for the weight
     transform to pay for itself (``MAX_WEIGHT_TO_DATA_RATIO``)."""
     h = c * f / (c + f)
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
-    return (multiplies_per_output(out_spatial) <= 27 / 2 and h >= MIN_CHANNEL_PRODUCT_RATIO
+    least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
+    return (multiplies_per_output(out_spatial) <= 27 / 2 and h >= least
             and t * MAX_WEIGHT_TO_DATA_RATIO >= h)
 
 

@@ -7,7 +7,18 @@ a few plain SGD steps (``p.data -= lr * p.grad`` after
 dropout on (p = 0.5) and batch norm over the global batch.  Every rank also
 trains the unpartitioned model (grid None) on the whole global batch, locally,
 without any message; losses, metrics, every parameter and every batch-norm
-statistic must agree to 1e-10 relative in float64 and 1e-4 in float32.
+statistic must agree to 1e-10 relative in float64, and in float32 to 5e-3 of the larger of
+the tensor's own scale and 1 % of the model's largest parameter (``FLOAT32_FLOOR``).
+
+Why float32 gets more than its rounding: a ReLU's input that rounds to exactly 0 on one
+grid and to 5e-8 on another (seen: 1 voxel of 65536 in the U-Net's last block) passes
+that voxel's whole gradient on one side and none on the other, and every weight gradient
+upstream carries the difference: 3e-3 relative after one step, in the unpartitioned run
+alone when only its worker-thread count changes.  Some tensors are rounding noise
+themselves: a batch-norm bias whose gradient nearly cancels (the next conv + batch norm
+remove a per-channel shift) stays ~1e-5 and moves by 10 % between runs; against the
+model's scale it moves by 1e-6.  A partitioning bug moves tensors by O(1); float64's
+1e-10 is the exactness proof.
 
 The convolutions run with the default algorithm ("auto": Winograd where it pays) in
 float64, where Winograd is exact, and with im2col in float32: Winograd's float32
@@ -29,7 +40,10 @@ from refimpl.parallel.grid import ProcessGrid
 
 SIZE = MPI.COMM_WORLD.Get_size()
 SEED, STEPS, LR = 11, 3, 0.1
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+TOLERANCE = {"float64": 1e-10, "float32": 5e-3}
+#: float32 tensors are measured against max(their largest |value|, this x the model's largest
+#: |parameter|) (module docstring).
+FLOAT32_FLOOR = 1e-2
 CONFIGS = {"cosmoflow": {**PRESETS["cosmoflow"]["tiny"], "dropout": 0.5},
            "unet3d": {**PRESETS["unet3d"]["tiny"], "loss": "ce+dice"}}
 
@@ -101,8 +115,8 @@ def reference(name, batch, dtype):
     return train(name, None, batch, dtype)
 
 
-def rel_err(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+def rel_err(a, b, floor=0.0):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
@@ -116,8 +130,10 @@ def test_training_is_grid_invariant(comm, all_ranks_agree, name, dims, dtype):
 
     worst, where = 0.0, ""
     state, ref_state = model.state_dict(), ref_model.state_dict()
+    floor = 0.0 if dtype == "float64" else FLOAT32_FLOOR * max(
+        float(np.max(np.abs(p.data))) for p in ref_model.parameters())
     for key, want in ref_state.items():      # every parameter and batch-norm statistic
-        err = rel_err(state[key], want)
+        err = rel_err(state[key], want, floor)
         if err > worst:
             worst, where = err, key
     for step, ((loss, metrics), (ref_loss, ref_metrics)) in enumerate(zip(history, ref_history)):
