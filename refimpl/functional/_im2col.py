@@ -505,10 +505,13 @@ def _y_view(tile, out):
 class _DepthTapPlan:
     """Tiles and per-worker buffers of the depth-tap forward / weight gradient: one
     hw-column buffer (C*kh*kw rows over the tile's extended planes) and one (F, M)
-    product buffer per worker.  ``build`` returns None where it does not apply or
-    would not pay: a depth stride other than 1, one depth tap, or tiles (within the
-    budget im2col's plan obeys) shallower than the taps' reach ``(kd-1)*dl`` (then the
-    hw-columns would copy as much as im2col's columns)."""
+    product buffer per worker, plus an (F, M) accumulator where a tile's block of ``y``
+    is no (F, M) view (several planes by part of their rows: ``depth_tap_tiles``).
+    ``build`` returns None where it does not apply or would not pay: a depth stride other
+    than 1, one depth tap, or tiles (within the budget im2col's plan obeys) shallower than
+    the taps' reach ``(kd-1)*dl`` (then the hw-columns would copy as much as im2col's
+    columns).  ``tile_bytes``: the hw-columns per tile to aim for (``FORWARD_TILE_BYTES``
+    for a forward alone, else ``TARGET_TILE_BYTES``)."""
 
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, dilation, out, budget, workers,
