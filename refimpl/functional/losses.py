@@ -123,12 +123,8 @@ def log_softmax(logits):
 
 
 def softmax(logits):
-    """exp(z - max) / sum_k exp(z_k - max) over the class axis 1 (in place on one temporary)."""
-    xp = array_module(logits)
-    e = logits - xp.max(logits, axis=1, keepdims=True)
-    xp.exp(e, out=e)
-    e /= xp.sum(e, axis=1, keepdims=True)
-    return e
+    """exp(z - max) / sum_k exp(z_k - max) over the class axis 1 (``SoftmaxParts(logits).p``)."""
+    return SoftmaxParts(logits).p
 
 
 class SoftmaxParts:
@@ -141,7 +137,7 @@ class SoftmaxParts:
     def __init__(self, logits):
         xp = array_module(logits)
         m = xp.max(logits, axis=1, keepdims=True)
-        e = logits - m
+        e = logits - m                              # exp(z - max), in place on one temporary
         xp.exp(e, out=e)
         s = xp.sum(e, axis=1, keepdims=True)
         e /= s
