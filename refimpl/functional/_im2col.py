@@ -302,7 +302,8 @@ def _sum_transposed(dwts, shape):
     return xp.ascontiguousarray(_threads.sum_in_order(dwts).T).reshape(tuple(shape))
 
 
-def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True):
+def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True,
+             flipped=None):
     """``(dx, dW)`` of ``y = conv3d(x, w)`` for the outputs ``dy`` covers.
 
     Shares the column tiles: ``dW += dy @ col^T``, then the same buffer takes
@@ -318,10 +319,15 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     ``dx``, and runs every tile for them in order.  Nothing is shared between
     workers, so no partial sums are needed.  Without ``need_dx`` the tiles are
     independent and split among the workers, each with its own ``dW^T``.
+
+    ``flipped``: whether dx is taken as the conv with the flipped kernel, when the caller
+    has decided it already (``flipped_kernel_pays``; None: decided here).
     """
     xp = array_module(dy, x, w)
     on_device = device_schedule(xp)
-    if need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget, on_device):
+    if flipped is None:
+        flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget, on_device)
+    if flipped:
         dx = input_grad_by_flipped_kernel(dy, w, tuple(x.shape[2:]), padding, dilation, budget)
         return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
                     if need_dw else None)

@@ -159,7 +159,7 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
                          device, flipped) == "winograd":
         return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
-    return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw)
+    return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw, flipped)
 
 
 def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):

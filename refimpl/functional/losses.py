@@ -228,8 +228,10 @@ def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, 
 
 def softmax_cross_entropy(logits, labels, class_weights=None):
     """(loss, dlogits) = torch.nn.functional.cross_entropy(logits, labels, weight=class_weights)."""
-    sums = cross_entropy_local_sums(logits, labels, class_weights)
-    return mean_finish(sums), cross_entropy_backward(logits, labels, sums, class_weights)
+    _check_logits_labels(logits, labels, class_weights)      # before the softmax reads them
+    parts = SoftmaxParts(logits)
+    sums = cross_entropy_local_sums(logits, labels, class_weights, parts)
+    return mean_finish(sums), cross_entropy_backward(logits, labels, sums, class_weights, parts=parts)
 
 
 # ---------------------------------------------------------------- Dice
@@ -275,8 +277,10 @@ def soft_dice_backward(logits, labels, sums, eps=1e-5, dloss=1.0, parts=None):
 
 def soft_dice_loss(logits, labels, eps=1e-5):
     """(loss, dlogits) of the soft Dice loss on softmax(logits) (see the module doc)."""
-    sums = soft_dice_local_sums(logits, labels)
-    return soft_dice_finish(sums, eps), soft_dice_backward(logits, labels, sums, eps)
+    _check_logits_labels(logits, labels)                     # before the softmax reads them
+    parts = SoftmaxParts(logits)
+    sums = soft_dice_local_sums(logits, labels, parts)
+    return soft_dice_finish(sums, eps), soft_dice_backward(logits, labels, sums, eps, parts=parts)
 
 
 def dice_score_local_sums(logits, labels):

@@ -195,7 +195,10 @@ class UNet3D(Model):
             eps = float(self.config["dice_eps"])
             loss += soft_dice_finish(dice_sums, eps)
             g = soft_dice_backward(out_local, target_local, dice_sums, eps, scale, parts)
-            dout = g if dout is None else dout + g
+            if dout is None:
+                dout = g
+            else:
+                dout += g
         dice = float(numpy.mean(dice_score_finish(sums[:3 * k].reshape(3, k))))
         return loss, dout, {"dice": dice}
 
