@@ -176,8 +176,17 @@ def algorithm_note():
 
 # ---------------------------------------------------------------------------- helpers
 
+#: Pause before each timed call.  Both sides leave worker threads spinning for a while after
+#: a call (PyTorch's OpenMP pool, OpenBLAS's threads); on a 2-core machine that spin steals a
+#: core from whatever runs next, and the passes here alternate between the two sides.
+#: Measured: our stride-2 forward 18.5 ms alone, 20.7 ms right after a torch conv, 18.8 ms
+#: after a torch conv and a 5 ms pause.
+SETTLE_S = 0.005
+
+
 def timed(fn):
     synchronize()
+    time.sleep(SETTLE_S)
     t0 = time.perf_counter()
     fn()
     synchronize()

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from refimpl.functional import _im2col
+from refimpl.functional import _im2col, _phase_grid
 from refimpl.functional._args import transposed_out_size, window_out_size
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
                                        conv3d_weight_grad)
@@ -500,6 +500,140 @@ def test_depth_tap_forward_in_blocks_of_rows(n, c, f, size, k, p, d, rows, monke
         monkeypatch.setenv("REFIMPL_THREADS", threads)
         y = conv3d(x, w, stride=s, padding=p, dilation=d, algorithm="im2col")
         assert rel_err(y, y_ref) <= RTOL
+
+
+# ------------------------------------------- strided convs by input phases (_phase_grid)
+
+@pytest.mark.parametrize("steps", [(1, 1, 1), (2, 3, 1), (3, 2, 2)])
+def test_fill_grid_is_a_strided_placement(steps):
+    """``fill_grid(dst, src, starts, steps)``: ``dst[..., j] = src[..., start + j*step]`` where
+    that index is inside ``src``, zero elsewhere (negative starts, starts past the end, and a
+    ``dst`` longer or shorter than what ``src`` holds)."""
+    rng = np.random.default_rng(sum(steps))
+    src = rng.standard_normal((2, 7, 6, 5)) + 3.0
+    for starts in [(0, 0, 0), (-3, 2, -1), (5, -7, 4), (1, 1, 9)]:
+        dst = np.full((2, 4, 6, 3), np.nan)
+        _phase_grid.fill_grid(dst, src, starts, steps)
+        ref = np.zeros_like(dst)
+        for j in np.ndindex(*dst.shape[1:]):
+            i = tuple(st + jj * sp for st, jj, sp in zip(starts, j, steps))
+            if all(0 <= ii < n for ii, n in zip(i, src.shape[1:])):
+                ref[(slice(None),) + j] = src[(slice(None),) + i]
+        assert np.array_equal(dst, ref)
+
+
+PHASE_CASES = [   # n, c, f, size, k, s, p, d
+    (2, 3, 4, (9, 8, 7), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1)),   # the benchmark's row, small
+    (1, 2, 3, (11, 9, 12), (5, 3, 4), (3, 2, 2), (2, 0, 3), (1, 1, 1)),  # stride 3, padding past reach
+    (2, 2, 2, (10, 7, 9), (3, 2, 3), (2, 1, 3), (1, 1, 0), (2, 1, 1)),   # dilated, mixed strides
+    (1, 3, 2, (8, 9, 10), (3, 1, 2), (2, 3, 3), (1, 0, 1), (1, 1, 1)),   # s > k: inputs no tap reads
+]
+
+
+def _taken(monkeypatch, cls):
+    """Record the plans ``cls.build`` returns (None: the route was not taken)."""
+    built = []
+    real = cls.build.__func__
+
+    def build(klass, *a, **k):
+        plan = real(klass, *a, **k)
+        built.append(plan)
+        return plan
+    monkeypatch.setattr(cls, "build", classmethod(build))
+    return built
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, k, s, p, d", PHASE_CASES)
+def test_phase_routes_match_torch(n, c, f, size, k, s, p, d, monkeypatch):
+    """Convs whose windows overlap along a strided axis take the forward and the input
+    gradient by phases (one stride-1 problem per input phase, columns as contiguous runs of
+    flat grids): equal to torch to 1e-10 in float64 for strides 2 and 3, dilation, padding
+    past the kernel's reach, inputs that no tap reads (their dx is zero), a dy covering only
+    the first outputs, and conv_transpose3d (whose forward is this input gradient); 1, 2 and 3
+    worker threads give the same bits, and several slabs and tiles (a small budget) the same
+    result."""
+    rng = np.random.default_rng(sum(size) + sum(s))
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    out = tuple(window_out_size(a, b, ss, pp, dd) for a, b, ss, pp, dd in zip(size, k, s, p, d))
+    dy = rng.standard_normal((n, f) + out)
+    y_ref, dx_ref, dw_ref, _ = torch_conv(x, w, np.zeros(f), dy, s, p, d)
+    fwd = _taken(monkeypatch, _phase_grid.ForwardPlan)
+    bwd = _taken(monkeypatch, _phase_grid.InputGradPlan)
+    runs = {}
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        runs[threads] = (conv3d(x, w, stride=s, padding=p, dilation=d, algorithm="im2col"),
+                         conv3d_input_grad(dy, w, x.shape, s, p, d, algorithm="im2col"))
+    assert fwd and all(plan is not None for plan in fwd)
+    assert bwd and all(plan is not None for plan in bwd)
+    for y, dx in runs.values():
+        assert np.array_equal(y, runs["1"][0]) and np.array_equal(dx, runs["1"][1])
+    assert rel_err(runs["1"][0], y_ref) <= RTOL
+    assert rel_err(runs["1"][1], dx_ref) <= RTOL
+    dx, dw, _ = conv3d_backward(dy, x, w, s, p, d, algorithm="im2col")
+    assert rel_err(dx, dx_ref) <= RTOL and rel_err(dw, dw_ref) <= RTOL
+    # one-plane column tiles, and the largest budget that cuts a sample into several slabs
+    monkeypatch.setattr(_im2col, "FORWARD_TILE_BYTES", 1)
+    for cls, extent in ((_phase_grid.ForwardPlan, out), (_phase_grid.InputGradPlan, size)):
+        budgets = [b for b in (int(2**22 * 0.9**e) for e in range(100))
+                   if (lambda plan: plan is not None and len(plan.tasks) > n)(
+                       cls.build(np, x.dtype, n, c, f, k, s, p, d, extent, b, 1, 1))]
+        assert budgets, "no budget cuts a sample into several slabs"
+        monkeypatch.setenv("REFIMPL_THREADS", "1")
+        del fwd[:], bwd[:]
+        y = conv3d(x, w, stride=s, padding=p, dilation=d, max_temp_bytes=budgets[0],
+                   algorithm="im2col")
+        dx = conv3d_input_grad(dy, w, x.shape, s, p, d, max_temp_bytes=budgets[0],
+                               algorithm="im2col")
+        assert rel_err(y, y_ref) <= RTOL and rel_err(dx, dx_ref) <= RTOL
+        taken = (fwd if cls is _phase_grid.ForwardPlan else bwd)[0]
+        assert taken is not None and len(taken.tasks) > n
+    # a dy covering only the first outputs; conv_transpose3d of dy (output padding)
+    short = tuple(max(1, o - 1) for o in out)
+    full = np.zeros_like(dy)
+    full[:, :, :short[0], :short[1], :short[2]] = dy[:, :, :short[0], :short[1], :short[2]]
+    _, dx_short_ref, _, _ = torch_conv(x, w, np.zeros(f), full, s, p, d)
+    dx_short = conv3d_input_grad(np.ascontiguousarray(full[:, :, :short[0], :short[1], :short[2]]),
+                                 w, x.shape, s, p, d, algorithm="im2col")
+    assert rel_err(dx_short, dx_short_ref) <= RTOL
+    op = tuple(a - ((o - 1) * ss - 2 * pp + dd * (b - 1) + 1) for a, o, ss, pp, dd, b
+               in zip(size, out, s, p, d, k))
+    t_ref = torch_conv_t(dy, w, np.zeros(c), rng.standard_normal(x.shape), s, p, op, d)[0]
+    assert rel_err(conv_transpose3d(dy, w, None, s, p, op, d, algorithm="im2col"), t_ref) <= RTOL
+
+
+def test_phase_routes_stay_within_the_budget():
+    """The phase routes' temporaries (phase grids, columns, GEMM output, per worker) stay
+    below the budget where they run, and they step aside (im2col's row tiles serve) where
+    one output plane's work does not fit."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 13, 12, 11))
+    w = rng.standard_normal((4, 3, 3, 3, 3))
+    s, p = (2, 2, 2), (1, 1, 1)
+    out = tuple(window_out_size(a, 3, 2, 1, 1) for a in x.shape[2:])
+    dy = rng.standard_normal((2, 4) + out)
+    y0 = conv3d(x, w, stride=s, padding=p, max_temp_bytes=2**30, algorithm="im2col")
+    dx0 = conv3d_input_grad(dy, w, x.shape, s, p, max_temp_bytes=2**30, algorithm="im2col")
+    plane = (out[1] + 1) * (out[2] + 1) * 8
+    for budget in (40 * plane * 8, 200 * plane * 8):
+        assert _phase_grid.ForwardPlan.build(np, x.dtype, 2, 3, 4, (3, 3, 3), s, p, (1, 1, 1), out,
+                                             budget, 1, budget) is not None
+        y, tmp_y = _traced(lambda: conv3d(x, w, stride=s, padding=p, max_temp_bytes=budget,
+                                          algorithm="im2col"))
+        dx, tmp_dx = _traced(lambda: conv3d_input_grad(dy, w, x.shape, s, p, max_temp_bytes=budget,
+                                                       algorithm="im2col"))
+        assert rel_err(y, y0) <= 1e-13 and rel_err(dx, dx0) <= 1e-13
+        for tmp in (tmp_y, tmp_dx):
+            assert tmp <= budget + 6 * w.nbytes + 32 * 1024, (tmp, budget)
+    tiny = plane * 20                                   # less than one plane of columns
+    assert _phase_grid.ForwardPlan.build(np, x.dtype, 2, 3, 4, (3, 3, 3), s, p, (1, 1, 1), out,
+                                         tiny, 1, tiny) is None
+    assert _phase_grid.InputGradPlan.build(np, x.dtype, 2, 3, 4, (3, 3, 3), s, p, (1, 1, 1),
+                                           x.shape[2:], tiny, 1, tiny) is None
+    assert rel_err(conv3d(x, w, stride=s, padding=p, max_temp_bytes=tiny, algorithm="im2col"),
+                   y0) <= 1e-13
 
 
 # ------------------------------------------------------- the device schedule (CuPy)

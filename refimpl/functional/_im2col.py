@@ -267,9 +267,14 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if not (y.size and x.size):
         y[...] = 0
         return y if g is None else (y, xp.zeros(w.shape, dtype=x.dtype))
+    workers = _threads.thread_count(xp)
+    tile_bytes = FORWARD_TILE_BYTES if g is None else TARGET_TILE_BYTES
+    phases = None if g is not None else _phase_grid.ForwardPlan.build(
+        xp, x.dtype, n_b, c, f, k, stride, padding, dilation, out_spatial, budget, workers, tile_bytes)
+    if phases is not None:
+        return _phase_grid.forward(x, w, y, phases)
     taps = _DepthTapPlan.build(xp, x.dtype, n_b, c, f, k, stride, dilation, out_spatial, budget,
-                               _threads.thread_count(xp),
-                               FORWARD_TILE_BYTES if g is None else TARGET_TILE_BYTES)
+                               workers, tile_bytes)
     if taps is not None:
         return _forward_depth_taps(x, w, stride, padding, dilation, y, taps, g)
     w2 = xp.ascontiguousarray(w).reshape(f, kk)
@@ -335,6 +340,15 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
+    workers = _threads.thread_count(xp)
+    if need_dx and dy.size and x.shape[0] * c:
+        by_phases = _phase_grid.InputGradPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding,
+                                                    dilation, tuple(x.shape[2:]), budget, workers,
+                                                    FORWARD_TILE_BYTES)
+        if by_phases is not None:
+            dx = _phase_grid.input_grad(dy, w, tuple(x.shape), by_phases)
+            return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
+                        if need_dw else None)
     taps = k[0] * k[1] * k[2]
     kk = c * taps
     out_spatial = tuple(dy.shape[2:])
@@ -343,7 +357,6 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         return dx, (xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
     # W^T as a C-ordered (K, F) matrix
     w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T) if need_dx else None
-    workers = _threads.thread_count(xp)
     if need_dx:
         nblocks = min(workers, c)
         blocks = [(c * i // nblocks, c * (i + 1) // nblocks) for i in range(nblocks)]
@@ -388,15 +401,8 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
 def placed(a, offsets, ext):
     """A zero array ``(N, C) + ext`` holding ``a[..., o]`` at ``o + offset`` per spatial axis
     (an offset may be negative: what falls outside is cut off)."""
-    xp = array_module(a)
-    out = xp.zeros(tuple(a.shape[:2]) + tuple(ext), dtype=a.dtype)
-    dst, src = [], []
-    for off, e, n in zip(offsets, ext, a.shape[2:]):
-        lo, hi = max(0, off), max(max(0, off), min(e, n + off))      # positions [lo, hi) hold a[lo - off : hi - off]
-        dst.append(slice(lo, hi))
-        src.append(slice(lo - off, hi - off))
-    out[(slice(None), slice(None)) + tuple(dst)] = a[(slice(None), slice(None)) + tuple(src)]
-    return out
+    out = array_module(a).empty(tuple(a.shape[:2]) + tuple(ext), dtype=a.dtype)
+    return _phase_grid.fill_grid(out, a, tuple(-o for o in offsets), (1, 1, 1))
 
 
 def input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget):
@@ -641,4 +647,4 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
 
 
-from . import _im2col_device  # noqa: E402  (it imports ``tiles`` from here)
+from . import _im2col_device, _phase_grid  # noqa: E402  (the first imports ``tiles`` from here)
