@@ -502,6 +502,66 @@ def test_depth_tap_forward_in_blocks_of_rows(n, c, f, size, k, p, d, rows, monke
         assert rel_err(y, y_ref) <= RTOL
 
 
+# ------------------------------------------------- BLAS held to one thread (_threads)
+
+def _blas_threads():
+    from refimpl.functional import _threads
+    return [lib.num_threads for lib in _threads._blas_controller().lib_controllers]
+
+
+def test_blas_is_held_to_one_thread_inside_the_conv_and_model_passes(monkeypatch):
+    """With two workers, the conv entry points and the models' forward and backward run BLAS
+    on one thread (a BLAS call on two would leave its threads spinning into the workers'
+    next pass), keep the worker count resolved on entry, nest, and restore BLAS's threads
+    on the way out, after an exception too."""
+    from threadpoolctl import threadpool_limits
+    from refimpl.functional import _threads
+    from refimpl.models import build_model
+    monkeypatch.delenv("REFIMPL_THREADS", raising=False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 6, 5, 4))
+    w = rng.standard_normal((3, 2, 3, 3, 3))
+    with threadpool_limits(2, user_api="blas"):
+        assert _threads.thread_count() == 2 and _blas_threads() == [2] * len(_blas_threads())
+        seen = []
+        for name in ("forward", "backward"):
+            real = getattr(_im2col, name)
+            monkeypatch.setattr(_im2col, name, lambda *a, _real=real, **k: (
+                seen.append((_threads.thread_count(), set(_blas_threads()))), _real(*a, **k))[1])
+        y = conv3d(x, w, padding=1, algorithm="im2col")
+        conv3d_backward(y, x, w, padding=1, algorithm="im2col")
+        conv_transpose3d(y, w, None, padding=1, algorithm="im2col")
+        conv_transpose3d_backward(x, y, w, padding=1, algorithm="im2col")
+        assert len(seen) >= 4 and all(s == (2, {1}) for s in seen), seen
+        assert set(_blas_threads()) == {2}
+        with _threads.blas_held_single():
+            with _threads.blas_held_single():
+                assert set(_blas_threads()) == {1} and _threads.thread_count() == 2
+            assert set(_blas_threads()) == {1}
+        assert set(_blas_threads()) == {2}
+        with pytest.raises(RuntimeError):
+            with _threads.blas_held_single():
+                raise RuntimeError("boom")
+        assert set(_blas_threads()) == {2} and _threads._held is None
+        # the models: every layer's pass (a ReLU here, between convs) sees BLAS on one thread
+        from refimpl.nn.activation import ReLU
+        model = build_model("unet3d", {"input_shape": (1, 8, 8, 8), "levels": 1, "base_width": 2},
+                            seed=0, dtype="float64")
+        del seen[:]
+        for name in ("forward", "backward"):
+            real = getattr(ReLU, name)
+            monkeypatch.setattr(ReLU, name, lambda self, a, _real=real: (
+                seen.append((_threads.thread_count(), set(_blas_threads()))), _real(self, a))[1])
+        out = model.forward(rng.standard_normal((1, 1, 8, 8, 8)))
+        model.backward(np.ones_like(out))
+        assert seen and all(s == (2, {1}) for s in seen), seen
+        assert set(_blas_threads()) == {2}
+    monkeypatch.setenv("REFIMPL_THREADS", "1")                 # one worker: BLAS keeps its threads
+    with threadpool_limits(2, user_api="blas"):
+        with _threads.blas_held_single():
+            assert set(_blas_threads()) == {2}
+
+
 # ------------------------------------------- strided convs by input phases (_phase_grid)
 
 @pytest.mark.parametrize("steps", [(1, 1, 1), (2, 3, 1), (3, 2, 2)])

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from .. import settings
 from ..backend import array_module, check_same_dtype
-from . import _im2col, winograd
+from . import _im2col, _threads, winograd
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = ("depth", "height", "width")
@@ -139,6 +139,7 @@ def check_dy_extent(dy, expected, name="dy"):
                              f"axis it must be between 1 and the conv output extent {e}")
 
 
+@_threads.blas_held_single()
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
@@ -151,6 +152,7 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     return y
 
 
+@_threads.blas_held_single()
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""

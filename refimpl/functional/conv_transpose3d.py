@@ -18,7 +18,7 @@ buffers obey the same bound as conv3d (``max_temp_bytes``, default
 from __future__ import annotations
 
 from ..backend import check_same_dtype
-from . import _im2col
+from . import _im2col, _threads
 from ._args import check_float, check_ndim, transposed_out_shape, triple
 from .conv3d import (AXES, check_bias, conv_params, forward_with_bias, input_grad, on_device,
                      resolve_algorithm, weight_grad)
@@ -62,6 +62,7 @@ def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilati
     return y
 
 
+@_threads.blas_held_single()
 def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, *,
                               max_temp_bytes=None, algorithm=None):
     """``(dx, dw, db)`` of ``y = conv_transpose3d(x, w, b)`` given ``dy = dL/dy``.

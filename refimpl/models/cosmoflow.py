@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module
+from ..functional._threads import blas_held_single
 from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
 from ..nn.activation import LeakyReLU, ScaledTanh
 from ..nn.module import Sequential
@@ -131,6 +132,7 @@ class CosmoFlow(Model):
         """(B, num_outputs) -> this sample group's (B/Pn, num_outputs), the same on each spatial rank."""
         return target_global[self.local_samples(target_global.shape[0])]
 
+    @blas_held_single()
     def forward(self, x_local):
         """(n_local, C, local block) -> (n_local, num_outputs), the same on every spatial rank."""
         batch = self.check_input(x_local)
@@ -140,6 +142,7 @@ class CosmoFlow(Model):
             dropout.set_block((batch, width), (offset, first))     # mask of the global (B, width)
         return self.head.forward(self.features.forward(x_local))
 
+    @blas_held_single()
     def backward(self, dout_local):
         return self.features.backward(self.head.backward(dout_local))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, asarray
+from ..functional._threads import blas_held_single
 from ..functional.losses import (
     cross_entropy_backward, cross_entropy_local_sums, dice_score_finish, dice_score_local_sums,
     mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums, SoftmaxParts)
@@ -135,6 +136,7 @@ class UNet3D(Model):
         return target_global[(self.local_samples(target_global.shape[0]),)
                              + tuple(self.local_block(target_global.shape[1:]))]
 
+    @blas_held_single()
     def forward(self, x_local):
         """(n_local, C, local block) -> (n_local, K, local block) class logits."""
         self.check_input(x_local)
@@ -152,6 +154,7 @@ class UNet3D(Model):
             x = self.dec[i].forward(xp.concatenate([up, skips[i]], axis=1))   # (n, w_i, ...)
         return self.out.forward(x)                    # (n, K, local block)
 
+    @blas_held_single()
     def backward(self, dout_local):
         xp = array_module(dout_local)
         d = self.out.backward(dout_local)
