@@ -192,6 +192,45 @@ def test_shared_softmax_gives_the_same_loss(case):
     assert np.array_equal(parts.p, SoftmaxParts(logits).p)     # not modified by the pieces
 
 
+@pytest.mark.parametrize("k, weighted", [(2, False), (3, True), (8, False)])
+def test_blocked_class_passes_equal_the_whole_array_passes(k, weighted, monkeypatch):
+    """On the host with few classes the softmax, the cross-entropy sums and gradient and the
+    hard Dice counts run class plane by class plane over blocks of voxels on the worker
+    threads (``losses.blocked``): the same numbers as the whole-array passes (a Fortran-ordered
+    copy takes those; the sums of a softmax's three exponentials may round apart) over many
+    blocks, and bit for bit the same at 1, 2 and 3 threads; labels validated once by ``SoftmaxParts(logits, labels)``, which still refuses a
+    label out of range."""
+    from refimpl.functional import losses
+    monkeypatch.setattr(losses, "CLASS_BLOCK_VOXELS", 37)            # many blocks, a ragged last one
+    rng = np.random.default_rng(k)
+    logits = 3 * rng.standard_normal((2, k, 5, 6, 7))
+    labels = rng.integers(0, k, (2, 5, 6, 7))
+    weights = rng.uniform(0.2, 2.0, k) if weighted else None
+    whole = np.asfortranarray(logits)
+    assert losses.blocked(logits) and not losses.blocked(whole)
+    ref = SoftmaxParts(whole)
+    ce_ref = cross_entropy_local_sums(whole, labels, weights, ref)
+    grad_ref = cross_entropy_backward(whole, labels, ce_ref, weights, 2.0, ref)
+    runs = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        parts = SoftmaxParts(logits, labels)
+        ce = cross_entropy_local_sums(logits, labels, weights, parts)
+        runs.append((parts.p, parts.lse, ce, cross_entropy_backward(logits, labels, ce, weights, 2.0, parts),
+                     losses.dice_score_local_sums(logits, labels, parts)))
+    for run in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
+    p, lse, ce, grad, counts = runs[0]
+    assert rel_err(p, ref.p) <= 1e-15 and rel_err(lse, ref.lse) <= 1e-15
+    assert rel_err(ce, ce_ref) <= 1e-14
+    assert rel_err(grad, grad_ref) <= 1e-14
+    assert np.array_equal(counts, losses.dice_score_local_sums(whole, labels))
+    bad = labels.copy()
+    bad[1, 2, 3, 4] = k
+    with pytest.raises(ValueError, match="labels must lie in"):
+        SoftmaxParts(logits, bad)
+
+
 def torch_soft_dice(z, labels, eps):
     p = torch.softmax(z, 1)
     t = F.one_hot(torch.tensor(labels), z.shape[1]).movedim(-1, 1).to(z.dtype)

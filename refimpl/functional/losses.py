@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, check_same_dtype, to_host
+from . import _threads
 from ._args import check_float
 
 
@@ -92,7 +93,9 @@ def mae_loss(pred, target):
 
 
 # ---------------------------------------------------------------- classification
-def _check_logits_labels(logits, labels, class_weights=None):
+def _check_logits_labels(logits, labels, class_weights=None, parts=None):
+    """Shapes, dtypes and the label range (one scan of ``labels``, skipped where ``parts`` is
+    a ``SoftmaxParts`` that validated these very labels against these logits)."""
     check_float("logits", logits)
     if logits.ndim < 2:
         raise ValueError(f"logits must be (N, K, ...), got shape {logits.shape}")
@@ -103,7 +106,7 @@ def _check_logits_labels(logits, labels, class_weights=None):
     if labels.dtype.kind not in "iu":
         raise ValueError(f"labels must be an integer array, got {labels.dtype}")
     num_classes = logits.shape[1]
-    if labels.size:
+    if labels.size and not (parts is not None and parts.checked is labels and parts.logits is logits):
         xp = array_module(labels)
         lo, hi = (int(v) for v in to_host(xp.stack([labels.min(), labels.max()])))   # one sync
         if lo < 0 or hi >= num_classes:
@@ -132,9 +135,22 @@ class SoftmaxParts:
     a loss (the cross-entropy sums and gradient, the soft Dice sums and gradient):
     ``p = exp(z - lse)`` (N, K, ...) and the log of the normaliser ``lse = log sum_k exp z_k``
     (N, 1, ...).  Each piece would otherwise take its own softmax: on the U-Net's logits
-    (2 x 3 x 64^3) a softmax is 10 ms, the loss 42 ms of which 25 ms were repeated softmax."""
+    (2 x 3 x 64^3) a softmax is 10 ms, the loss 42 ms of which 25 ms were repeated softmax.
 
-    def __init__(self, logits):
+    ``labels`` (optional): validated here once against the logits (shape, dtype, range); the
+    pieces given these parts and these labels then skip their own scan of the labels.
+
+    On the host with few classes (``blocked``) the softmax runs class plane by class plane
+    over cache-sized blocks of voxels on the worker threads: 4 x 3 x 64^3 float32 26 -> 6 ms
+    (numpy's max and sum over a short strided class axis are slow passes)."""
+
+    def __init__(self, logits, labels=None):
+        if labels is not None:
+            _check_logits_labels(logits, labels)
+        self.logits, self.checked = logits, labels
+        if blocked(logits):
+            self.p, self.lse = _softmax_blocks(logits)
+            return
         xp = array_module(logits)
         m = xp.max(logits, axis=1, keepdims=True)
         e = logits - m                              # exp(z - max), in place on one temporary
@@ -143,6 +159,62 @@ class SoftmaxParts:
         e /= s
         self.p = e                                  # (N, K, ...)
         self.lse = xp.log(s) + m                    # (N, 1, ...)
+
+
+#: Voxels per block of the blocked class passes (K planes of them stay in the cache).
+CLASS_BLOCK_VOXELS = 1 << 15
+
+
+def blocked(logits):
+    """Whether the class passes run plane by plane over blocks of voxels: NumPy arrays,
+    C-contiguous, at most ``MASKED_PICK_CLASSES`` classes."""
+    return (type(logits) is numpy.ndarray and logits.flags.c_contiguous and logits.ndim >= 3
+            and logits.shape[1] <= MASKED_PICK_CLASSES)
+
+
+def _voxel_blocks(fn, *arrays):
+    """``fn(block, *views)`` for every block of ``CLASS_BLOCK_VOXELS`` voxels of one sample,
+    where each array (N, K, ...) or (N, ...) is seen as (N, K, V) / (N, V) and ``views`` are
+    its block ``[:, v0:v1]`` of that sample; the blocks split among the worker threads, and
+    the results returned in block order (so sums of them do not depend on the thread count)."""
+    n = arrays[0].shape[0]
+    flat = [a.reshape(a.shape[:2] + (-1,)) if a.ndim == arrays[0].ndim else a.reshape(n, -1)
+            for a in arrays]
+    voxels = flat[0].shape[-1]
+    blocks = [(i, v0, min(v0 + CLASS_BLOCK_VOXELS, voxels))
+              for i in range(n) for v0 in range(0, voxels, CLASS_BLOCK_VOXELS)]
+    results = [None] * len(blocks)
+
+    def one(_, index):
+        i, v0, v1 = blocks[index]
+        results[index] = fn(*(a[i, ..., v0:v1] for a in flat))
+    _threads.run(one, list(range(len(blocks))), _threads.thread_count())
+    return results
+
+
+def _softmax_blocks(logits):
+    """``(p, lse)`` of ``SoftmaxParts``, class plane by class plane over blocks of voxels."""
+    n, k = logits.shape[:2]
+    p = numpy.empty_like(logits)
+    lse = numpy.empty((n, 1) + logits.shape[2:], dtype=logits.dtype)
+
+    def block(z, pb, lb):                           # (K, B), (K, B), (1, B)
+        lb = lb[0]
+        m = z[0].copy()
+        for c in range(1, k):
+            numpy.maximum(m, z[c], out=m)
+        for c in range(k):
+            numpy.subtract(z[c], m, out=pb[c])
+            numpy.exp(pb[c], out=pb[c])
+        lb[...] = pb[0]
+        for c in range(1, k):
+            lb += pb[c]                             # the normaliser, then its log + max
+        for c in range(k):
+            numpy.divide(pb[c], lb, out=pb[c])
+        numpy.log(lb, out=lb)
+        lb += m
+    _voxel_blocks(block, logits, p, lse)
+    return p, lse
 
 
 def softmax_parts(logits, parts=None):
@@ -201,14 +273,28 @@ def _label_weights(labels, class_weights, dtype):
 def cross_entropy_local_sums(logits, labels, class_weights=None, parts=None):
     """[sum_v w[y_v], sum_v w[y_v] * nll_v] as float64 (2,), with ``nll_v = lse_v - z_{y_v}``
     (``parts``: the ``SoftmaxParts`` of ``logits`` when the caller has them)."""
-    _check_logits_labels(logits, labels, class_weights)
+    _check_logits_labels(logits, labels, class_weights, parts)
     xp = array_module(logits)
-    nll = softmax_parts(logits, parts).lse[:, 0] - _at_labels(logits, labels)   # (N, ...)
+    parts = softmax_parts(logits, parts)
+    if blocked(logits):
+        return numpy.sum(_voxel_blocks(
+            lambda z, lse, y: _cross_entropy_block(z, lse[0], y, class_weights),
+            logits, parts.lse, labels), axis=0)
+    nll = parts.lse[:, 0] - _at_labels(logits, labels)           # (N, ...)
     if class_weights is None:                                     # w = 1: no weight array
         return xp.stack([xp.asarray(float(labels.size), dtype=xp.float64),
                          xp.sum(nll, dtype=xp.float64)])
     w = _label_weights(labels, class_weights, logits.dtype)
     return xp.stack([xp.sum(w, dtype=xp.float64), xp.sum(w * nll, dtype=xp.float64)])
+
+
+def _cross_entropy_block(z, lse, y, class_weights):
+    """[sum w, sum w * nll] (float64) of one block: ``z`` (K, B), ``lse`` and ``y`` (B,)."""
+    nll = lse - _at_labels(z[None], y[None])[0]                    # lse - z_y
+    if class_weights is None:
+        return numpy.array([float(y.size), numpy.sum(nll, dtype=numpy.float64)])
+    w = class_weights.take(y)
+    return numpy.array([numpy.sum(w, dtype=numpy.float64), numpy.sum(w * nll, dtype=numpy.float64)])
 
 
 def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, parts=None):
@@ -217,12 +303,30 @@ def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, 
     The one-hot is subtracted in place at the labels (no (N, K, ...) one-hot array) and
     unit weights are not multiplied in: the same floats, fewer passes.  With ``parts``
     (``SoftmaxParts``) their probabilities are copied, not recomputed."""
-    _check_logits_labels(logits, labels, class_weights)
+    _check_logits_labels(logits, labels, class_weights, parts)
+    if blocked(logits):
+        return _cross_entropy_grad_blocks(softmax_parts(logits, parts).p, labels, class_weights,
+                                          _per_count(dloss, sums, logits.dtype))
     grad = softmax(logits) if parts is None else parts.p.copy()     # (N, K, ...)
     _subtract_one_at_labels(grad, labels)                           # p - onehot(y)
     if class_weights is not None:
         grad *= _label_weights(labels, class_weights, logits.dtype)[:, None]
     grad *= _per_count(dloss, sums, grad.dtype)
+    return grad
+
+
+def _cross_entropy_grad_blocks(p, labels, class_weights, scale):
+    """``w[y] (p - onehot(y)) * scale`` block by block: the same floats as the whole-array
+    passes of ``cross_entropy_backward``."""
+    grad = numpy.empty_like(p)
+
+    def block(pb, gb, y):                                           # (K, B), (K, B), (B,)
+        for c in range(pb.shape[0]):
+            numpy.subtract(pb[c], y == c, out=gb[c])
+        if class_weights is not None:
+            gb *= class_weights.take(y)
+        gb *= scale
+    _voxel_blocks(block, p, grad, labels)
     return grad
 
 
@@ -244,7 +348,7 @@ def _per_class_sum(a):
 def soft_dice_local_sums(logits, labels, parts=None):
     """[I_k, P_k, T_k] as float64 (3, K) on softmax probabilities (``parts``: as in
     ``cross_entropy_local_sums``)."""
-    _check_logits_labels(logits, labels)
+    _check_logits_labels(logits, labels, parts=parts)
     xp = array_module(logits)
     p = softmax_parts(logits, parts).p
     t = one_hot(labels, logits.shape[1], logits.dtype)
@@ -263,7 +367,7 @@ def soft_dice_backward(logits, labels, sums, eps=1e-5, dloss=1.0, parts=None):
     dL/dp_kv = -(1/K) (2 t_kv (P_k + T_k + eps) - (2 I_k + eps)) / (P_k + T_k + eps)^2,
     dL/dz_v  = p_v * (g_v - sum_k p_kv g_kv)   (softmax Jacobian-vector product).
     """
-    _check_logits_labels(logits, labels)
+    _check_logits_labels(logits, labels, parts=parts)
     xp = array_module(logits)
     num_classes = logits.shape[1]
     shape = (1, num_classes) + (1,) * (logits.ndim - 2)
@@ -283,14 +387,20 @@ def soft_dice_loss(logits, labels, eps=1e-5):
     return soft_dice_finish(sums, eps), soft_dice_backward(logits, labels, sums, eps, parts=parts)
 
 
-def dice_score_local_sums(logits, labels):
-    """[|pred_k & label_k|, |pred_k|, |label_k|] as float64 (3, K), pred = argmax over classes."""
-    _check_logits_labels(logits, labels)
+def dice_score_local_sums(logits, labels, parts=None):
+    """[|pred_k & label_k|, |pred_k|, |label_k|] as float64 (3, K), pred = argmax over classes
+    (``parts``: a ``SoftmaxParts`` that validated ``labels``, whose scan is then skipped)."""
+    _check_logits_labels(logits, labels, parts=parts)
     xp = array_module(logits)
     k = logits.shape[1]
-    pred = _argmax_classes(logits).reshape(-1)                      # (N * D * H * W,) class ids
     # the confusion matrix in one bincount: row = label, column = prediction
-    confusion = xp.bincount(labels.reshape(-1) * k + pred, minlength=k * k).reshape(k, k)
+    if blocked(logits):
+        confusion = numpy.sum(_voxel_blocks(
+            lambda z, y: numpy.bincount(y * k + _argmax_classes(z[None])[0], minlength=k * k),
+            logits, labels), axis=0).reshape(k, k)
+    else:
+        pred = _argmax_classes(logits).reshape(-1)                  # (N * D * H * W,) class ids
+        confusion = xp.bincount(labels.reshape(-1) * k + pred, minlength=k * k).reshape(k, k)
     counts = [xp.diagonal(confusion), confusion.sum(axis=0), confusion.sum(axis=1)]   # exact integers
     return xp.stack([c.astype(xp.float64) for c in counts])
 

@@ -178,8 +178,8 @@ class UNet3D(Model):
         """
         xp = array_module(out_local)
         k = self.num_classes
-        parts = SoftmaxParts(out_local)                  # one softmax for every piece
-        pieces = [dice_score_local_sums(out_local, target_local).reshape(-1)]          # (3K,)
+        parts = SoftmaxParts(out_local, target_local)   # one softmax (and label check) for every piece
+        pieces = [dice_score_local_sums(out_local, target_local, parts).reshape(-1)]   # (3K,)
         if "ce" in self.terms:
             pieces.append(cross_entropy_local_sums(out_local, target_local, self.class_weights,
                                                    parts))                             # (2,)
