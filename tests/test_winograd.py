@@ -167,6 +167,33 @@ def test_thread_counts_agree_and_repeat_bit_for_bit(monkeypatch):
         assert rel_err(results[threads][2], results["1"][2]) <= 1e-5
 
 
+@needs_torch
+def test_few_tiles_are_shared_among_the_workers(monkeypatch):
+    """A deep layer of few tiles (fewer than ``MIN_CHUNK_TILES``) is still cut into one chunk
+    per worker, so the workers share its GEMMs: the chunks cover every tile once, and 1, 2 and
+    3 workers give results equal to torch's in float64."""
+    assert winograd.chunks(4, (2, 2, 2), 1, 2**30, workers=1) == [(0, 4, 0, 2)]
+    for workers in (2, 3, 4, 8):
+        cut = winograd.chunks(4, (2, 2, 2), 1, 2**30, workers=workers)
+        assert len(cut) >= min(workers, 4 * 2)           # 8 rows of tiles (sample, depth)
+        hit = np.zeros((4, 2), int)
+        for n0, n1, d0, d1 in cut:
+            hit[n0:n1, d0:d1] += 1
+        assert (hit == 1).all()
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 6, 8, 8, 8))
+    w = rng.standard_normal((5, 6, 3, 3, 3))
+    dy = rng.standard_normal((4, 5, 8, 8, 8))
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    y_ref = torch.nn.functional.conv3d(xt, wt, padding=1)
+    y_ref.backward(torch.tensor(dy))
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        assert rel_err(conv3d(x, w, padding=1, algorithm=W), y_ref.detach().numpy()) <= 1e-10
+        dx, dw, _ = conv3d_backward(dy, x, w, padding=1, algorithm=W)
+        assert rel_err(dx, xt.grad.numpy()) <= 1e-10 and rel_err(dw, wt.grad.numpy()) <= 1e-10
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "+2", " 2x"])    # empty: unset
 def test_bad_thread_count_is_refused(monkeypatch, value):
     monkeypatch.setenv("REFIMPL_THREADS", value)

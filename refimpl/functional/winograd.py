@@ -217,15 +217,18 @@ TARGET_CHUNK_BYTES = 4 * 2**20
 MIN_CHUNK_TILES = 128
 
 
-def chunks(n_batch, tiles, per_tile_bytes, budget):
+def chunks(n_batch, tiles, per_tile_bytes, budget, workers=1):
     """Cut the ``N x td`` rows of tiles into chunks ``(n0, n1, d0, d1)`` of about
     ``TARGET_CHUNK_BYTES`` of work buffers (but ``MIN_CHUNK_TILES`` tiles, and
     within ``budget``): whole samples while they fit, else depth ranges of one
-    sample (at least one row of tiles)."""
+    sample (at least one row of tiles).  With several ``workers``, no more tiles per
+    chunk than gives each worker a chunk (a deep layer of few tiles: the workers, whose
+    BLAS runs on one thread, share its GEMMs; 128->256 @8^3, N=4, forward 42 -> 29 ms)."""
     td, th, tw = tiles
     want = max(MIN_CHUNK_TILES, TARGET_CHUNK_BYTES // per_tile_bytes)
     fit = max(1, min(want, budget // per_tile_bytes))            # tiles per chunk
     sample = td * th * tw
+    fit = max(1, min(fit, -(-n_batch * sample // max(1, workers))))
     if sample <= fit:
         nb = min(n_batch, fit // sample)
         return [(n0, min(n0 + nb, n_batch), 0, td) for n0 in range(0, n_batch, nb)]
@@ -296,7 +299,7 @@ class _Plan:
     def __init__(self, xp, dtype, n_batch, tiles, width, budget):
         per_tile = ALPHA ** 3 * width * numpy.dtype(dtype).itemsize * 3
         workers = _threads.thread_count(xp)
-        self.chunks = chunks(n_batch, tiles, per_tile, max(1, budget // workers))
+        self.chunks = chunks(n_batch, tiles, per_tile, max(1, budget // workers), workers)
         self.workers = min(workers, len(self.chunks))
         size = ALPHA ** 3 * max(_n_tiles(ch, tiles) for ch in self.chunks) * width
         self.bufs = [[xp.empty(size, dtype=dtype) for _ in range(3)] for _ in range(self.workers)]
