@@ -319,7 +319,7 @@ def test_relu_backwards_equal_the_where_form_bit_for_bit():
         x = rng.standard_normal(1000).astype(dtype)
         x[::7], x[1::11] = 0.0, -0.0
         dy = rng.standard_normal(1000).astype(dtype)
-        for slope in (0.01, 0.3, 1.0, 0.0):
+        for slope in (0.01, 0.3, 1.0, 0.0, 1.5, -0.2):          # max(m, slope) form; the other
             got = leaky_relu_backward(dy, x, slope)
             assert got.dtype == dtype
             np.testing.assert_array_equal(got, np.where(x > 0, dy, dy * dtype(slope)))
