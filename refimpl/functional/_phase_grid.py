@@ -74,6 +74,15 @@ def overlapping(k, stride, dilation):
     return any(s > 1 and (kk - 1) * dl >= s for kk, s, dl in zip(k, stride, dilation))
 
 
+def _axes(k, stride, dilation):
+    """Per axis the taps' ``(r, q)`` and the largest shift ``q``; None where the route does not
+    apply (no overlapping windows along a strided axis)."""
+    if not overlapping(k, stride, dilation):
+        return None
+    per_axis = [axis_taps(kk, s, dl) for kk, s, dl in zip(k, stride, dilation)]
+    return per_axis, [max(q for _, q in ax) for ax in per_axis]
+
+
 def fill_grid(dst, src, starts, steps):
     """``dst[..., j] = src[..., starts + j*steps]`` per spatial axis (the last three) where that
     index lies in ``src``, zero elsewhere: the one copy that builds every grid here (and
@@ -126,10 +135,10 @@ class ForwardPlan:
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, padding, dilation, out, budget,
               workers, tile_bytes):
-        if not overlapping(k, stride, dilation):
+        axes = _axes(k, stride, dilation)
+        if axes is None:
             return None
-        per_axis = [axis_taps(kk, s, dl) for kk, s, dl in zip(k, stride, dilation)]
-        qmax = [max(q for _, q in ax) for ax in per_axis]
+        per_axis, qmax = axes
         phases = sorted(set(product(*[sorted({r for r, _ in ax}) for ax in per_axis])))
         eh, ew = out[1] + qmax[1], out[2] + qmax[2]
         plane = eh * ew
@@ -139,6 +148,7 @@ class ForwardPlan:
             taps.append((phases.index((rd, rh, rw)), qd * plane + qh * ew + qw))
         kk = len(taps) * c
         item = dtype.itemsize
+
         def cost(slab, tile):
             return item * plane * (len(phases) * c * (slab + qmax[0] + 1) + (kk + f) * tile)
         sizes = _sizes(out[0], n_batch, workers, kk * plane * item, tile_bytes,
@@ -209,10 +219,10 @@ class InputGradPlan:
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, padding, dilation, in_spatial, budget,
               workers, tile_bytes):
-        if not overlapping(k, stride, dilation):
+        axes = _axes(k, stride, dilation)
+        if axes is None:
             return None
-        per_axis = [axis_taps(kk, s, dl) for kk, s, dl in zip(k, stride, dilation)]
-        qmax = [max(q for _, q in ax) for ax in per_axis]
+        per_axis, qmax = axes
         # inputs i = j*s + r - p: j in [0, J); per phase r the j with i in [0, n)
         jext = [(n - 1 + p) // s + 1 for n, s, p in zip(in_spatial, stride, padding)]
         gh, gw = jext[1] + qmax[1], jext[2] + qmax[2]

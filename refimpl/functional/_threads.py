@@ -17,7 +17,9 @@ bit-identical results, run after run.
 ``W`` is ``REFIMPL_THREADS`` when set (a positive integer; anything else is
 refused; empty means unset), else the number of threads BLAS would use (``OMP_NUM_THREADS`` /
 ``OPENBLAS_NUM_THREADS``, default: the cores), and 1 for CuPy arrays (the
-device runs its kernels in parallel already) or without ``threadpoolctl``.
+device runs its kernels in parallel already) or without ``threadpoolctl``.  Inside
+``blas_held_single`` (the conv functions, the models' passes) BLAS stays on one thread
+throughout and ``W`` is the count resolved on entry.
 """
 from __future__ import annotations
 
