@@ -182,11 +182,22 @@ def algorithm_note():
 #: Measured: our stride-2 forward 18.5 ms alone, 20.7 ms right after a torch conv, 18.8 ms
 #: after a torch conv and a 5 ms pause.
 SETTLE_S = 0.005
+#: Untimed calls of the same pass right before each timed one.  In training the passes follow
+#: each other with no pause; after one (a pause, the other side's call), a virtual machine's
+#: cores wake slowly for a few milliseconds (the host's halt polling shrinks while a core is
+#: idle).  Measured on a 2-core KVM guest (Zen 4), our stride-2 forward: 8 ms back to back,
+#: 13-16 ms for the first three or four calls after a 0.2 s pause; PyTorch's 2.5-3 ms after
+#: one call (its OpenMP threads spin between calls; ours wait on the GIL and a futex, so
+#: they wake the cores more often).  Both sides get the same warm-up.
+WARM_CALLS = 1
 
 
 def timed(fn):
     synchronize()
     time.sleep(SETTLE_S)
+    for _ in range(WARM_CALLS):
+        fn()
+    synchronize()
     t0 = time.perf_counter()
     fn()
     synchronize()

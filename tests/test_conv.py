@@ -8,6 +8,7 @@
 - the temporary-memory bound: tiny budgets give the same result, with many tiles.
 """
 import tracemalloc
+from itertools import product
 
 import numpy as np
 import pytest
@@ -568,11 +569,12 @@ def test_blas_is_held_to_one_thread_inside_the_conv_and_model_passes(monkeypatch
 def test_fill_grid_is_a_strided_placement(steps):
     """``fill_grid(dst, src, starts, steps)``: ``dst[..., j] = src[..., start + j*step]`` where
     that index is inside ``src``, zero elsewhere (negative starts, starts past the end, and a
-    ``dst`` longer or shorter than what ``src`` holds)."""
+    ``dst`` longer or shorter than what ``src`` holds); a contiguous ``dst`` (zeroed whole
+    first) and a strided one (its borders zeroed alone) alike."""
     rng = np.random.default_rng(sum(steps))
     src = rng.standard_normal((2, 7, 6, 5)) + 3.0
-    for starts in [(0, 0, 0), (-3, 2, -1), (5, -7, 4), (1, 1, 9)]:
-        dst = np.full((2, 4, 6, 3), np.nan)
+    for starts, strided in product([(0, 0, 0), (-3, 2, -1), (5, -7, 4), (1, 1, 9)], (False, True)):
+        dst = np.full((2, 4, 6, 6), np.nan)[..., ::2] if strided else np.full((2, 4, 6, 3), np.nan)
         _phase_grid.fill_grid(dst, src, starts, steps)
         ref = np.zeros_like(dst)
         for j in np.ndindex(*dst.shape[1:]):

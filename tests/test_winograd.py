@@ -194,6 +194,25 @@ def test_few_tiles_are_shared_among_the_workers(monkeypatch):
         assert rel_err(dx, xt.grad.numpy()) <= 1e-10 and rel_err(dw, wt.grad.numpy()) <= 1e-10
 
 
+@pytest.mark.parametrize("n_batch, tiles, budget_tiles", [(4, (2, 2, 2), 64), (4, (2, 2, 2), 8),
+                                                          (3, (5, 2, 2), 8), (2, (7, 3, 3), 9)])
+def test_overlap_waves_keep_neighbours_apart_and_run_whole_samples_together(n_batch, tiles,
+                                                                            budget_tiles):
+    """dx's chunks run in waves: every chunk in exactly one wave, no two chunks of one wave
+    next to each other along depth in the same sample (their 6-wide tiles would add into the
+    same planes), and chunks of whole samples all in the first wave (both workers busy)."""
+    cut = winograd.chunks(n_batch, tiles, 1, budget_tiles, workers=2)
+    waves = winograd.overlap_waves(cut)
+    assert sorted(ch for wave in waves for ch in wave) == sorted(cut)
+    for wave in waves:
+        for a in wave:
+            for b in wave:
+                if a is not b and a[:2] == b[:2]:
+                    assert a[3] != b[2] and b[3] != a[2], (a, b)
+    if all(ch[2] == 0 and ch[3] == tiles[0] for ch in cut):
+        assert waves == [cut]
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "+2", " 2x"])    # empty: unset
 def test_bad_thread_count_is_refused(monkeypatch, value):
     monkeypatch.setenv("REFIMPL_THREADS", value)
@@ -201,12 +220,20 @@ def test_bad_thread_count_is_refused(monkeypatch, value):
         _threads.thread_count()
 
 
-def test_worker_exception_propagates():
+@pytest.mark.parametrize("failing", [2, 3])
+def test_worker_exception_propagates(failing):
+    """A task's exception reaches the caller, whether it ran on the calling thread (worker 0:
+    even tasks) or on a pool thread; the other worker has finished its tasks by then."""
+    done = []
+
     def fail(worker, task):
-        if task == 3:
-            raise RuntimeError("chunk 3 failed")
-    with pytest.raises(RuntimeError, match="chunk 3 failed"):
+        if task == failing:
+            raise RuntimeError(f"chunk {task} failed")
+        done.append(task)
+    with pytest.raises(RuntimeError, match=f"chunk {failing} failed"):
         _threads.run(fail, list(range(6)), 2)
+    other = [t for t in range(6) if t % 2 != failing % 2]
+    assert set(other) <= set(done)
 
 
 # --------------------------------------------------------------- choosing the algorithm

@@ -5,7 +5,7 @@ threaded.  In a conv whose GEMMs are cheap (Winograd) those passes are most of
 the time, so with two cores PyTorch (whose kernels are all threaded) is twice
 as fast while we are not.  The work of a conv is cut into independent chunks
 anyway (to bound its temporaries); here ``W`` Python threads process the
-chunks, each with its own work buffers, while BLAS is limited to one thread so
+chunks (the calling thread is worker 0), each with its own work buffers, while BLAS is limited to one thread so
 the cores are not oversubscribed.  NumPy releases the GIL inside its copy,
 ufunc and BLAS loops, so the threads run in parallel.
 
@@ -113,8 +113,12 @@ def run(fn, tasks, workers):
             fn(w, task)
 
     def all_workers():
-        futures = [_pool.submit(serial, w) for w in range(workers)]
-        wait(futures)                       # every worker is done before anything is raised
+        # the calling thread is worker 0 (it is running already: one thread fewer to wake)
+        futures = [_pool.submit(serial, w) for w in range(1, workers)]
+        try:
+            serial(0)
+        finally:
+            wait(futures)                   # every worker is done before anything is raised
         for f in futures:
             f.result()
 
