@@ -257,10 +257,11 @@ def test_auto_choice():
     assert resolve_algorithm("auto", w, s1, d1, (16, 16, 16), full_dy=False) == "im2col"
     assert resolve_algorithm("im2col", w, s1, d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm(W, (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == W   # asked for: given
-    # wide layers on few tiles: the weight transform would outweigh the data
+    # wide layers on one tile: the weight transform would outweigh the GEMMs' savings
     big = (512, 256, 3, 3, 3)                            # C*F/(C+F) = 171
-    assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=1) == "im2col"     # 8 tiles
-    assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=8) == W            # 64 tiles
+    assert resolve_algorithm("auto", big, s1, d1, (4, 4, 4), n_batch=1) == "im2col"     # 1 tile
+    assert resolve_algorithm("auto", big, s1, d1, (4, 4, 4), n_batch=2) == W            # 2 tiles
+    assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=1) == W            # 8 tiles
 
 
 def test_algorithm_errors(monkeypatch):
@@ -353,3 +354,30 @@ def test_forward_and_backward_choose_apart(monkeypatch):
     dx_ref, dw_ref, _ = conv3d_backward(dy, x, w, padding=1, algorithm="im2col")
     assert rel_err(dx, dx_ref) <= 1e-12 and rel_err(dw, dw_ref) <= 1e-12
     assert rel_err(dw_alone, dw_ref) <= 1e-12
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size", [(1, 8, 12, 4), (2, 16, 20, 8), (1, 16, 8, 7), (3, 10, 10, 4)])
+def test_deep_layers_by_channel_blocks_match_torch(monkeypatch, n, c, f, size):
+    """Few tiles, many channels (tiles <= min(C, F)): forward, dx and dw by channel blocks,
+    equal to torch's in float64 for 1, 2 and 3 workers and for blocks of one channel up."""
+    tiles = winograd.tile_counts((size,) * 3)
+    assert winograd.by_channel_blocks(n, tiles, c, f)
+    rng = np.random.default_rng(c * f + size)
+    x = rng.standard_normal((n, c, size, size, size))
+    w = rng.standard_normal((f, c, 3, 3, 3))
+    b = rng.standard_normal(f)
+    dy = rng.standard_normal((n, f, size, size, size))
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    y_ref = torch.nn.functional.conv3d(xt, wt, torch.tensor(b), padding=1)
+    y_ref.backward(torch.tensor(dy))
+    for threads, block_bytes in (("1", 4 * 2**20), ("2", 1), ("3", 216 * 8 * 3)):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        monkeypatch.setattr(winograd, "CHANNEL_BLOCK_BYTES", block_bytes)
+        assert rel_err(conv3d(x, w, b, padding=1, algorithm=W), y_ref.detach().numpy()) <= 1e-10
+        dx, dw, _ = conv3d_backward(dy, x, w, padding=1, algorithm=W)
+        assert rel_err(dx, xt.grad.numpy()) <= 1e-10 and rel_err(dw, wt.grad.numpy()) <= 1e-10
+        dx_only, none = winograd.backward(dy, x, w, (1, 1, 1), 2**26, need_dw=False)
+        none2, dw_only = winograd.backward(dy, x, w, (1, 1, 1), 2**26, need_dx=False)
+        assert none is None and none2 is None
+        assert np.array_equal(dx_only, dx) and np.array_equal(dw_only, dw)

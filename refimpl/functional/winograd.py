@@ -70,9 +70,10 @@ rows of tiles of one sample, so that the three work buffers of
 bound as im2col; at least one row of tiles).  Besides those the functions
 allocate channels-last copies of their inputs and outputs (x and y; dy, x and dx:
 each the size of the array, padded to whole tiles) and the transformed weights
-``216 * C * F`` (and its gradient in the backward, never both at once for deep
-layers, see ``backward``).  The chunks run on the worker threads of ``_threads``,
-the budget shared among them.
+``216 * C * F`` (and its gradient in the backward, never both at once, see ``backward``);
+deep layers of few tiles (``by_channel_blocks``) hold instead ``V`` and ``dM`` of all tiles
+(no bigger than those) and one channel block's share per worker.  The chunks run on the
+worker threads of ``_threads``, the budget shared among them.
 """
 from __future__ import annotations
 
@@ -138,25 +139,25 @@ MIN_CHANNEL_PRODUCT_RATIO = 5.0
 MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
 
 
-#: ... and only where the transformed weights (216 C F) are not much bigger than the
-#: transformed data (216 T (C + F)): T >= C F / (C + F) / this.  Measured: 256->512 on
-#: one 8^3 sample (T = 8, ratio 21) runs at 0.56x PyTorch with Winograd and 1.2x with
-#: im2col; 128->256 on four 8^3 samples (T = 32, ratio 2.7) 1.09x with Winograd.
-MAX_WEIGHT_TO_DATA_RATIO = 4.0
+#: ... and only for at least this many tiles: on one tile the weight transform (as many
+#: passes as products) outweighs what the GEMMs save.  Measured (2-core Zen 4 VM, 2 threads,
+#: fwd + dx + dw, the deep layers by channel blocks): 256->512 @4^3 on one sample (1 tile)
+#: 84 ms with Winograd, 42 with im2col; on two (2 tiles) 38 against 56; 256->512 @8^3 on one
+#: sample (8 tiles) 46 against 110.
+MIN_TILES = 2
 
 
 def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
     output, the channels are wide enough for the saved flops to pay for the transforms
     (``MIN_CHANNEL_PRODUCT_RATIO``, or ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against
-    im2col's flipped-kernel input gradient), and there are enough tiles for the weight
-    transform to pay for itself (``MAX_WEIGHT_TO_DATA_RATIO``)."""
+    im2col's flipped-kernel input gradient), and there are ``MIN_TILES`` tiles or more
+    (deep layers of few tiles run by channel blocks, ``by_channel_blocks``)."""
     h = c * f / (c + f)
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
     least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
-    return (multiplies_per_output(out_spatial) <= 27 / 2 and h >= least
-            and t * MAX_WEIGHT_TO_DATA_RATIO >= h)
+    return multiplies_per_output(out_spatial) <= 27 / 2 and h >= least and t >= MIN_TILES
 
 
 # ------------------------------------------------------------------- separable transforms
@@ -333,6 +334,155 @@ def _input_tiles(xcl, chunk, tiles, bt, bufs, c):
     return _transform(bt, bufs[0], bufs[1], t * c).reshape(ALPHA ** 3, t, c)
 
 
+# ------------------------------------------------------- deep layers: by channel blocks
+#
+# A deep layer of few tiles (8^3 blocks of 128-512 channels) is dominated by the weight-sized
+# arrays: ``U`` (216 C F, 8x the weight) and, in the backward, ``dU``.  Formed whole they are
+# streamed through memory several times (written, read by every chunk's GEMM, summed over the
+# workers, transformed back), and the weight transform ran on one thread.  Cut along a channel
+# axis instead, every piece of them stays in the cache and the workers share the pieces:
+#
+#     forward:  per block of filters b:   M_b = V @ U_b,           y[..., b]  = A-transform of M_b
+#     dx:       per block of channels b:  dV_b = dM @ U_b^T,       dx[..., b] = overlap-add of the B-adjoint of dV_b
+#     dw:       per block of filters b:   dU_b = dM[..., b]^T @ V,  dw[b]      = G-adjoint of dU_b
+#
+# with ``U_b`` transformed from the block's slice of ``w`` right before its GEMM, and ``V`` (216,
+# T, C) and ``dM`` (216, T, F) of *all* tiles formed once (the chunks in parallel): small here,
+# since they are taken only where they are no bigger than ``U``.  No block writes where another
+# does (disjoint channels), so there is no reduction over workers and no wave order.  The sums
+# are the same products in the same order per output: exact in float64, as before.  Measured
+# (2-core Zen 4 VM, 1 thread, 128->256 @8^3, N=4): the weight transform then the GEMMs 5.1 + 7.0
+# ms, by blocks of 32 filters 7.0 ms for both.
+
+#: Bytes of one channel block's transformed weights (216 x C x block): cache-sized.
+CHANNEL_BLOCK_BYTES = 4 * 2**20
+
+
+#: ... but input-gradient blocks of at least this many channels: their overlap-add into the
+#: channels-last ``dx`` runs over ``block`` contiguous elements at a time (measured, 256->512
+#: @8^3 N=4, 2 threads: blocks of 9 channels dx 54 ms, of 37 42 ms).
+DX_BLOCK_CHANNELS = 32
+
+
+def by_channel_blocks(n_batch, tiles, c, f):
+    """Whether a layer takes the channel-block route: ``V`` and ``dM`` of all tiles (216 T C and
+    216 T F) no bigger than the transformed weights ``U`` (216 C F), i.e. ``T <= min(C, F)``:
+    a deep layer of few tiles."""
+    return n_batch * tiles[0] * tiles[1] * tiles[2] <= min(c, f)
+
+
+def _blocks(total, other, itemsize, workers, least=1):
+    """Ranges ``(b0, b1)`` of a channel axis of ``total``: about ``CHANNEL_BLOCK_BYTES`` of
+    transformed weights each (216 x ``other`` x block) but ``least`` channels, at least one
+    block per worker."""
+    size = max(least, CHANNEL_BLOCK_BYTES // (ALPHA ** 3 * other * itemsize))
+    size = max(1, min(size, -(-total // max(1, workers))))
+    return [(b0, min(b0 + size, total)) for b0 in range(0, total, size)]
+
+
+def _all_tiles(plan, tiles, width, fill):
+    """(216, T, width) of every tile: ``fill(worker, chunk)`` returns a chunk's (216, t, width)
+    (in its work buffers), copied to the chunk's range of tiles; the chunks in parallel."""
+    xp = array_module(plan.bufs[0][0])
+    starts, t0 = [], 0
+    for ch in plan.chunks:
+        starts.append(t0)
+        t0 += _n_tiles(ch, tiles)
+    out = xp.empty((ALPHA ** 3, t0, width), dtype=plan.bufs[0][0].dtype)
+
+    def one(worker, i):
+        ch = plan.chunks[i]
+        out[:, starts[i]:starts[i] + _n_tiles(ch, tiles)] = fill(worker, ch)
+    _threads.run(one, list(range(len(plan.chunks))), plan.workers)
+    return out
+
+
+def _whole(n_batch, tiles):
+    """The chunk of every tile."""
+    return (0, n_batch, 0, tiles[0])
+
+
+def _block_buffers(xp, dtype, t, blocks, workers):
+    """Per worker two flat work buffers of 216 x ``t`` x the widest block."""
+    size = ALPHA ** 3 * t * max(b1 - b0 for _, (b0, b1) in blocks)
+    return [[xp.empty(size, dtype=dtype) for _ in range(2)] for _ in range(workers)]
+
+
+def _forward_by_filter_blocks(xcl, w, ycl, tiles, plan, mats):
+    """The forward by blocks of filters into the channels-last ``ycl`` (see above)."""
+    xp = array_module(xcl, w)
+    bt, g, at = mats
+    f, c = w.shape[:2]
+    n_b = xcl.shape[0]
+    v = _all_tiles(plan, tiles, c, lambda worker, ch: _input_tiles(
+        xcl, ch, tiles, bt, plan.bufs[worker][:2], c))                # V (216, T, C)
+    t = v.shape[1]
+    whole = _whole(n_b, tiles)
+    blocks = _blocks(f, c, w.dtype.itemsize, plan.workers)
+    workers = min(plan.workers, len(blocks))
+    bufs = _block_buffers(xp, w.dtype, t, [(None, b) for b in blocks], workers)
+
+    def one(worker, block):
+        f0, f1 = block
+        b0, b1 = bufs[worker]
+        ub = _weight_transform(g, w[f0:f1])                             # (216, C, fb)
+        xp.matmul(v, ub, out=b0[:ALPHA ** 3 * t * (f1 - f0)].reshape(ALPHA ** 3, t, f1 - f0))
+        yt = _transform(at, b0, b1, t * (f1 - f0))                      # (4, 4, 4, T, fb)
+        view = _tile_view(xp, ycl[..., f0:f1], whole, tiles, M_OUT)
+        view[...] = yt.reshape(view.shape)
+    _threads.run(one, blocks, workers)
+
+
+def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
+    """dx (added into the channels-last ``dxcl``, when given) by blocks of input channels and
+    dw (returned, when ``xcl`` is given) by blocks of filters (see above)."""
+    xp = array_module(dycl, w)
+    bt, g, at = mats
+    f, c = w.shape[:2]
+    n_b = dycl.shape[0]
+
+    def dm_of(worker, ch):
+        b0, b1, _ = plan.bufs[worker]
+        view = _tile_view(xp, dycl, ch, tiles, M_OUT)                   # (4, 4, 4, nb, tdc, th, tw, F)
+        t = _n_tiles(ch, tiles)
+        b0[:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
+        return _transform(at.T, b0, b1, t * f).reshape(ALPHA ** 3, t, f)
+    dm = _all_tiles(plan, tiles, f, dm_of)                              # dM (216, T, F)
+    v = None if xcl is None else _all_tiles(plan, tiles, c, lambda worker, ch: _input_tiles(
+        xcl, ch, tiles, bt, plan.bufs[worker][:2], c))                # V (216, T, C)
+    t = dm.shape[1]
+    whole = _whole(n_b, tiles)
+    tasks = []
+    if dxcl is not None:
+        tasks += [("dx", b) for b in _blocks(c, f, w.dtype.itemsize, plan.workers, DX_BLOCK_CHANNELS)]
+    if v is not None:
+        tasks += [("dw", b) for b in _blocks(f, c, w.dtype.itemsize, plan.workers)]
+        dw = xp.empty(w.shape, dtype=w.dtype)
+    workers = min(plan.workers, len(tasks))
+    bufs = _block_buffers(xp, w.dtype, t, [tk for tk in tasks if tk[0] == "dx"] or [(None, (0, 1))],
+                          workers)
+
+    def one(worker, task):
+        kind, (a0, a1) = task
+        b0, b1 = bufs[worker]
+        if kind == "dw":
+            dut = xp.matmul(dm[:, :, a0:a1].transpose(0, 2, 1), v)         # dU_b^T (216, fb, C)
+            dw[a0:a1] = _weight_transform_adjoint(g, dut)
+            return
+        ub = _weight_transform(g, w[:, a0:a1])                          # (216, cb, F)
+        dv = b0[:ALPHA ** 3 * t * (a1 - a0)].reshape(ALPHA ** 3, t, a1 - a0)
+        xp.matmul(dm, ub.transpose(0, 2, 1), out=dv)                    # dV_b (216, T, cb)
+        dg = _transform(bt.T, b0, b1, t * (a1 - a0))                    # (6, 6, 6, T, cb)
+        target = dxcl[..., a0:a1]
+        dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, target, whole, tiles, ALPHA).shape[3:])
+        for box in OVERLAP_BOXES:
+            offset = tuple(sl.start for sl in box)
+            ext = tuple(sl.stop - sl.start for sl in box)
+            _tile_view(xp, target, whole, tiles, ext, offset)[...] += dg[box]
+    _threads.run(one, tasks, workers)
+    return dw if v is not None else None
+
+
 # ----------------------------------------------------------------------------- the ops
 
 def forward(x, w, padding, out_spatial, budget, bias=None):
@@ -343,9 +493,13 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
     tiles = tile_counts(out_spatial)
     bt, g, at = matrices(xp, x.dtype)
     plan = _Plan(xp, x.dtype, n_b, tiles, max(c, f), budget)
-    u = _weight_transform(g, w)                                      # (216, C, F)
     xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers)  # (N, 4td+2, .., C)
     ycl = xp.empty((n_b,) + tuple(M_OUT * t for t in tiles) + (f,), dtype=x.dtype)
+    od, oh, ow = out_spatial
+    if by_channel_blocks(n_b, tiles, c, f):
+        _forward_by_filter_blocks(xcl, w, ycl, tiles, plan, (bt, g, at))
+        return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers, bias)
+    u = _weight_transform(g, w)                                      # (216, C, F)
 
     def one(worker, chunk):
         b0, b1, b2 = plan.bufs[worker]
@@ -356,7 +510,6 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
         view = _tile_view(xp, ycl, chunk, tiles, M_OUT)
         view[...] = yt.reshape(view.shape)
     _threads.run(one, plan.chunks, plan.workers)
-    od, oh, ow = out_spatial
     return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers, bias)
 
 
@@ -384,6 +537,13 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers) if need_dw else None
     dxcl = (xp.zeros((n_b,) + tuple(M_OUT * t + ALPHA - M_OUT for t in tiles) + (c,),
                      dtype=dy.dtype) if need_dx else None)
+    if by_channel_blocks(n_b, tiles, c, f):
+        dw = _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, (bt, g, at))
+        dx = None
+        if need_dx:
+            box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
+            dx = to_ncdhw(dxcl[(slice(None),) + box], plan.workers)
+        return dx, dw
     # dU^T (216, F, C), one accumulator per worker (summed in worker order at the end); a
     # worker's first chunk writes it directly (no (216, F, C) temporary)
     duts = [None] * plan.workers
