@@ -777,3 +777,45 @@ def test_host_flipped_kernel_input_grad_matches_torch(case, seed, data):
     assert rel_err(dx, dx_ref) <= RTOL and rel_err(dw, dw_ref) <= RTOL
     assert rel_err(conv3d_input_grad(dy, w, x.shape, c["s"], c["p"], c["d"], algorithm="im2col"),
                    dx_ref) <= RTOL
+
+
+# ------------------------------------------ windows that tile the input (k = s, no padding)
+
+TILING_CASES = [   # n, c, f, size, k
+    (2, 3, 4, (8, 6, 10), (2, 2, 2)),          # the U-Net's k2 s2
+    (1, 4, 3, (9, 7, 11), (2, 2, 2)),          # odd extents: the last input plane is read by no window
+    (2, 2, 5, (6, 5, 9), (3, 1, 2)),           # a different kernel per axis, one of size 1
+    (1, 3, 2, (4, 4, 4), (1, 1, 1)),           # 1x1x1: one GEMM per tile
+]
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, k", TILING_CASES)
+def test_windows_that_tile_the_input_match_torch(n, c, f, size, k, monkeypatch):
+    """Where kernel = stride, no padding, no dilation, dx (and conv_transpose3d's forward) is
+    written tap by tap from one GEMM per tile: equal to torch to 1e-10 in float64, with 1, 2
+    and 3 workers (the same bits), with tiles of single rows (a small budget), and zero where
+    no window reads."""
+    assert _im2col.windows_tile(k, k, (0, 0, 0), (1, 1, 1))
+    assert not _im2col.windows_tile(k, k, (1, 0, 0), (1, 1, 1))
+    assert not _im2col.windows_tile((3, 3, 3), (2, 2, 2), (0, 0, 0), (1, 1, 1))
+    rng = np.random.default_rng(sum(size) + sum(k))
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    out = tuple(window_out_size(a, b, b, 0, 1) for a, b in zip(size, k))
+    dy = rng.standard_normal((n, f) + out)
+    _, dx_ref, dw_ref, _ = torch_conv(x, w, np.zeros(f), dy, k, (0, 0, 0), (1, 1, 1))
+    runs = {}
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        runs[threads] = conv3d_input_grad(dy, w, x.shape, k, 0, algorithm="im2col")
+        assert np.array_equal(runs[threads], runs["1"])
+    assert rel_err(runs["1"], dx_ref) <= RTOL
+    dx, dw, _ = conv3d_backward(dy, x, w, k, 0, algorithm="im2col")
+    assert rel_err(dx, dx_ref) <= RTOL and rel_err(dw, dw_ref) <= RTOL
+    row = c * k[0] * k[1] * k[2] * out[2] * 8                       # one output row of Z
+    assert rel_err(conv3d_input_grad(dy, w, x.shape, k, 0, max_temp_bytes=row), dx_ref) <= RTOL
+    t_ref = torch_conv_t(dy, w, np.zeros(c), rng.standard_normal(x.shape), k, (0, 0, 0),
+                         tuple(a - o * b for a, o, b in zip(size, out, k)), (1, 1, 1))[0]
+    op = tuple(a - o * b for a, o, b in zip(size, out, k))
+    assert rel_err(conv_transpose3d(dy, w, None, k, 0, op), t_ref) <= RTOL

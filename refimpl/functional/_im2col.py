@@ -208,6 +208,8 @@ class _Plan:
         self.out = tuple(out)
         rows = self.kk if channel_blocks is None else -(-c // channel_blocks) * (self.kk // c)
         pos = tile_positions(out, rows, f, dtype.itemsize, max(1, budget // max(1, workers)))
+        if channel_blocks is None:          # a tile per worker at least (small layers: 2 x 16^3)
+            pos = min(pos, max(1, -(-n_batch * out[0] * out[1] * out[2] // max(1, workers))))
         self.tiles, tpos = tiles(n_batch, out, pos)
         self.workers = max(1, min(workers, len(self.tiles)) if channel_blocks is None else workers)
         multi = any(t[1] - t[0] > 1 for t in self.tiles)
@@ -341,6 +343,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     workers = _threads.thread_count(xp)
+    if need_dx and windows_tile(k, stride, padding, dilation):
+        dx = input_grad_without_overlap(dy, w, tuple(x.shape), budget)
+        return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
+                    if need_dw else None)
     if need_dx and dy.size and x.shape[0] * c:
         by_phases = _phase_grid.InputGradPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding,
                                                     dilation, tuple(x.shape[2:]), budget, workers,
@@ -394,6 +400,61 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
     return dx, _sum_transposed(dwts, w.shape)
+
+
+# ---------------------------------------------- windows that tile the input: no col2im adds
+
+def windows_tile(k, stride, padding, dilation):
+    """Whether the windows of a conv tile its input: kernel = stride on every axis, no padding,
+    no dilation (the U-Net's k2 s2 down- and up-sampling).  Then every input position is read
+    by at most one (output, tap) pair."""
+    return (tuple(k) == tuple(stride) and not any(padding) and all(d == 1 for d in dilation))
+
+
+def input_grad_without_overlap(dy, w, input_shape, budget):
+    """``dx`` of a conv whose windows tile the input (``windows_tile``), and so the forward of
+    the matching transposed conv.  Input ``i = j*k + t`` is read only by output ``j`` through
+    tap ``t``, so per tile of outputs
+
+        Z (C*T, M) = W^T (C*T, F) @ dy (F, M),     dx[c, j*k + t] = Z[(c, t), j]
+
+    and each of the ``T`` taps' rows is *written* into ``dx`` with one strided copy (step
+    ``k``): no zeroed ``dx`` and no col2im adds (three times slower measured: a 2 x 32 x 32^3
+    ``dx`` written tap by tap 0.7 ms per sample, zeroed and added 2.1).  Inputs past the last
+    window (an odd extent) are zero.  The tiles (of whole planes or rows of one sample) write
+    disjoint parts of ``dx`` and run on the worker threads; each worker's ``Z`` buffer is
+    within its share of ``budget`` (one output row at least)."""
+    xp = array_module(dy, w)
+    n_b, f = dy.shape[:2]
+    c, k = w.shape[1], tuple(w.shape[2:])
+    taps = k[0] * k[1] * k[2]
+    out = tuple(dy.shape[2:])
+    dx = xp.empty(tuple(input_shape), dtype=dy.dtype)
+    for ax, (kk, j, n) in enumerate(zip(k, out, input_shape[2:])):
+        if n > kk * j:                                     # inputs no window reads
+            dx[(slice(None),) * (2 + ax) + (slice(kk * j, n),)] = 0
+    if not (dy.size and dx.size):
+        return dx
+    workers = _threads.thread_count(xp)
+    wt = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, c * taps).T)   # (C*T, F)
+    per_worker = max(1, budget // max(1, workers))
+    positions = max(out[2], min(out[0] * out[1] * out[2], per_worker // (c * taps * dy.dtype.itemsize)))
+    positions = min(positions, max(out[2], -(-n_b * out[0] * out[1] * out[2] // max(1, workers))))
+    cut, most = tiles(n_b, out, positions)
+    workers = max(1, min(workers, len(cut)))
+    bufs = [xp.empty(c * taps * most, dtype=dy.dtype) for _ in range(workers)]
+
+    def one(worker, tile):
+        n, _, d0, d1, h0, h1 = tile
+        dyv = _fm_view(dy, tile)                                        # (F, M)
+        z = bufs[worker][:c * taps * dyv.shape[1]].reshape(c * taps, -1)
+        xp.matmul(wt, dyv, out=z)
+        z = z.reshape((c,) + k + (d1 - d0, h1 - h0, out[2]))            # (C, kd, kh, kw, nd, nh, Jw)
+        for a, b, e in product(range(k[0]), range(k[1]), range(k[2])):
+            dx[n, :, d0 * k[0] + a:d1 * k[0]:k[0], h0 * k[1] + b:h1 * k[1]:k[1],
+               e:out[2] * k[2]:k[2]] = z[:, a, b, e]
+    _threads.run(one, cut, workers)
+    return dx
 
 
 # --------------------------------------------------------- stride 1: dx as a forward conv
