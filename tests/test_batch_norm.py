@@ -137,3 +137,41 @@ def test_bad_arguments_raise(call, match):
     x = np.random.default_rng(6).standard_normal((2, 3, 2, 2, 2))
     with pytest.raises(ValueError, match=match):
         call(x, np.ones(3))
+
+
+@pytest.mark.parametrize("shape, block", [((2, 5, 4, 6, 7), 64),      # rows of 64 voxels, 1 channel
+                                          ((3, 7, 2, 3, 4), 100),     # 24 voxels: 4 channels a block
+                                          ((1, 6, 3, 3, 3), 27)])     # one channel's sample a block
+def test_blocks_of_channels_and_voxels_cover_once_and_agree(shape, block, monkeypatch):
+    """The passes run over blocks of channels x voxels (long rows); every element lies in
+    exactly one block, and the sums, y and dx equal the unblocked ones (float64, to 1e-13),
+    bit for bit across 1, 2 and 3 worker threads."""
+    from refimpl.functional import batch_norm as bn
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape) * 3 + 1.5
+    dy = rng.standard_normal(shape)
+    gamma, beta = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])
+    whole = (batch_norm3d(x, gamma, beta)[0],) + batch_norm3d_backward(dy, batch_norm3d(x, gamma, beta)[1])
+    monkeypatch.setattr(bn, "BLOCK_ELEMENTS", block)
+    blocks = bn._channel_blocks(x)
+    assert len(blocks) > shape[0]
+    hit = np.zeros(shape, int)
+    for channels, (view,) in blocks:
+        assert view.shape[0] == len(range(*channels.indices(shape[1]))) and view.size <= max(block, 1)
+        view_hits = hit.reshape(shape[0], shape[1], -1)
+        for i in range(shape[0]):
+            if np.shares_memory(view, x.reshape(shape[0], shape[1], -1)[i]):
+                offset = (view.__array_interface__["data"][0] - x.__array_interface__["data"][0]) // 8
+                c0, v0 = divmod(offset - i * x[0].size, x[0, 0].size)
+                view_hits[i, c0:c0 + view.shape[0], v0:v0 + view.shape[1]] += 1
+    assert (hit == 1).all()
+    runs = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        y, cache = batch_norm3d(x, gamma, beta)
+        runs.append((y,) + batch_norm3d_backward(dy, cache))
+    for run in runs:
+        for a, b in zip(run, runs[0]):
+            assert np.array_equal(a, b)
+    for a, b in zip(runs[0], whole):
+        assert rel_err(a, b) <= 1e-13
