@@ -35,10 +35,11 @@ def run(cmd, timeout=180):
 def test_driver_bytes_match_plan_and_hand_count(tmp_path):
     out = tmp_path / "spatial.json"
     proc = run([sys.executable, str(SCRIPT), "--ranks", "1,2", "--split", "slab", "--size", "16",
-                "--channels", "2,3,4", "--json", str(out)])
+                "--channels", "2,3,4", "--rounds", "2", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    one, two = report["rows"]
+    assert report["rounds"] == 2 and "P=2 done" in proc.stdout and "round 2)" in proc.stdout
+    one, two = report["rows"]                          # each P's fastest of its two runs
     assert (one["ranks"], one["grid"], two["ranks"], two["grid"]) == (1, [1, 1, 1], 2, [2, 1, 1])
     # slab of 2: each conv (k3, p1) sends one boundary plane forward and gets one back in the
     # adjoint, C_in * S^2 float32 each way; the pools (k2, s2) on even blocks exchange nothing
@@ -67,6 +68,11 @@ def test_mpiexec_mode_uneven_blocks_with_pool_halos(tmp_path):
     conv_only = 2 * 4 * (2 * 13 * 13 + 3 * 6 * 6)      # rank 0: one plane to rank 1 per conv, each way
     assert rows[0]["bytes_sent"] > conv_only             # plus the pool halo it serves to rank 1
     assert report["bytes_match"] and report["oversubscribed"] == (3 > report["cores"])
+
+
+def test_bad_rounds_are_refused():
+    proc = run([sys.executable, str(SCRIPT), "--ranks", "1", "--rounds", "0"], timeout=60)
+    assert proc.returncode == 2 and "--rounds must be a positive integer, got 0" in proc.stderr
 
 
 def test_bad_grid_fails_cleanly():
