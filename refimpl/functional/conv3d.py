@@ -19,9 +19,9 @@ Two algorithms, picked per call by ``algorithm=``:
   chunked work buffers obey ``max_temp_bytes``; it also copies the input and
   output once in channels-last order.
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
-  the multiplications, the channels are not too narrow and there are enough
+  the multiplications, the channels are not too narrow and there are at least two
   tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 5,
-  >= 6 for an input gradient im2col takes by the flipped kernel, and <= 4 x tiles),
+  >= 6 for an input gradient im2col takes by the flipped kernel, ``MIN_TILES``),
   else im2col.  The forward and the backward of a layer choose apart.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
