@@ -245,7 +245,10 @@ def test_auto_choice():
     assert resolve_algorithm("auto", w, s1, d1, (3, 3, 3), n_batch=2) == W   # 216/27 = 8 per output
     assert resolve_algorithm("auto", w, s1, d1, (2, 2, 2)) == "im2col"   # 216/8 = 27: no gain
     assert resolve_algorithm("auto", (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"   # too narrow
-    assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 4.0 < 5
+    assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3) == W           # 4.0
+    assert resolve_algorithm("auto", (8, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.4 < 4
+    # a weight gradient takes Winograd at any width
+    assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
     # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 6
     assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3) == W          # 5.3
     assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,
@@ -334,22 +337,36 @@ def test_auto_picks_im2col_on_a_device():
 
 
 def test_forward_and_backward_choose_apart(monkeypatch):
-    """16 -> 8 (C*F/(C+F) = 5.3, F <= C): the forward runs Winograd, the backward im2col (its dx
-    by the flipped kernel measured faster there); the weight gradient alone, which has no
-    flipped-kernel dx to beat, runs Winograd.  Same numbers as the plain sum in float64."""
+    """16 -> 8 (C*F/(C+F) = 5.3, F <= C): the forward runs Winograd; in the backward dx runs
+    im2col (by the flipped kernel, measured faster there) and dw Winograd, each on its own
+    (and so does the weight gradient alone); 4 -> 2 (1.3): the forward im2col, dw Winograd.
+    Same numbers as the plain sum in float64."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 16, 9, 8, 7))
     w = rng.standard_normal((8, 16, 3, 3, 3))
     dy = rng.standard_normal((2, 8, 9, 8, 7))
     calls = []
-    for name in ("forward", "backward"):
-        real = getattr(winograd, name)
-        monkeypatch.setattr(winograd, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    real_forward, real_backward = winograd.forward, winograd.backward
+
+    def forward(*a, **k):
+        calls.append("forward")
+        return real_forward(*a, **k)
+
+    def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
+        calls.append(("backward", need_dx, need_dw))        # which gradients Winograd computes
+        return real_backward(dy, x, w, padding, budget, need_dx, need_dw)
+    monkeypatch.setattr(winograd, "forward", forward)
+    monkeypatch.setattr(winograd, "backward", backward)
     y = conv3d(x, w, padding=1)
     dx, dw, _ = conv3d_backward(dy, x, w, padding=1)
-    assert calls == ["forward"]
+    assert calls == ["forward", ("backward", False, True)]
     dw_alone = conv3d_weight_grad(dy, x, w.shape, padding=1)
-    assert calls == ["forward", "backward"]
+    assert calls[2:] == [("backward", False, True)]
+    del calls[:]
+    narrow_w = rng.standard_normal((2, 4, 3, 3, 3))
+    conv3d(x[:, :4], narrow_w, padding=1)
+    conv3d_backward(dy[:, :2], x[:, :4], narrow_w, padding=1)
+    assert calls == [("backward", False, True)]
     assert rel_err(y, conv3d(x, w, padding=1, algorithm="im2col")) <= 1e-12
     dx_ref, dw_ref, _ = conv3d_backward(dy, x, w, padding=1, algorithm="im2col")
     assert rel_err(dx, dx_ref) <= 1e-12 and rel_err(dw, dw_ref) <= 1e-12

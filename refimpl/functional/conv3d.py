@@ -57,7 +57,7 @@ def algorithm_setting():
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False, versus_flipped=False):
+                      n_batch=1, on_device=False, versus_flipped=False, weight_grad=False):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
@@ -66,7 +66,8 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     building blocks of transposed conv with output_padding): im2col only.
     ``versus_flipped=True`` when the choice is for an input gradient that im2col would
     compute as the conv with the flipped kernel (``_im2col.flipped_kernel_pays``): "auto"
-    then asks Winograd to beat that (``winograd.worthwhile``).
+    then asks Winograd to beat that (``winograd.worthwhile``); ``weight_grad=True`` when it is
+    for a weight gradient (its own threshold).
     """
     source = "algorithm"
     if algorithm is None:
@@ -83,7 +84,7 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
         if on_device:          # measured on an H100: Winograd's many small passes lose 10-20x there
             return "im2col"
         wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch,
-                                   versus_flipped)
+                                   versus_flipped, weight_grad)
         return "winograd" if fits and wide else "im2col"
     return algorithm
 
@@ -155,13 +156,21 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
 @_threads.blas_held_single()
 def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
-    None; ``x`` may then be only a shape, ``w`` likewise), by the picked algorithm."""
+    None; ``x`` may then be only a shape, ``w`` likewise), by the algorithm picked for each
+    (together, sharing their passes, where both pick the same)."""
     device = on_device(dy)
     flipped = need_dx and _im2col.flipped_kernel_pays(dy, w, x.shape, s, budget, device)
-    if resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
-                         device, flipped) == "winograd":
-        return winograd.backward(dy, x, w, p, budget, need_dx, need_dw)
-    return _im2col.backward(dy, x, w, s, p, dl, budget, need_dx, need_dw, flipped)
+    pick = {kind: resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
+                                    device, flipped and kind == "dx", kind == "dw")
+            for kind, needed in (("dx", need_dx), ("dw", need_dw)) if needed}
+
+    def run(algo, want_dx, want_dw):
+        if algo == "winograd":
+            return winograd.backward(dy, x, w, p, budget, want_dx, want_dw)
+        return _im2col.backward(dy, x, w, s, p, dl, budget, want_dx, want_dw, flipped and want_dx)
+    if len(set(pick.values())) <= 1:
+        return run(next(iter(pick.values()), "im2col"), need_dx, need_dw)
+    return run(pick["dx"], True, False)[0], run(pick["dw"], False, True)[1]
 
 
 def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):

@@ -126,17 +126,22 @@ def multiplies_per_output(out_spatial):
 
 
 #: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
-#: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F; measured
-#: (fwd + bwd, 32^3, 1 and 2 threads, Intel AVX-512) im2col is as fast or faster for 4->16
-#: and 4->32 (3.2, 3.6), Winograd 1.7-4x faster from 8->16 (5.3) on; on a 2-core AMD EPYC
-#: VM (2 threads) im2col's forward of 8->8 (4.0) is 5-20 % faster at 32^3 and 64^3.
-MIN_CHANNEL_PRODUCT_RATIO = 5.0
+#: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F.  Measured
+#: (fwd, N=2-4, 2 threads, 2-core Zen 4 VM with AVX-512): im2col's forward as fast or faster
+#: for 1->4 (0.8), 4->4 (2.0), 4->16 and 4->32 (3.2, 3.6) at 64^3, Winograd's 25-30 % faster
+#: for 8->8 (4.0) at 32^3 and 64^3.  (On a Zen 1 VM without AVX-512 the crossing was at 5.)
+MIN_CHANNEL_PRODUCT_RATIO = 4.0
 
 #: ... and for an input gradient that im2col computes as the conv with the flipped kernel
 #: (stride 1, F <= C: one gather and one GEMM per tile, ``_im2col.flipped_kernel_pays``),
-#: only from this ratio on: measured (dx + dW, 2 threads, AMD EPYC VM) im2col 11-17 % faster
-#: for 8->8 and 16->8 (4.0, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0).
+#: only from this ratio on: measured (dx, 2 threads) im2col 25-45 % faster for 4->4, 8->4 and
+#: 16->8 (2.0, 2.7, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0).
 MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
+
+#: ... and for a weight gradient from this ratio on (any width): measured (dw, 2 threads, Zen 4)
+#: Winograd 20-40 % faster for 1->4, 1->8, 2->4, 4->4 and 8->8 at 64^3 (im2col's columns of
+#: few channels cost more than the transforms there), within 7 % of im2col for 4->16 and 4->32.
+MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD = 0.0
 
 
 #: ... and only for at least this many tiles: on one tile the weight transform (as many
@@ -147,16 +152,18 @@ MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
 MIN_TILES = 2
 
 
-def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False):
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False, weight_grad=False):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
     output, the channels are wide enough for the saved flops to pay for the transforms
-    (``MIN_CHANNEL_PRODUCT_RATIO``, or ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against
-    im2col's flipped-kernel input gradient), and there are ``MIN_TILES`` tiles or more
-    (deep layers of few tiles run by channel blocks, ``by_channel_blocks``)."""
+    (``MIN_CHANNEL_PRODUCT_RATIO``; ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against im2col's
+    flipped-kernel input gradient; ``MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD`` for a weight
+    gradient), and there are ``MIN_TILES`` tiles or more (deep layers of few tiles run by
+    channel blocks, ``by_channel_blocks``)."""
     h = c * f / (c + f)
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
-    least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
+    least = (MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD if weight_grad else
+             MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO)
     return multiplies_per_output(out_spatial) <= 27 / 2 and h >= least and t >= MIN_TILES
 
 
