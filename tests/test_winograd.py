@@ -247,8 +247,11 @@ def test_auto_choice():
     assert resolve_algorithm("auto", (16, 4, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"   # too narrow
     assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3) == W           # 4.0
     assert resolve_algorithm("auto", (8, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.4 < 4
-    # a weight gradient takes Winograd at any width
-    assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
+    # a weight gradient also takes Winograd for narrow layers whose dy is not much wider than x
+    assert resolve_algorithm("auto", (8, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
+    assert resolve_algorithm("auto", (2, 2, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
+    assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
+    assert resolve_algorithm("auto", (32, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
     # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 6
     assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3) == W          # 5.3
     assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,

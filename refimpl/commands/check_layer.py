@@ -150,8 +150,9 @@ class LayerSpec:
             return False
         algorithm = algorithm_setting()
         c, f = self.shape[1], self.out_channels
-        least = min(winograd.MIN_CHANNEL_PRODUCT_RATIO, winograd.MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD)
-        return algorithm == "winograd" or (algorithm == "auto" and c * f / (c + f) >= least)
+        return algorithm == "winograd" or (algorithm == "auto" and (
+            c * f / (c + f) >= winograd.MIN_CHANNEL_PRODUCT_RATIO
+            or f <= winograd.MAX_FILTER_RATIO_WEIGHT_GRAD * c))
 
     def make_layer(self, grid, rng):
         from ..nn import model_parallel, spatial

@@ -138,10 +138,13 @@ MIN_CHANNEL_PRODUCT_RATIO = 4.0
 #: 16->8 (2.0, 2.7, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0).
 MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
 
-#: ... and for a weight gradient from this ratio on (any width): measured (dw, 2 threads, Zen 4)
-#: Winograd 20-40 % faster for 1->4, 1->8, 2->4, 4->4 and 8->8 at 64^3 (im2col's columns of
-#: few channels cost more than the transforms there), within 7 % of im2col for 4->16 and 4->32.
-MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD = 0.0
+#: ... and a weight gradient also wherever F <= this x C (narrower ratios included): its
+#: Winograd transforms the x tiles (C) and dy tiles (F), im2col builds columns of 27 C rows,
+#: so Winograd wins unless dy is much wider than x.  Measured (dw, 2 threads, Zen 4 VM):
+#: Winograd 20-40 % faster for 2->4, 4->4, 8->8 at 64^3; im2col as fast for 4->16 and 4->32
+#: at 64^3 and 1.6x faster for 4->32 at 128^3 (where Winograd's channels-last copy of dy also
+#: costs the size of dy); for 1->4 and 1->8 Winograd was 25-40 % faster, not taken (F > 2C).
+MAX_FILTER_RATIO_WEIGHT_GRAD = 2.0
 
 
 #: ... and only for at least this many tiles: on one tile the weight transform (as many
@@ -156,15 +159,15 @@ def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False, weight_grad=F
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
     output, the channels are wide enough for the saved flops to pay for the transforms
     (``MIN_CHANNEL_PRODUCT_RATIO``; ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against im2col's
-    flipped-kernel input gradient; ``MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD`` for a weight
-    gradient), and there are ``MIN_TILES`` tiles or more (deep layers of few tiles run by
-    channel blocks, ``by_channel_blocks``)."""
+    flipped-kernel input gradient; for a weight gradient also wherever F <= C x
+    ``MAX_FILTER_RATIO_WEIGHT_GRAD``), and there are ``MIN_TILES`` tiles or more (deep layers
+    of few tiles run by channel blocks, ``by_channel_blocks``)."""
     h = c * f / (c + f)
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
-    least = (MIN_CHANNEL_PRODUCT_RATIO_WEIGHT_GRAD if weight_grad else
-             MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO)
-    return multiplies_per_output(out_spatial) <= 27 / 2 and h >= least and t >= MIN_TILES
+    least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
+    wide = h >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
+    return multiplies_per_output(out_spatial) <= 27 / 2 and wide and t >= MIN_TILES
 
 
 # ------------------------------------------------------------------- separable transforms
