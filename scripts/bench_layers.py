@@ -39,7 +39,9 @@ window maxima again, where PyTorch reuses the indices its forward saved.
 
 The machine may be shared: ours and torch are timed alternately, pass by pass
 and repeat by repeat, and the best of the repeats is kept, so the ratios are
-measured under the same conditions.
+measured under the same conditions; each timed call follows a short pause
+(``SETTLE_S``) and one untimed call of the same pass (``WARM_CALLS``), as passes
+follow each other in training.
 
     python scripts/bench_layers.py [--quick] [--threads N] [--repeats R] [--json FILE]
                                    [--only TEXT] [--algorithm auto|im2col|winograd]
