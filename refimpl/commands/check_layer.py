@@ -150,9 +150,8 @@ class LayerSpec:
             return False
         algorithm = algorithm_setting()
         c, f = self.shape[1], self.out_channels
-        return algorithm == "winograd" or (algorithm == "auto" and (
-            c * f / (c + f) >= winograd.MIN_CHANNEL_PRODUCT_RATIO
-            or f <= winograd.MAX_FILTER_RATIO_WEIGHT_GRAD * c))
+        return algorithm == "winograd" or (algorithm == "auto" and
+                                           winograd.wide_enough(c, f, weight_grad=True))
 
     def make_layer(self, grid, rng):
         from ..nn import model_parallel, spatial

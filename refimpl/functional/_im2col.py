@@ -101,6 +101,12 @@ def tile_positions(out, k_rows, f_rows, itemsize, budget):
     return max(out[2], min(target, allowed))
 
 
+def worker_share(n_batch, out, workers):
+    """Output positions per worker when ``n_batch`` samples of ``out`` are shared evenly (at
+    least 1): tiles no bigger than this give every worker a tile."""
+    return max(1, -(-n_batch * out[0] * out[1] * out[2] // max(1, workers)))
+
+
 def tiles(n_batch, out, positions):
     """Cut the output ``(N, Do, Ho, Wo)`` into tiles ``(n0, n1, d0, d1, h0, h1)`` of at
     most ``positions`` output positions (but at least one row): blocks of whole
@@ -209,7 +215,7 @@ class _Plan:
         rows = self.kk if channel_blocks is None else -(-c // channel_blocks) * (self.kk // c)
         pos = tile_positions(out, rows, f, dtype.itemsize, max(1, budget // max(1, workers)))
         if channel_blocks is None:          # a tile per worker at least (small layers: 2 x 16^3)
-            pos = min(pos, max(1, -(-n_batch * out[0] * out[1] * out[2] // max(1, workers))))
+            pos = min(pos, worker_share(n_batch, out, workers))
         self.tiles, tpos = tiles(n_batch, out, pos)
         self.workers = max(1, min(workers, len(self.tiles)) if channel_blocks is None else workers)
         multi = any(t[1] - t[0] > 1 for t in self.tiles)
@@ -334,27 +340,27 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     on_device = device_schedule(xp)
     if flipped is None:
         flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget, on_device)
-    if flipped:
-        dx = input_grad_by_flipped_kernel(dy, w, tuple(x.shape[2:]), padding, dilation, budget)
+
+    def with_dw(dx):
+        """``(dx, dW)`` for a dx taken by its own route: dW by the tiles below (need_dx=False)."""
         return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
                     if need_dw else None)
+    if flipped:
+        return with_dw(input_grad_by_flipped_kernel(dy, w, tuple(x.shape[2:]), padding, dilation,
+                                                    budget))
     if on_device:
         return _im2col_device.backward(dy, x, w, stride, padding, dilation, budget, need_dx, need_dw)
     n_b, c = x.shape[:2]
     f, k = w.shape[0], tuple(w.shape[2:])
     workers = _threads.thread_count(xp)
     if need_dx and windows_tile(k, stride, padding, dilation):
-        dx = input_grad_without_overlap(dy, w, tuple(x.shape), budget)
-        return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
-                    if need_dw else None)
+        return with_dw(input_grad_without_overlap(dy, w, tuple(x.shape), budget))
     if need_dx and dy.size and x.shape[0] * c:
         by_phases = _phase_grid.InputGradPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding,
                                                     dilation, tuple(x.shape[2:]), budget, workers,
                                                     FORWARD_TILE_BYTES)
         if by_phases is not None:
-            dx = _phase_grid.input_grad(dy, w, tuple(x.shape), by_phases)
-            return dx, (backward(dy, x, w, stride, padding, dilation, budget, need_dx=False)[1]
-                        if need_dw else None)
+            return with_dw(_phase_grid.input_grad(dy, w, tuple(x.shape), by_phases))
     taps = k[0] * k[1] * k[2]
     kk = c * taps
     out_spatial = tuple(dy.shape[2:])
@@ -439,7 +445,7 @@ def input_grad_without_overlap(dy, w, input_shape, budget):
     wt = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, c * taps).T)   # (C*T, F)
     per_worker = max(1, budget // max(1, workers))
     positions = max(out[2], min(out[0] * out[1] * out[2], per_worker // (c * taps * dy.dtype.itemsize)))
-    positions = min(positions, max(out[2], -(-n_b * out[0] * out[1] * out[2] // max(1, workers))))
+    positions = min(positions, max(out[2], worker_share(n_b, out, workers)))
     cut, most = tiles(n_b, out, positions)
     workers = max(1, min(workers, len(cut)))
     bufs = [xp.empty(c * taps * most, dtype=dy.dtype) for _ in range(workers)]

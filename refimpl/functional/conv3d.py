@@ -20,9 +20,10 @@ Two algorithms, picked per call by ``algorithm=``:
   output once in channels-last order.
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
   the multiplications, the channels are not too narrow and there are at least two
-  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 5,
-  >= 6 for an input gradient im2col takes by the flipped kernel, ``MIN_TILES``),
-  else im2col.  The forward and the backward of a layer choose apart.
+  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4,
+  >= 6 for an input gradient im2col takes by the flipped kernel, and for a weight
+  gradient also F <= 2C; ``MIN_TILES``), else im2col.  The forward, the input
+  gradient and the weight gradient of a layer choose apart.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI

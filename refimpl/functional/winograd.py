@@ -162,12 +162,17 @@ def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False, weight_grad=F
     flipped-kernel input gradient; for a weight gradient also wherever F <= C x
     ``MAX_FILTER_RATIO_WEIGHT_GRAD``), and there are ``MIN_TILES`` tiles or more (deep layers
     of few tiles run by channel blocks, ``by_channel_blocks``)."""
-    h = c * f / (c + f)
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
+    return (multiplies_per_output(out_spatial) <= 27 / 2 and t >= MIN_TILES
+            and wide_enough(c, f, versus_flipped, weight_grad))
+
+
+def wide_enough(c, f, versus_flipped=False, weight_grad=False):
+    """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
+    for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``."""
     least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
-    wide = h >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
-    return multiplies_per_output(out_spatial) <= 27 / 2 and wide and t >= MIN_TILES
+    return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
 
 
 # ------------------------------------------------------------------- separable transforms
@@ -275,17 +280,12 @@ def _tile_view(xp, buf, chunk, tiles, extent, offset=(0, 0, 0)):
 
 
 def _padded_channels_last(x, pad, tiles, extra, workers):
-    """Buffer (N, 4*td + extra, 4*th + extra, 4*tw + extra, C) with ``x`` at offset ``pad`` and
-    zeros around it (only the padding is zeroed: one pass over the buffer fewer)."""
+    """Zero buffer (N, 4*td + extra, 4*th + extra, 4*tw + extra, C) with ``x`` at offset ``pad``."""
     xp = array_module(x)
     n, c = x.shape[:2]
     shape = (n,) + tuple(M_OUT * t + extra for t in tiles) + (c,)
-    buf = xp.empty(shape, dtype=x.dtype)
+    buf = xp.zeros(shape, dtype=x.dtype)
     box = tuple(slice(p, p + e) for p, e in zip(pad, x.shape[2:]))
-    for ax, sl in enumerate(box):
-        lead = (slice(None),) * (1 + ax)
-        buf[lead + (slice(0, sl.start),)] = 0
-        buf[lead + (slice(sl.stop, None),)] = 0
     _threads.copy(buf[(slice(None),) + box], x.transpose(0, 2, 3, 4, 1), workers)
     return buf
 
@@ -349,6 +349,28 @@ def _input_tiles(xcl, chunk, tiles, bt, bufs, c):
     return _transform(bt, bufs[0], bufs[1], t * c).reshape(ALPHA ** 3, t, c)
 
 
+def _output_grad_tiles(dycl, chunk, tiles, at, bufs, f):
+    """``dM = (A (x) A (x) A) dY`` (216, T, F) of the chunk: cut its 4^3 tiles of ``dy``, then
+    ``A`` on each axis; ``bufs[0]`` takes the tiles, the result ends in ``bufs[1]``."""
+    xp = array_module(dycl)
+    t = _n_tiles(chunk, tiles)
+    view = _tile_view(xp, dycl, chunk, tiles, M_OUT)                  # (4, 4, 4, nb, tdc, th, tw, F)
+    bufs[0][:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
+    return _transform(at.T, bufs[0], bufs[1], t * f).reshape(ALPHA ** 3, t, f)
+
+
+def _overlap_add(dxcl, dg, chunk, tiles):
+    """``dxcl += `` the chunk's 6-wide tiles ``dg`` (6, 6, 6, T, C): they overlap by 2 at
+    stride 4, so the adds go in the 8 boxes {0..3, 4..5}^3 of tile offsets, within each of
+    which no two tiles touch the same voxel."""
+    xp = array_module(dxcl)
+    dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, dxcl, chunk, tiles, ALPHA).shape[3:])
+    for box in OVERLAP_BOXES:
+        offset = tuple(sl.start for sl in box)
+        ext = tuple(sl.stop - sl.start for sl in box)
+        _tile_view(xp, dxcl, chunk, tiles, ext, offset)[...] += dg[box]
+
+
 # ------------------------------------------------------- deep layers: by channel blocks
 #
 # A deep layer of few tiles (8^3 blocks of 128-512 channels) is dominated by the weight-sized
@@ -395,10 +417,11 @@ def _blocks(total, other, itemsize, workers, least=1):
     return [(b0, min(b0 + size, total)) for b0 in range(0, total, size)]
 
 
-def _all_tiles(plan, tiles, width, fill):
-    """(216, T, width) of every tile: ``fill(worker, chunk)`` returns a chunk's (216, t, width)
-    (in its work buffers), copied to the chunk's range of tiles; the chunks in parallel."""
-    xp = array_module(plan.bufs[0][0])
+def _all_tiles(plan, tiles, of_chunk, src, mat, width):
+    """(216, T, width) of every tile: ``of_chunk(src, chunk, tiles, mat, bufs, width)``
+    (``_input_tiles`` or ``_output_grad_tiles``) of each chunk, in its worker's buffers,
+    copied to the chunk's range of tiles; the chunks in parallel."""
+    xp = array_module(src)
     starts, t0 = [], 0
     for ch in plan.chunks:
         starts.append(t0)
@@ -407,7 +430,8 @@ def _all_tiles(plan, tiles, width, fill):
 
     def one(worker, i):
         ch = plan.chunks[i]
-        out[:, starts[i]:starts[i] + _n_tiles(ch, tiles)] = fill(worker, ch)
+        out[:, starts[i]:starts[i] + _n_tiles(ch, tiles)] = of_chunk(src, ch, tiles, mat,
+                                                                     plan.bufs[worker], width)
     _threads.run(one, list(range(len(plan.chunks))), plan.workers)
     return out
 
@@ -418,8 +442,8 @@ def _whole(n_batch, tiles):
 
 
 def _block_buffers(xp, dtype, t, blocks, workers):
-    """Per worker two flat work buffers of 216 x ``t`` x the widest block."""
-    size = ALPHA ** 3 * t * max(b1 - b0 for _, (b0, b1) in blocks)
+    """Per worker two flat work buffers of 216 x ``t`` x the widest of ``blocks``."""
+    size = ALPHA ** 3 * t * max((b1 - b0 for b0, b1 in blocks), default=1)
     return [[xp.empty(size, dtype=dtype) for _ in range(2)] for _ in range(workers)]
 
 
@@ -429,13 +453,12 @@ def _forward_by_filter_blocks(xcl, w, ycl, tiles, plan, mats):
     bt, g, at = mats
     f, c = w.shape[:2]
     n_b = xcl.shape[0]
-    v = _all_tiles(plan, tiles, c, lambda worker, ch: _input_tiles(
-        xcl, ch, tiles, bt, plan.bufs[worker][:2], c))                # V (216, T, C)
+    v = _all_tiles(plan, tiles, _input_tiles, xcl, bt, c)              # V (216, T, C)
     t = v.shape[1]
     whole = _whole(n_b, tiles)
     blocks = _blocks(f, c, w.dtype.itemsize, plan.workers)
     workers = min(plan.workers, len(blocks))
-    bufs = _block_buffers(xp, w.dtype, t, [(None, b) for b in blocks], workers)
+    bufs = _block_buffers(xp, w.dtype, t, blocks, workers)
 
     def one(worker, block):
         f0, f1 = block
@@ -456,15 +479,8 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
     f, c = w.shape[:2]
     n_b = dycl.shape[0]
 
-    def dm_of(worker, ch):
-        b0, b1, _ = plan.bufs[worker]
-        view = _tile_view(xp, dycl, ch, tiles, M_OUT)                   # (4, 4, 4, nb, tdc, th, tw, F)
-        t = _n_tiles(ch, tiles)
-        b0[:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
-        return _transform(at.T, b0, b1, t * f).reshape(ALPHA ** 3, t, f)
-    dm = _all_tiles(plan, tiles, f, dm_of)                              # dM (216, T, F)
-    v = None if xcl is None else _all_tiles(plan, tiles, c, lambda worker, ch: _input_tiles(
-        xcl, ch, tiles, bt, plan.bufs[worker][:2], c))                # V (216, T, C)
+    dm = _all_tiles(plan, tiles, _output_grad_tiles, dycl, at, f)      # dM (216, T, F)
+    v = None if xcl is None else _all_tiles(plan, tiles, _input_tiles, xcl, bt, c)   # V (216, T, C)
     t = dm.shape[1]
     whole = _whole(n_b, tiles)
     tasks = []
@@ -474,8 +490,7 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
         tasks += [("dw", b) for b in _blocks(f, c, w.dtype.itemsize, plan.workers)]
         dw = xp.empty(w.shape, dtype=w.dtype)
     workers = min(plan.workers, len(tasks))
-    bufs = _block_buffers(xp, w.dtype, t, [tk for tk in tasks if tk[0] == "dx"] or [(None, (0, 1))],
-                          workers)
+    bufs = _block_buffers(xp, w.dtype, t, [b for kind, b in tasks if kind == "dx"], workers)
 
     def one(worker, task):
         kind, (a0, a1) = task
@@ -488,12 +503,7 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
         dv = b0[:ALPHA ** 3 * t * (a1 - a0)].reshape(ALPHA ** 3, t, a1 - a0)
         xp.matmul(dm, ub.transpose(0, 2, 1), out=dv)                    # dV_b (216, T, cb)
         dg = _transform(bt.T, b0, b1, t * (a1 - a0))                    # (6, 6, 6, T, cb)
-        target = dxcl[..., a0:a1]
-        dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, target, whole, tiles, ALPHA).shape[3:])
-        for box in OVERLAP_BOXES:
-            offset = tuple(sl.start for sl in box)
-            ext = tuple(sl.stop - sl.start for sl in box)
-            _tile_view(xp, target, whole, tiles, ext, offset)[...] += dg[box]
+        _overlap_add(dxcl[..., a0:a1], dg, whole, tiles)
     _threads.run(one, tasks, workers)
     return dw if v is not None else None
 
@@ -554,11 +564,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
                      dtype=dy.dtype) if need_dx else None)
     if by_channel_blocks(n_b, tiles, c, f):
         dw = _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, (bt, g, at))
-        dx = None
-        if need_dx:
-            box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
-            dx = to_ncdhw(dxcl[(slice(None),) + box], plan.workers)
-        return dx, dw
+        return _unpadded_ncdhw(dxcl, padding, x.shape, plan.workers), dw
     # dU^T (216, F, C), one accumulator per worker (summed in worker order at the end); a
     # worker's first chunk writes it directly (no (216, F, C) temporary)
     duts = [None] * plan.workers
@@ -567,9 +573,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     def one(worker, chunk, do_dx, do_dw):
         b0, b1, b2 = plan.bufs[worker]
         t = _n_tiles(chunk, tiles)
-        view = _tile_view(xp, dycl, chunk, tiles, M_OUT)              # (4, 4, 4, nb, tdc, th, tw, F)
-        b0[:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
-        dm = _transform(at.T, b0, b1, t * f).reshape(ALPHA ** 3, t, f)      # (216, T, F) in b1
+        dm = _output_grad_tiles(dycl, chunk, tiles, at, (b0, b1), f)  # (216, T, F) in b1
         if do_dw:
             v = _input_tiles(xcl, chunk, tiles, bt, (b0, b2), c)      # (216, T, C) in b2
             if duts[worker] is None:
@@ -580,13 +584,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
             dv = b0[:ALPHA ** 3 * t * c]
             xp.matmul(dm, u.transpose(0, 2, 1), out=dv.reshape(ALPHA ** 3, t, c))   # dV (216, T, C)
             dg = _transform(bt.T, b0, b2, t * c)                      # (6, 6, 6, T, C) in b2
-            dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, dxcl, chunk, tiles, ALPHA).shape[3:])
-            # overlap-add: the 6-wide tiles overlap by 2 at stride 4; within each of the
-            # 8 boxes {0..3, 4..5}^3 of tile offsets no two tiles touch the same voxel
-            for box in OVERLAP_BOXES:
-                offset = tuple(s.start for s in box)
-                ext = tuple(s.stop - s.start for s in box)
-                _tile_view(xp, dxcl, chunk, tiles, ext, offset)[...] += dg[box]
+            _overlap_add(dxcl, dg, chunk, tiles)
 
     def passes(do_dx, do_dw):
         step = (lambda worker, chunk: one(worker, chunk, do_dx, do_dw))
@@ -604,13 +602,18 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
         passes(False, True)
     # free what the chunks used before the last passes allocate (the spatial peak is here)
     dycl = xcl = plan.bufs = None
-    dx = dw = None
-    if need_dx:
-        box = tuple(slice(p, p + e) for p, e in zip(padding, x.shape[2:]))
-        dx = to_ncdhw(dxcl[(slice(None),) + box], plan.workers)
+    dx, dw = _unpadded_ncdhw(dxcl, padding, x.shape, plan.workers), None
     if need_dw:
         dw = _weight_transform_adjoint(g, _threads.sum_in_order(duts))
     return dx, dw
+
+
+def _unpadded_ncdhw(dxcl, padding, shape, workers):
+    """``dx`` of shape ``shape`` (NCDHW) from the padded channels-last ``dxcl`` (None: None)."""
+    if dxcl is None:
+        return None
+    box = tuple(slice(p, p + e) for p, e in zip(padding, shape[2:]))
+    return to_ncdhw(dxcl[(slice(None),) + box], workers)
 
 
 #: The 8 boxes of tile offsets within which 6-wide tiles at stride 4 do not overlap.
