@@ -3,7 +3,7 @@
 - the 1-D F(4, 3) identity, exactly, and the transforms as Kronecker products;
 - conv3d / conv_transpose3d with ``algorithm="winograd"`` vs PyTorch float64 (<= 1e-10)
   over Hypothesis shapes, paddings (0..3 per axis) and budgets (chunks of samples, of
-  depth rows, one row);
+  depth rows, one row); the input gradient by the flipped kernel's forward where it is taken;
 - the float32 error bound ``FLOAT32_BOUND`` of the module docstring, forward and backward;
 - worker threads: any ``REFIMPL_THREADS`` gives the same numbers; the same count gives the
   same bits; bad values refused;
@@ -400,4 +400,41 @@ def test_deep_layers_by_channel_blocks_match_torch(monkeypatch, n, c, f, size):
         dx_only, none = winograd.backward(dy, x, w, (1, 1, 1), 2**26, need_dw=False)
         none2, dw_only = winograd.backward(dy, x, w, (1, 1, 1), 2**26, need_dx=False)
         assert none is None and none2 is None
-        assert np.array_equal(dx_only, dx) and np.array_equal(dw_only, dw)
+        # dx alone may take the flipped kernel's forward (dx_by_flipped_kernel): same numbers
+        assert rel_err(dx_only, xt.grad.numpy()) <= 1e-10 and np.array_equal(dw_only, dw)
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, p, need_dw, flipped", [
+    (2, 6, 4, (9, 10, 11), (1, 1, 1), True, True),      # F < C, both gradients
+    (1, 3, 6, (8, 7, 9), (0, 1, 2), False, True),       # dx alone, F = 2C, paddings 0..2
+    (1, 16, 8, (7, 7, 7), (1, 1, 1), True, True),       # few tiles: the forward by filter blocks
+    (1, 4, 6, (8, 8, 8), (1, 1, 1), True, False),       # F > C with dw: dM shared (adjoint)
+    (1, 3, 7, (8, 8, 8), (1, 1, 1), False, False),      # dx alone, F > 2C: the adjoint
+    (1, 6, 4, (8, 8, 8), (3, 1, 1), True, False)])      # padding 3: the adjoint
+def test_input_grad_by_flipped_kernel_matches_torch(monkeypatch, n, c, f, size, p, need_dw, flipped):
+    """``dx`` as Winograd's forward conv of ``dy`` with the flipped kernel where
+    ``dx_by_flipped_kernel`` says so (and only there), equal to torch's in float64 for 1 and 2
+    workers, with ``dw`` (when wanted) as before."""
+    rng = np.random.default_rng(c * f + sum(p))
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c, 3, 3, 3))
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    y_ref = torch.nn.functional.conv3d(xt, wt, padding=p)
+    dy = rng.standard_normal(tuple(y_ref.shape))
+    y_ref.backward(torch.tensor(dy))
+    assert winograd.dx_by_flipped_kernel(c, f, p, need_dw) == flipped
+    forwards = []
+    real_forward = winograd.forward
+
+    def forward(*a, **k):
+        forwards.append(a[1].shape)
+        return real_forward(*a, **k)
+    monkeypatch.setattr(winograd, "forward", forward)
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        del forwards[:]
+        dx, dw = winograd.backward(dy, x, w, p, 2**26, need_dw=need_dw)
+        assert forwards == ([(c, f, 3, 3, 3)] if flipped else [])
+        assert rel_err(dx, xt.grad.numpy()) <= 1e-10
+        assert (dw is None) if not need_dw else rel_err(dw, wt.grad.numpy()) <= 1e-10

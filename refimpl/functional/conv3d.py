@@ -23,7 +23,9 @@ Two algorithms, picked per call by ``algorithm=``:
   tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4,
   >= 6 for an input gradient im2col takes by the flipped kernel, and for a weight
   gradient also F <= 2C; ``MIN_TILES``), else im2col.  The forward, the input
-  gradient and the weight gradient of a layer choose apart.
+  gradient and the weight gradient of a layer choose apart.  Winograd's input gradient
+  is its forward conv of ``dy`` with the flipped kernel where F < C (F <= 2C when the
+  weight gradient is not wanted: ``winograd.dx_by_flipped_kernel``), else the adjoint.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI
