@@ -252,11 +252,11 @@ def test_auto_choice():
     assert resolve_algorithm("auto", (2, 2, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
     assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
     assert resolve_algorithm("auto", (32, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
-    # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 6
-    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3) == W          # 5.3
-    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,
-                             versus_flipped=True) == "im2col"
-    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3, versus_flipped=True) == W
+    # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 3
+    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.0
+    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3, versus_flipped=True) == W
+    assert resolve_algorithm("auto", (4, 8, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped=True) == "im2col"                           # 2.7
     assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", w, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", (16, 8, 3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
@@ -340,14 +340,14 @@ def test_auto_picks_im2col_on_a_device():
 
 
 def test_forward_and_backward_choose_apart(monkeypatch):
-    """16 -> 8 (C*F/(C+F) = 5.3, F <= C): the forward runs Winograd; in the backward dx runs
-    im2col (by the flipped kernel, measured faster there) and dw Winograd, each on its own
-    (and so does the weight gradient alone); 4 -> 2 (1.3): the forward im2col, dw Winograd.
-    Same numbers as the plain sum in float64."""
+    """6 -> 6 (C*F/(C+F) = 3.0, F <= C): the forward runs im2col (below 4), the backward
+    Winograd for dx (against im2col's flipped kernel: from 3) and dw together; 4 -> 2 (1.3):
+    the forward and dx im2col (dx by the flipped kernel), dw Winograd, each on its own (and so
+    does the weight gradient alone).  Same numbers as the plain sum in float64."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 16, 9, 8, 7))
-    w = rng.standard_normal((8, 16, 3, 3, 3))
-    dy = rng.standard_normal((2, 8, 9, 8, 7))
+    x = rng.standard_normal((2, 6, 9, 8, 7))
+    w = rng.standard_normal((6, 6, 3, 3, 3))
+    dy = rng.standard_normal((2, 6, 9, 8, 7))
     calls = []
     real_forward, real_backward = winograd.forward, winograd.backward
 
@@ -361,17 +361,21 @@ def test_forward_and_backward_choose_apart(monkeypatch):
     monkeypatch.setattr(winograd, "forward", forward)
     monkeypatch.setattr(winograd, "backward", backward)
     y = conv3d(x, w, padding=1)
+    assert calls == []
     dx, dw, _ = conv3d_backward(dy, x, w, padding=1)
-    assert calls == ["forward", ("backward", False, True)]
-    dw_alone = conv3d_weight_grad(dy, x, w.shape, padding=1)
-    assert calls[2:] == [("backward", False, True)]
-    del calls[:]
-    narrow_w = rng.standard_normal((2, 4, 3, 3, 3))
-    conv3d(x[:, :4], narrow_w, padding=1)
-    conv3d_backward(dy[:, :2], x[:, :4], narrow_w, padding=1)
-    assert calls == [("backward", False, True)]
+    # (dx by the flipped kernel's Winograd forward, then dw alone: F <= C)
+    assert calls == [("backward", True, True), "forward", ("backward", False, True)]
     assert rel_err(y, conv3d(x, w, padding=1, algorithm="im2col")) <= 1e-12
     dx_ref, dw_ref, _ = conv3d_backward(dy, x, w, padding=1, algorithm="im2col")
+    assert rel_err(dx, dx_ref) <= 1e-12 and rel_err(dw, dw_ref) <= 1e-12
+    del calls[:]
+    narrow_w = rng.standard_normal((2, 4, 3, 3, 3))
+    y = conv3d(x[:, :4], narrow_w, padding=1)
+    dx, dw, _ = conv3d_backward(dy[:, :2], x[:, :4], narrow_w, padding=1)
+    assert calls == [("backward", False, True)]
+    dw_alone = conv3d_weight_grad(dy[:, :2], x[:, :4], narrow_w.shape, padding=1)
+    assert calls[1:] == [("backward", False, True)]
+    dx_ref, dw_ref, _ = conv3d_backward(dy[:, :2], x[:, :4], narrow_w, padding=1, algorithm="im2col")
     assert rel_err(dx, dx_ref) <= 1e-12 and rel_err(dw, dw_ref) <= 1e-12
     assert rel_err(dw_alone, dw_ref) <= 1e-12
 

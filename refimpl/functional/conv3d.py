@@ -21,10 +21,10 @@ Two algorithms, picked per call by ``algorithm=``:
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
   the multiplications, the channels are not too narrow and there are at least two
   tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4,
-  >= 6 for an input gradient im2col takes by the flipped kernel, and for a weight
+  >= 3 for an input gradient im2col takes by the flipped kernel, and for a weight
   gradient also F <= 2C; ``MIN_TILES``), else im2col.  The forward, the input
   gradient and the weight gradient of a layer choose apart.  Winograd's input gradient
-  is its forward conv of ``dy`` with the flipped kernel where F < C (F <= 2C when the
+  is its forward conv of ``dy`` with the flipped kernel where F <= C (F <= 2C when the
   weight gradient is not wanted: ``winograd.dx_by_flipped_kernel``), else the adjoint.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;

@@ -134,9 +134,11 @@ MIN_CHANNEL_PRODUCT_RATIO = 4.0
 
 #: ... and for an input gradient that im2col computes as the conv with the flipped kernel
 #: (stride 1, F <= C: one gather and one GEMM per tile, ``_im2col.flipped_kernel_pays``),
-#: only from this ratio on: measured (dx, 2 threads) im2col 25-45 % faster for 4->4, 8->4 and
-#: 16->8 (2.0, 2.7, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0).
-MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 6.0
+#: from this ratio on (Winograd's dx is then its forward with the flipped kernel too,
+#: ``dx_by_flipped_kernel``): measured (dx, 2 threads, Zen 4 VM) im2col 4-9 % faster for 8->4
+#: and 4->4 (2.7, 2.0) at 32^3, even at 64^3; Winograd 25 % faster for 6->6 (3.0) at 64^3,
+#: 27-68 % for 8->8 (4.0) and 16->8 (5.3) at 32^3 and 64^3.
+MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 3.0
 
 #: ... and a weight gradient also wherever F <= this x C (narrower ratios included): its
 #: Winograd transforms the x tiles (C) and dy tiles (F), im2col builds columns of 27 C rows,
@@ -550,14 +552,15 @@ def dx_by_flipped_kernel(c, f, padding, need_dw):
     channels from 6^3 to 4^3 points (``A^T``) and writes them once.  So the forward route moves
     about 2F + C/2 values per tile point where the adjoint moves F + 3C: it wins for F below
     about 2.5C.  But with ``dw`` wanted too the adjoint's ``dM`` (its cut and ``A``) serves both
-    gradients, and the forward route must make ``dM`` for ``dw`` alone: it then wins only for
-    F < C.  Measured (2 threads, float32, 2-core Zen 4 VM), dx alone: 16->32, 32->32, 32->16,
+    gradients, and the forward route must make ``dM`` for ``dw`` alone: it then wins only up to
+    F = C.  Measured (2 threads, float32, 2-core Zen 4 VM), dx alone: 16->32, 32->32, 32->16,
     64->32 at 32^3 20-40 % faster, 16->16 and 8->8 at 64^3 20-33 %, 32->64 at 32^3 6 % slower,
-    64->128 even; dx and dw: 64->32 and 32->16 at 32^3 13-15 % faster, 32->32 12 % slower,
-    16->32 and 32->64 20-30 % slower."""
+    64->128 even; dx and dw: 64->32, 32->16 at 32^3 and 128->64 at 16^3 7-15 % faster; F = C
+    (8, 16, 32, 64 channels at 16^3-64^3) 0-13 % faster in 7 of 8 shapes, 8 % slower in one
+    (32->32 at 64^3); 16->32 and 32->64 20-30 % slower."""
     if any(p > R_KERNEL - 1 for p in padding):
         return False
-    return f < c if need_dw else f <= 2 * c
+    return f <= c if need_dw else f <= 2 * c
 
 
 def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
