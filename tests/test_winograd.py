@@ -252,11 +252,17 @@ def test_auto_choice():
     assert resolve_algorithm("auto", (2, 2, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
     assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
     assert resolve_algorithm("auto", (32, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
-    # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 3
+    # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 3 where
+    # Winograd's dx is its forward with the flipped kernel, >= 6 where it is the adjoint
     assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.0
-    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3, versus_flipped=True) == W
+    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped="forward") == W
     assert resolve_algorithm("auto", (4, 8, 3, 3, 3), s1, d1, (16,) * 3,
-                             versus_flipped=True) == "im2col"                           # 2.7
+                             versus_flipped="forward") == "im2col"                      # 2.7
+    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped="adjoint") == "im2col"                      # 5.3
+    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped="adjoint") == W                             # 8.0
     assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", w, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", (16, 8, 3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"
@@ -415,7 +421,8 @@ def test_deep_layers_by_channel_blocks_match_torch(monkeypatch, n, c, f, size):
     (1, 16, 8, (7, 7, 7), (1, 1, 1), True, True),       # few tiles: the forward by filter blocks
     (1, 4, 6, (8, 8, 8), (1, 1, 1), True, False),       # F > C with dw: dM shared (adjoint)
     (1, 3, 7, (8, 8, 8), (1, 1, 1), False, False),      # dx alone, F > 2C: the adjoint
-    (1, 6, 4, (8, 8, 8), (3, 1, 1), True, False)])      # padding 3: the adjoint
+    (1, 6, 4, (8, 8, 8), (3, 1, 1), True, False),       # padding 3: the adjoint
+    (1, 6, 4, (10, 9, 9), (0, 1, 1), True, False)])     # 3 tiles of x's depth, 2 of dy's: the adjoint
 def test_input_grad_by_flipped_kernel_matches_torch(monkeypatch, n, c, f, size, p, need_dw, flipped):
     """``dx`` as Winograd's forward conv of ``dy`` with the flipped kernel where
     ``dx_by_flipped_kernel`` says so (and only there), equal to torch's in float64 for 1 and 2
@@ -427,7 +434,7 @@ def test_input_grad_by_flipped_kernel_matches_torch(monkeypatch, n, c, f, size, 
     y_ref = torch.nn.functional.conv3d(xt, wt, padding=p)
     dy = rng.standard_normal(tuple(y_ref.shape))
     y_ref.backward(torch.tensor(dy))
-    assert winograd.dx_by_flipped_kernel(c, f, p, need_dw) == flipped
+    assert winograd.dx_by_flipped_kernel(c, f, p, need_dw, size, y_ref.shape[2:]) == flipped
     forwards = []
     real_forward = winograd.forward
 

@@ -21,11 +21,13 @@ Two algorithms, picked per call by ``algorithm=``:
 - ``"auto"`` (the default): Winograd where it applies, saves at least half of
   the multiplications, the channels are not too narrow and there are at least two
   tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4,
-  >= 3 for an input gradient im2col takes by the flipped kernel, and for a weight
+  >= 6 for an input gradient im2col takes by the flipped kernel (>= 3 where
+  Winograd's own is its forward with the flipped kernel), and for a weight
   gradient also F <= 2C; ``MIN_TILES``), else im2col.  The forward, the input
   gradient and the weight gradient of a layer choose apart.  Winograd's input gradient
   is its forward conv of ``dy`` with the flipped kernel where F <= C (F <= 2C when the
-  weight gradient is not wanted: ``winograd.dx_by_flipped_kernel``), else the adjoint.
+  weight gradient is not wanted) and that takes no more tiles (``winograd.dx_by_flipped_kernel``),
+  else the adjoint.
 
 ``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
 anything else is refused), default ``"auto"``: the layers and the training CLI
@@ -60,16 +62,17 @@ def algorithm_setting():
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False, versus_flipped=False, weight_grad=False):
+                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
 
     ``full_dy=False`` when a gradient covers only the first outputs per axis (the
     building blocks of transposed conv with output_padding): im2col only.
-    ``versus_flipped=True`` when the choice is for an input gradient that im2col would
-    compute as the conv with the flipped kernel (``_im2col.flipped_kernel_pays``): "auto"
-    then asks Winograd to beat that (``winograd.worthwhile``); ``weight_grad=True`` when it is
+    ``versus_flipped`` ("adjoint" or "forward": Winograd's route for it) when the choice is for
+    an input gradient that im2col would compute as the conv with the flipped kernel
+    (``_im2col.flipped_kernel_pays``): "auto" then asks Winograd to beat that
+    (``winograd.worthwhile``); ``weight_grad=True`` when it is
     for a weight gradient (its own threshold).
     """
     source = "algorithm"
@@ -163,8 +166,13 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     (together, sharing their passes, where both pick the same)."""
     device = on_device(dy)
     flipped = need_dx and _im2col.flipped_kernel_pays(dy, w, x.shape, s, budget, device)
+    versus = None
+    if flipped:                   # (F <= C) Winograd's own dx route sets the bar to beat im2col's
+        by_forward = winograd.dx_by_flipped_kernel(w.shape[1], w.shape[0], p, need_dw,
+                                                   x.shape[2:], dy.shape[2:])
+        versus = "forward" if by_forward else "adjoint"
     pick = {kind: resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
-                                    device, flipped and kind == "dx", kind == "dw")
+                                    device, versus if kind == "dx" else None, kind == "dw")
             for kind, needed in (("dx", need_dx), ("dw", need_dw)) if needed}
 
     def run(algo, want_dx, want_dw):

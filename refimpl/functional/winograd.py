@@ -134,11 +134,13 @@ MIN_CHANNEL_PRODUCT_RATIO = 4.0
 
 #: ... and for an input gradient that im2col computes as the conv with the flipped kernel
 #: (stride 1, F <= C: one gather and one GEMM per tile, ``_im2col.flipped_kernel_pays``),
-#: from this ratio on (Winograd's dx is then its forward with the flipped kernel too,
-#: ``dx_by_flipped_kernel``): measured (dx, 2 threads, Zen 4 VM) im2col 4-9 % faster for 8->4
-#: and 4->4 (2.7, 2.0) at 32^3, even at 64^3; Winograd 25 % faster for 6->6 (3.0) at 64^3,
-#: 27-68 % for 8->8 (4.0) and 16->8 (5.3) at 32^3 and 64^3.
-MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = 3.0
+#: from these ratios on, by the route Winograd's dx takes (``dx_by_flipped_kernel``):
+#: its adjoint: measured (dx, 2 threads) im2col 25-45 % faster for 4->4, 8->4 and 16->8
+#: (2.0, 2.7, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0); its forward
+#: with the flipped kernel: measured (dx, 2 threads, Zen 4 VM) im2col 4-9 % faster for 8->4
+#: and 4->4 at 32^3, even at 64^3; Winograd 25 % faster for 6->6 (3.0) at 64^3, 27-68 % for
+#: 8->8 (4.0) and 16->8 (5.3) at 32^3 and 64^3.
+MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = {"adjoint": 6.0, "forward": 3.0}
 
 #: ... and a weight gradient also wherever F <= this x C (narrower ratios included): its
 #: Winograd transforms the x tiles (C) and dy tiles (F), im2col builds columns of 27 C rows,
@@ -157,23 +159,25 @@ MAX_FILTER_RATIO_WEIGHT_GRAD = 2.0
 MIN_TILES = 2
 
 
-def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=False, weight_grad=False):
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per
     output, the channels are wide enough for the saved flops to pay for the transforms
     (``MIN_CHANNEL_PRODUCT_RATIO``; ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against im2col's
-    flipped-kernel input gradient; for a weight gradient also wherever F <= C x
-    ``MAX_FILTER_RATIO_WEIGHT_GRAD``), and there are ``MIN_TILES`` tiles or more (deep layers
-    of few tiles run by channel blocks, ``by_channel_blocks``)."""
+    flipped-kernel input gradient, ``versus_flipped`` naming Winograd's route for it: "adjoint"
+    or "forward"; for a weight gradient also wherever F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``),
+    and there are ``MIN_TILES`` tiles or more (deep layers of few tiles run by channel blocks,
+    ``by_channel_blocks``)."""
     td, th, tw = tile_counts(out_spatial)
     t = n_batch * td * th * tw
     return (multiplies_per_output(out_spatial) <= 27 / 2 and t >= MIN_TILES
             and wide_enough(c, f, versus_flipped, weight_grad))
 
 
-def wide_enough(c, f, versus_flipped=False, weight_grad=False):
+def wide_enough(c, f, versus_flipped=None, weight_grad=False):
     """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
     for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``."""
-    least = MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED if versus_flipped else MIN_CHANNEL_PRODUCT_RATIO
+    least = (MIN_CHANNEL_PRODUCT_RATIO if versus_flipped is None
+             else MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED[versus_flipped])
     return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
 
 
@@ -540,10 +544,13 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
     return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers, bias)
 
 
-def dx_by_flipped_kernel(c, f, padding, need_dw):
+def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     """Whether ``backward`` takes ``dx`` as Winograd's *forward* conv of ``dy`` with the flipped,
     transposed kernel ``W'[c, f, u] = W[f, c, 2 - u]`` and padding ``2 - p`` (the identity of
-    ``_im2col.input_grad_by_flipped_kernel``; a padding above 2 would need a negative one).
+    ``_im2col.input_grad_by_flipped_kernel``; a padding above 2 would need a negative one),
+    only where that forward has no more tiles (of the input's extent) than the adjoint (of the
+    output's): a layer fed a halo-padded block (padding 0, 18^3 in, 16^3 out) would need 5^3
+    tiles instead of 4^3, and measured 17 % slower (16->16, N=4).
 
     Why: the adjoint route cuts 4^3 tiles of ``dy`` (F channels), expands them to 6^3 (``A``),
     and after the GEMM transforms 6^3 points of C channels (``B``) and adds them into ``dx``
@@ -558,7 +565,7 @@ def dx_by_flipped_kernel(c, f, padding, need_dw):
     64->128 even; dx and dw: 64->32, 32->16 at 32^3 and 128->64 at 16^3 7-15 % faster; F = C
     (8, 16, 32, 64 channels at 16^3-64^3) 0-13 % faster in 7 of 8 shapes, 8 % slower in one
     (32->32 at 64^3); 16->32 and 32->64 20-30 % slower."""
-    if any(p > R_KERNEL - 1 for p in padding):
+    if any(p > R_KERNEL - 1 for p in padding) or tile_counts(in_spatial) != tile_counts(out_spatial):
         return False
     return f <= c if need_dw else f <= 2 * c
 
@@ -581,7 +588,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     xp = array_module(dy, x, w)
     n_b, c = x.shape[:2]
     f = w.shape[0]
-    if need_dx and dx_by_flipped_kernel(c, f, padding, need_dw):
+    if need_dx and dx_by_flipped_kernel(c, f, padding, need_dw, x.shape[2:], dy.shape[2:]):
         wf = xp.ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])  # (C, F, 3, 3, 3)
         dx = forward(dy, wf, tuple(R_KERNEL - 1 - p for p in padding), tuple(x.shape[2:]), budget)
         return dx, (backward(dy, x, w, padding, budget, need_dx=False)[1] if need_dw else None)
