@@ -608,13 +608,13 @@ def _taken(monkeypatch, cls):
 @needs_torch
 @pytest.mark.parametrize("n, c, f, size, k, s, p, d", PHASE_CASES)
 def test_phase_routes_match_torch(n, c, f, size, k, s, p, d, monkeypatch):
-    """Convs whose windows overlap along a strided axis take the forward and the input
-    gradient by phases (one stride-1 problem per input phase, columns as contiguous runs of
+    """Convs whose windows overlap along a strided axis take the forward, the input
+    gradient and the weight gradient by phases (one stride-1 problem per input phase, columns as contiguous runs of
     flat grids): equal to torch to 1e-10 in float64 for strides 2 and 3, dilation, padding
     past the kernel's reach, inputs that no tap reads (their dx is zero), a dy covering only
     the first outputs, and conv_transpose3d (whose forward is this input gradient); 1, 2 and 3
-    worker threads give the same bits, and several slabs and tiles (a small budget) the same
-    result."""
+    worker threads give the same bits (the weight gradient: the same bits for the same count),
+    and several slabs and tiles (a small budget) the same result."""
     rng = np.random.default_rng(sum(size) + sum(s))
     x = rng.standard_normal((n, c) + size)
     w = rng.standard_normal((f, c) + k)
@@ -627,10 +627,14 @@ def test_phase_routes_match_torch(n, c, f, size, k, s, p, d, monkeypatch):
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("REFIMPL_THREADS", threads)
         runs[threads] = (conv3d(x, w, stride=s, padding=p, dilation=d, algorithm="im2col"),
-                         conv3d_input_grad(dy, w, x.shape, s, p, d, algorithm="im2col"))
-    assert fwd and all(plan is not None for plan in fwd)
+                         conv3d_input_grad(dy, w, x.shape, s, p, d, algorithm="im2col"),
+                         conv3d_weight_grad(dy, x, w.shape, s, p, d, algorithm="im2col"))
+        assert rel_err(runs[threads][2], dw_ref) <= RTOL
+        assert np.array_equal(conv3d_weight_grad(dy, x, w.shape, s, p, d, algorithm="im2col"),
+                              runs[threads][2])
+    assert len(fwd) == 9 and all(plan is not None for plan in fwd)   # forward and dw, 3 + 6
     assert bwd and all(plan is not None for plan in bwd)
-    for y, dx in runs.values():
+    for y, dx, _ in runs.values():
         assert np.array_equal(y, runs["1"][0]) and np.array_equal(dx, runs["1"][1])
     assert rel_err(runs["1"][0], y_ref) <= RTOL
     assert rel_err(runs["1"][1], dx_ref) <= RTOL
@@ -649,17 +653,22 @@ def test_phase_routes_match_torch(n, c, f, size, k, s, p, d, monkeypatch):
                    algorithm="im2col")
         dx = conv3d_input_grad(dy, w, x.shape, s, p, d, max_temp_bytes=budgets[0],
                                algorithm="im2col")
+        dw = conv3d_weight_grad(dy, x, w.shape, s, p, d, max_temp_bytes=budgets[0],
+                                algorithm="im2col")
         assert rel_err(y, y_ref) <= RTOL and rel_err(dx, dx_ref) <= RTOL
-        taken = (fwd if cls is _phase_grid.ForwardPlan else bwd)[0]
-        assert taken is not None and len(taken.tasks) > n
+        assert rel_err(dw, dw_ref) <= RTOL
+        for taken in (fwd if cls is _phase_grid.ForwardPlan else bwd):
+            assert taken is not None and len(taken.tasks) > n
     # a dy covering only the first outputs; conv_transpose3d of dy (output padding)
     short = tuple(max(1, o - 1) for o in out)
     full = np.zeros_like(dy)
     full[:, :, :short[0], :short[1], :short[2]] = dy[:, :, :short[0], :short[1], :short[2]]
-    _, dx_short_ref, _, _ = torch_conv(x, w, np.zeros(f), full, s, p, d)
-    dx_short = conv3d_input_grad(np.ascontiguousarray(full[:, :, :short[0], :short[1], :short[2]]),
-                                 w, x.shape, s, p, d, algorithm="im2col")
+    _, dx_short_ref, dw_short_ref, _ = torch_conv(x, w, np.zeros(f), full, s, p, d)
+    dy_short = np.ascontiguousarray(full[:, :, :short[0], :short[1], :short[2]])
+    dx_short = conv3d_input_grad(dy_short, w, x.shape, s, p, d, algorithm="im2col")
     assert rel_err(dx_short, dx_short_ref) <= RTOL
+    dw_short = conv3d_weight_grad(dy_short, x, w.shape, s, p, d, algorithm="im2col")
+    assert rel_err(dw_short, dw_short_ref) <= RTOL
     op = tuple(a - ((o - 1) * ss - 2 * pp + dd * (b - 1) + 1) for a, o, ss, pp, dd, b
                in zip(size, out, s, p, d, k))
     t_ref = torch_conv_t(dy, w, np.zeros(c), rng.standard_normal(x.shape), s, p, op, d)[0]
@@ -678,6 +687,7 @@ def test_phase_routes_stay_within_the_budget():
     dy = rng.standard_normal((2, 4) + out)
     y0 = conv3d(x, w, stride=s, padding=p, max_temp_bytes=2**30, algorithm="im2col")
     dx0 = conv3d_input_grad(dy, w, x.shape, s, p, max_temp_bytes=2**30, algorithm="im2col")
+    dw0 = conv3d_weight_grad(dy, x, w.shape, s, p, max_temp_bytes=2**30, algorithm="im2col")
     plane = (out[1] + 1) * (out[2] + 1) * 8
     for budget in (40 * plane * 8, 200 * plane * 8):
         assert _phase_grid.ForwardPlan.build(np, x.dtype, 2, 3, 4, (3, 3, 3), s, p, (1, 1, 1), out,
@@ -686,8 +696,10 @@ def test_phase_routes_stay_within_the_budget():
                                           algorithm="im2col"))
         dx, tmp_dx = _traced(lambda: conv3d_input_grad(dy, w, x.shape, s, p, max_temp_bytes=budget,
                                                        algorithm="im2col"))
-        assert rel_err(y, y0) <= 1e-13 and rel_err(dx, dx0) <= 1e-13
-        for tmp in (tmp_y, tmp_dx):
+        dw, tmp_dw = _traced(lambda: conv3d_weight_grad(dy, x, w.shape, s, p, max_temp_bytes=budget,
+                                                        algorithm="im2col"))
+        assert rel_err(y, y0) <= 1e-13 and rel_err(dx, dx0) <= 1e-13 and rel_err(dw, dw0) <= 1e-13
+        for tmp in (tmp_y, tmp_dx, tmp_dw):
             assert tmp <= budget + 6 * w.nbytes + 32 * 1024, (tmp, budget)
     tiny = plane * 20                                   # less than one plane of columns
     assert _phase_grid.ForwardPlan.build(np, x.dtype, 2, 3, 4, (3, 3, 3), s, p, (1, 1, 1), out,

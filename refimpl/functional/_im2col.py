@@ -391,6 +391,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         _threads.run(channels, blocks, len(blocks))
         return dx, (xp.ascontiguousarray(dwt.T).reshape(tuple(w.shape)) if need_dw else None)
 
+    by_phases = _phase_grid.ForwardPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding, dilation,
+                                              out_spatial, budget, workers, FORWARD_TILE_BYTES)
+    if by_phases is not None:
+        return dx, _phase_grid.weight_grad(dy, x, w.shape, by_phases)
     taps_plan = _DepthTapPlan.build(xp, dy.dtype, n_b, c, f, k, stride, dilation, out_spatial,
                                     budget, workers)
     if taps_plan is not None:
