@@ -488,13 +488,18 @@ def input_grad_by_flipped_kernel(dy, w, in_spatial, padding, dilation, budget):
     ``W'[c, f, u] = W[f, c, k-1-u]``, whose output extent is ``n``.  A negative offset
     ``(k-1)*dl - p`` drops outputs that read padding only; a ``dy`` shorter than the conv's
     outputs is zero beyond its end, as ``Z`` is."""
-    xp = array_module(dy)
     k = tuple(w.shape[2:])
     offsets = tuple((kk - 1) * dl - p for kk, dl, p in zip(k, dilation, padding))
     ext = tuple(n + (kk - 1) * dl for n, kk, dl in zip(in_spatial, k, dilation))
     z = placed(dy, offsets, ext)                                        # (N, F) + ext
-    wt = xp.ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])   # (C, F, k) flipped
-    return forward(z, wt, (1, 1, 1), (0, 0, 0), dilation, tuple(in_spatial), budget)
+    return forward(z, flipped_kernel(w), (1, 1, 1), (0, 0, 0), dilation, tuple(in_spatial), budget)
+
+
+def flipped_kernel(w):
+    """The flipped, transposed kernel ``W'[c, f, u] = W[f, c, k-1-u]`` (C, F, kd, kh, kw) of a
+    weight (F, C, kd, kh, kw), C-ordered: the kernel of an input gradient taken as a forward
+    conv (here and in ``winograd.backward``)."""
+    return array_module(w).ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])
 
 
 def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):

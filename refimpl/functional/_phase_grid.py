@@ -198,6 +198,16 @@ class ForwardPlan:
             col[i] = grids[ph, :, start + shift:start + shift + m]
         return col.reshape(self.kk, m)
 
+    def column_tiles(self, x, task, worker):
+        """The task's column tiles ``(t0, t1, col)``: the (T*C, L) columns of the output planes
+        ``[p0 + t0, p0 + t1)`` of sample ``n`` (``task = (n, p0, p1)``), from the slab's phase
+        grids; ``col`` is the worker's buffer, valid until the next tile."""
+        n, p0, p1 = task
+        grids = self.phase_grids(x, n, p0, p1, worker)
+        for t0 in range(0, p1 - p0, self.tile):
+            t1 = min(t0 + self.tile, p1 - p0)
+            yield t0, t1, self.columns(grids, t0, t1, worker)
+
     def f_buffer(self, worker, planes):
         """The worker's (F, planes, Eh, Ew) GEMM-output buffer."""
         size = self.f * planes * self.plane
@@ -211,11 +221,8 @@ def forward(x, w, y, plan):
     w2 = xp.ascontiguousarray(w.transpose(0, 2, 3, 4, 1)).reshape(f, plan.kk)   # rows (tap, channel)
 
     def one(worker, task):
-        n, p0, p1 = task
-        grids = plan.phase_grids(x, n, p0, p1, worker)
-        for t0 in range(0, p1 - p0, plan.tile):
-            t1 = min(t0 + plan.tile, p1 - p0)
-            col = plan.columns(grids, t0, t1, worker)                   # (T*C, L)
+        n, p0, _ = task
+        for t0, t1, col in plan.column_tiles(x, task, worker):         # col (T*C, L)
             yg = plan.f_buffer(worker, t1 - t0)                         # (F, planes, Eh, Ew)
             xp.matmul(w2, col, out=yg.reshape(f, -1))
             y[n, :, p0 + t0:p0 + t1] = yg[:, :, :out[1], :out[2]]      # the valid positions
@@ -234,11 +241,8 @@ def weight_grad(dy, x, weight_shape, plan):
     dwts = [xp.zeros((plan.kk, f), dtype=dy.dtype) for _ in range(plan.workers)]
 
     def one(worker, task):
-        n, p0, p1 = task
-        grids = plan.phase_grids(x, n, p0, p1, worker)
-        for t0 in range(0, p1 - p0, plan.tile):
-            t1 = min(t0 + plan.tile, p1 - p0)
-            col = plan.columns(grids, t0, t1, worker)                   # (T*C, L)
+        n, p0, _ = task
+        for t0, t1, col in plan.column_tiles(x, task, worker):         # col (T*C, L)
             g = plan.f_buffer(worker, t1 - t0)                          # (F, planes, Eh, Ew)
             fill_grid(g, dy[n, :, p0 + t0:p0 + t1], (0, 0, 0), (1, 1, 1))
             dwts[worker] += xp.matmul(col, g.reshape(f, -1).T)

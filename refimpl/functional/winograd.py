@@ -82,7 +82,7 @@ from itertools import product
 import numpy
 
 from ..backend import array_module
-from . import _threads
+from . import _im2col, _threads
 
 #: Documented bound on max|y - y_exact| / max_o sum|w x| in float32 (measured <= 7.5e-6).
 FLOAT32_BOUND = 3e-5
@@ -589,8 +589,8 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     n_b, c = x.shape[:2]
     f = w.shape[0]
     if need_dx and dx_by_flipped_kernel(c, f, padding, need_dw, x.shape[2:], dy.shape[2:]):
-        wf = xp.ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])  # (C, F, 3, 3, 3)
-        dx = forward(dy, wf, tuple(R_KERNEL - 1 - p for p in padding), tuple(x.shape[2:]), budget)
+        dx = forward(dy, _im2col.flipped_kernel(w), tuple(R_KERNEL - 1 - p for p in padding),
+                     tuple(x.shape[2:]), budget)
         return dx, (backward(dy, x, w, padding, budget, need_dx=False)[1] if need_dw else None)
     out_spatial = tuple(dy.shape[2:])
     tiles = tile_counts(out_spatial)
