@@ -3,14 +3,14 @@ table, the JSON, the JSON-lines trace and the timeline picture; the trace shows 
 bucket started before the output side's held chunks at the end of backward."""
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
-from test_train_cli import LAUNCHER_FLAKE, mpi_env  # noqa: E402
+from launcher import run_launched  # noqa: E402
+from test_train_cli import mpi_env  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_allreduce.py"
 
@@ -19,9 +19,7 @@ def test_priority_part_writes_trace_and_timeline(tmp_path):
     out, trace, png = tmp_path / "r.json", tmp_path / "trace.jsonl", tmp_path / "timeline.png"
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT), "--parts", "3",
            "--steps", "2", "--json", str(out), "--trace", str(trace), "--timeline", str(png)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=mpi_env())
-    if proc.returncode != 0 and LAUNCHER_FLAKE in proc.stderr:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=mpi_env())
+    proc = run_launched(cmd, timeout=600, env=mpi_env())
     assert proc.returncode == 0, proc.stderr
     assert "bwd->next fwd" in proc.stdout
     rows = json.loads(out.read_text())["priorities"]["configurations"]

@@ -8,11 +8,12 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launcher import run_launched
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
@@ -29,7 +30,7 @@ def load_script():
 
 
 def run(cmd, timeout=180):
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return run_launched(cmd, env=ENV, timeout=timeout)
 
 
 def test_driver_bytes_match_plan_and_hand_count(tmp_path):

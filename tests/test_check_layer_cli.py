@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from launcher import run_launched
+
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -17,7 +19,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 def run_check(nranks, *args, timeout=180):
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(nranks), sys.executable, "-m",
            "refimpl", "check-layer", *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return run_launched(cmd, env=ENV, timeout=timeout)
 
 
 def test_conv3d_saved_arrays_match_torch(tmp_path):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher import run_launched
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
@@ -133,8 +135,8 @@ def test_the_docs_show_runnable_commands():
 
 def _run(cmd, cwd: Path, where: str, expected: int = 0, shell: bool = False):
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=ENV, shell=shell, executable="/bin/bash" if shell else None,
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        proc = run_launched(cmd, cwd=cwd, env=ENV, shell=shell, executable="/bin/bash" if shell else None,
+                            timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{where}: `{cmd}` took more than {TIMEOUT} s (shorten it in the docs, "
                     "or mark the block <!-- not-run: reason -->)")

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy
 import pytest
 
+from launcher import run_launched
+
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 h5py = pytest.importorskip("h5py")
 
@@ -54,8 +56,7 @@ def launch(n, args, env=None, command="train"):
         cmd.append("--quiet")
     started = time.time()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env or mpi_env(), capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        proc = run_launched(cmd, cwd=ROOT, env=env or mpi_env(), timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{command} {args} hung for {TIMEOUT_S}s (a rank did not exit)\n{err.stdout}\n{err.stderr}")
     proc.elapsed, proc.ended = time.time() - started, time.time()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher import run_launched
 from refimpl.settings import env_setting
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
@@ -43,11 +44,24 @@ def test_mpi_suite(nranks):
     cmd = mpiexec_command(nranks) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                      "--no-header", "-rN", *files]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        proc = run_launched(cmd, cwd=ROOT, env=mpi_env(), timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"")[-8000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-8000:]
         pytest.fail(f"mpiexec -n {nranks} timed out after {TIMEOUT_S}s (deadlock?)\n{out}")
     if proc.returncode != 0:
         pytest.fail(f"mpiexec -n {nranks} failed (rc={proc.returncode})\n"
                     f"--- stdout ---\n{proc.stdout[-12000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+
+
+def test_a_launcher_failure_is_run_once_more(tmp_path):
+    """``launcher.run_launched`` starts a command again only when Open MPI's launcher printed
+    its failure-before-any-rank message, and only once; any other failure comes back as is."""
+    from launcher import LAUNCHER_FLAKE
+    script = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) if p.exists() else 0; "
+              "p.write_text(str(n + 1)); fail = n < int(sys.argv[3]); "
+              "print(sys.argv[2] if fail else 'ran', file=sys.stderr); sys.exit(1 if fail else 0)")
+    for failures, message, runs, rc in ((1, LAUNCHER_FLAKE, 2, 0), (5, LAUNCHER_FLAKE, 2, 1),
+                                        (1, "a rank raised", 1, 1), (0, "", 1, 0)):
+        count = tmp_path / f"runs-{failures}-{len(message)}"
+        proc = run_launched([sys.executable, "-c", script, str(count), message, str(failures)], timeout=60)
+        assert int(count.read_text()) == runs and proc.returncode == rc, (failures, message, proc.stderr)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from launcher import run_launched
 from refimpl.models import PRESETS, build_model
 from refimpl.plan import (Layer, Machine, conv_key, factorizations, load_machine, model_layers, parse_bytes,
                           plan_grid, rank_costs, save_machine, search)
@@ -188,9 +189,9 @@ def test_calibrate_under_mpiexec(tmp_path):
     pytest.importorskip("mpi4py")
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     out = tmp_path / "here.toml"
-    proc = subprocess.run([shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl",
-                           "plan", "--calibrate", "--preset", "tiny", "--save-machine", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_launched([shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl",
+                         "plan", "--calibrate", "--preset", "tiny", "--save-machine", str(out)],
+                        env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     machine = load_machine(str(out))
     assert machine.gflops > 0.1 and 0 < machine.alpha < 1e-2 and 0 < machine.beta < 1e-6
@@ -210,9 +211,9 @@ def test_bench_plan_smoke(tmp_path):
     from pathlib import Path
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench_plan.py"
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.run([sys.executable, str(script), "--model", "unet3d", "--preset", "tiny", "--batch", "2",
-                           "--ranks", "2", "--repeats", "1", "--model-parallel", "filter",
-                           "--json", str(tmp_path / "b.json")], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launched([sys.executable, str(script), "--model", "unet3d", "--preset", "tiny", "--batch", "2",
+                         "--ranks", "2", "--repeats", "1", "--model-parallel", "filter",
+                         "--json", str(tmp_path / "b.json")], env=env, timeout=600)   # (it runs mpiexec)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "b.json").read_text())
     grids = {tuple(r["grid"]) for r in report["rows"]}

@@ -12,13 +12,13 @@
 """
 import os
 import shutil
-import subprocess
 import sys
 
 import h5py
 import numpy as np
 import pytest
 
+from launcher import run_launched
 from refimpl import backend, strict
 from refimpl.strict import StrictArray, StrictDeviceError, xp
 
@@ -168,12 +168,7 @@ def test_planted_hazards_fail_under_strict(hazard, monkeypatch, strict_backend):
 def _mpiexec(n, args, env=None, timeout=240):
     """refimpl under mpiexec; started once more if Open MPI's launcher failed before any rank ran."""
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(n), sys.executable, "-m", "refimpl"] + args
-    for _ in range(2):
-        proc = subprocess.run(cmd, env=dict(MPI_ENV, **(env or {})), capture_output=True, text=True,
-                              timeout=timeout)
-        if "PMIx server's listener thread failed to start" not in proc.stderr + proc.stdout:
-            break
-    return proc
+    return run_launched(cmd, env=dict(MPI_ENV, **(env or {})), timeout=timeout)
 
 
 LAYERS = [["conv3d", "--out-channels", "5", "--kernel", "3,2,5", "--stride", "2,1,1", "--padding", "1,0,2",

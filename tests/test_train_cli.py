@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 h5py = pytest.importorskip("h5py")
 
+from launcher import run_launched  # noqa: E402
 from refimpl.checkpoint import read_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,19 +41,9 @@ def train_cmd(n, *args):
             "--quiet", *map(str, args)]
 
 
-#: Open MPI's launcher failing before any rank starts (a PMIx flake of the launcher, not refimpl):
-#: such a run is started once more.
-LAUNCHER_FLAKE = "PMIx server's listener thread failed to start"
-
-
 def train(n, *args, timeout=TIMEOUT_S):
     try:
-        for attempt in range(2):
-            proc = subprocess.run(train_cmd(n, *args), cwd=ROOT, env=mpi_env(), capture_output=True,
-                                  text=True, timeout=timeout)
-            if LAUNCHER_FLAKE not in proc.stderr + proc.stdout:
-                break
-        return proc
+        return run_launched(train_cmd(n, *args), cwd=ROOT, env=mpi_env(), timeout=timeout)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"refimpl train {args} hung for {timeout}s (a rank did not exit)\n{err.stdout}\n{err.stderr}")
 

@@ -12,11 +12,12 @@ line says "any number of ranks" (3: a count that divides nothing evenly).
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launcher import run_launched
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
@@ -55,7 +56,7 @@ def test_tutorial_runs(tutorial, nranks, tmp_path):
     # python -m mpi4py: an exception on one rank aborts them all (never a hang until the timeout)
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", str(nranks), sys.executable, "-m", "mpi4py",
            str(tutorial)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = run_launched(cmd, cwd=tmp_path, env=ENV, timeout=600)
     assert proc.returncode == 0, f"{tutorial.name} with {nranks} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
