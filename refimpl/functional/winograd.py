@@ -560,11 +560,12 @@ def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     about 2F + C/2 values per tile point where the adjoint moves F + 3C: it wins for F below
     about 2.5C.  But with ``dw`` wanted too the adjoint's ``dM`` (its cut and ``A``) serves both
     gradients, and the forward route must make ``dM`` for ``dw`` alone: it then pays only up to
-    F = C (below, it wins; at F = C it is about even).  Measured (2 threads, float32, 2-core Zen 4 VM), dx alone: 16->32, 32->32, 32->16,
-    64->32 at 32^3 20-40 % faster, 16->16 and 8->8 at 64^3 20-33 %, 32->64 at 32^3 6 % slower,
-    64->128 even; dx and dw: 64->32, 32->16 at 32^3 and 128->64 at 16^3 7-15 % faster; F = C
-    (8, 16, 32, 64 channels at 16^3-64^3, 14 runs) 0.92-1.13x the adjoint's speed, about even
-    (8->8 at 64^3 10-49 % faster); 16->32 and 32->64 20-30 % slower."""
+    F = C (below, it wins; at F = C it is about even).  Measured (2 threads, float32, 2-core
+    Zen 4 VM), dx alone: 16->32, 32->32, 32->16, 64->32 at 32^3 20-40 % faster, 16->16 and 8->8
+    at 64^3 20-33 %, 32->64 at 32^3 6 % slower, 64->128 even; dx and dw: 64->32, 32->16 at
+    32^3 and 128->64 at 16^3 7-15 % faster; F = C (8, 16, 32, 64 channels at 16^3-64^3, 14
+    runs) 0.92-1.13x the adjoint's speed, about even (8->8 at 64^3 10-49 % faster); 16->32 and
+    32->64 20-30 % slower."""
     if any(p > R_KERNEL - 1 for p in padding) or tile_counts(in_spatial) != tile_counts(out_spatial):
         return False
     return f <= c if need_dw else f <= 2 * c
