@@ -14,7 +14,11 @@ Three tables, float32, every row timed as forward and backward passes:
    > 1 means refimpl is faster; fwd+bwd = the sum of the two best times), and
    ``ours/GEMM``: the flops of the three passes (fwd, dx, dw) over our fwd+bwd
    time, as a share of the numpy float32 GEMM rate (a square 2048^3 matmul,
-   measured first and again after every row, the best kept).  Below the table:
+   measured first and again after every row, the best kept), and ``torch/GEMM``
+   the same share for PyTorch's fwd+bwd time: how close PyTorch's own kernels run
+   to numpy's GEMM rate, i.e. what a GEMM-based conv with the same flops must reach
+   (a row where PyTorch runs at 0.6 of it leaves us, at 0.8 of PyTorch's speed,
+   0.48 of the GEMM rate for the GEMMs and every copy around them).  Below the table:
    the geometric mean of the fwd+bwd ratios over the issue's rows and over all
    conv rows, and the slowest row.
 2. conv3d backward split: the halves of the conv3d backward on their own,
@@ -503,6 +507,8 @@ def add_gemm_shares(results, gemm):
         fb = r["fwd_bwd"]
         if "flops" in fb:
             fb["ours_over_gemm"] = fb["flops"] / fb["ours_s"] / 1e9 / gemm
+            fb["torch_over_gemm"] = (None if fb["torch_s"] is None
+                                     else fb["flops"] / fb["torch_s"] / 1e9 / gemm)
 
 
 def conv_summary(conv_rows):
@@ -532,14 +538,17 @@ def load():
 
 def print_fwd_bwd_table(title, rows, gemm_column):
     print(f"\n## {title}")
-    last = f"{'ours/GEMM':>9} " if gemm_column else ""
+    last = f"{'ours/GEMM':>9} {'torch/GEMM':>10} " if gemm_column else ""
     head = (f"{'op':<16} {'shape':<34} {'set':<6} {'fwd ours':>9} {'torch':>8} {'bwd ours':>9} "
             f"{'torch':>8} {'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {last}{'tmp MiB':>7} {'in MiB':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
         f, b, fb = r["passes"]["fwd"], r["passes"]["bwd"], r["fwd_bwd"]
-        share = f"{fb['ours_over_gemm']:9.2f} " if gemm_column else ""
+        torch_share = fb.get("torch_over_gemm")
+        share = (f"{fb['ours_over_gemm']:9.2f} "
+                 f"{'n/a' if torch_share is None else format(torch_share, '.2f'):>10} "
+                 if gemm_column else "")
         print(f"{r['op']:<16} {r['shape']:<34} {'issue9' if r['issue_row'] else '':<6} "
               f"{fmt_ms(f['ours_s'], 9)} {fmt_ms(f['torch_s'], 8)} {fmt_ms(b['ours_s'], 9)} "
               f"{fmt_ms(b['torch_s'], 8)} {fmt_ratio(f['torch_over_ours'], 6)} "
@@ -593,7 +602,7 @@ def main():
         print("# " + POOL_NOTE)
     print(f"# times: best of {REPEATS} in ms; x = torch time / our time (> 1: ours faster; f+b: "
           "sum of the best fwd and bwd times); ours/GEMM: 3 passes' flops / our fwd+bwd time / "
-          "GEMM rate")
+          "GEMM rate; torch/GEMM: the same for PyTorch's time")
     # the GEMM rate: measured first, then once more after every row; the best counts
     # (on a shared machine a single measurement may land in a busy moment)
     gemm_first = gemm_rate()
