@@ -8,7 +8,7 @@ data in memory after the first epoch: ``cache=True`` keeps each local block
 (after validation and transform) and serves later epochs from memory.
 
 The block is given as three slices (``spatial_block``); ``block_slices`` makes
-them from a grid and a rank's coordinates with ``partition.block_range``, the
+them from a grid and a rank's coordinates with ``partition.block_slices``, the
 row-major map compute uses.  The reader does no MPI: errors are ValueError on
 the rank that sees them (the caller makes them collective).  Everything is
 host-side NumPy; the caller moves batches to the device (``backend.asarray``).
@@ -27,19 +27,20 @@ import os
 import numpy
 
 from ..functional._args import triple
-from ..parallel.partition import block_range
+from ..parallel import partition
 from .layout import DATA_KEY, LABEL_KEY, PER_SAMPLE_SUFFIXES, TARGET_KEY
 
 
 def block_slices(spatial_shape, grid, coords):
-    """Row-major spatial block of the rank at ``coords`` (d, h, w) in ``grid`` (Pd, Ph, Pw)."""
+    """Row-major spatial block of the rank at ``coords`` (d, h, w) in ``grid`` (Pd, Ph, Pw):
+    ``partition.block_slices`` (the blocks the layers hold), its arguments checked here."""
     shape = triple(spatial_shape, "spatial_shape")
     grid = triple(grid, "grid", minimum=1)
     coords = triple(coords, "coords")
     for axis, (c, p) in enumerate(zip(coords, grid)):
         if c >= p:
             raise ValueError(f"coords[{axis}] = {c} is outside grid {grid}")
-    return tuple(slice(*block_range(n, p, c)) for n, p, c in zip(shape, grid, coords))
+    return partition.block_slices(shape, grid, coords)
 
 
 class _CountingFile(io.FileIO):
