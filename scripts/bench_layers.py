@@ -17,8 +17,8 @@ Three tables, float32, every row timed as forward and backward passes:
    measured first and again after every row, the best kept), and ``torch/GEMM``
    the same share for PyTorch's fwd+bwd time: how close PyTorch's own kernels run
    to numpy's GEMM rate, i.e. what a GEMM-based conv with the same flops must reach
-   (a row where PyTorch runs at 0.6 of it leaves us, at 0.8 of PyTorch's speed,
-   0.48 of the GEMM rate for the GEMMs and every copy around them).  Below the table:
+   (where PyTorch runs at 0.6 of it, 0.8 of PyTorch's speed asks ours/GEMM >= 0.48:
+   the GEMMs and every copy around them at that share).  Below the table:
    the geometric mean of the fwd+bwd ratios over the issue's rows and over all
    conv rows, and the slowest row.
 2. conv3d backward split: the halves of the conv3d backward on their own,
