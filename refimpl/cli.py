@@ -39,16 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_settings() -> None:
+def check_settings() -> dict:
     """Validate every REFIMPL_* variable (unknown names too), then apply REFIMPL_ALLOCATOR.
 
-    ValueError naming the variable; every rank sees the same environment, so every
-    rank refuses alike, before any message.
+    Returns the parsed values; ValueError naming the variable.  Pure and local: ranks
+    may see different environments (a per-node profile), so a command under mpiexec
+    agrees on the outcome in its first collective (``failstop.agree_settings``).
     """
     from .backend import tune_allocator
     from .settings import check_environment
-    check_environment()
+    values = check_environment()
     tune_allocator()
+    return values
 
 
 def launcher_rank() -> int:
@@ -70,6 +72,14 @@ def launcher_size() -> int:
 
 
 def main(argv=None) -> int:
+    """Parse, check the settings, run the command.
+
+    Nothing here starts MPI (building the parser imports no ``mpi4py.MPI``): a
+    command initialises it when it takes its communicator, and its first
+    collective (``failstop.run_command``) agrees on every rank's settings before
+    any other message, so a rank whose ``REFIMPL_*`` value is bad or different
+    ends every rank with one line instead of leaving the others blocked.
+    """
     from . import failstop
     from .settings import env_setting
     parser = build_parser()
@@ -78,12 +88,14 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:                      # the settings, checked before any command (and any message)
-        check_settings()
-    except ValueError as err:             # every rank refuses; rank 0 says why
-        if launcher_rank() == 0:
-            print(f"refimpl: error: {err}", file=sys.stderr)
+        values, error = check_settings(), None
+    except ValueError as err:
+        values, error = None, str(err)
+    failstop.note_settings(error, values)
+    if error is not None and launcher_size() == 1:
+        print(f"refimpl: error: {error}", file=sys.stderr)
         return failstop.EXIT_BAD_INPUT
-    failstop.DEBUG = bool(args.debug or env_setting("REFIMPL_DEBUG"))
+    failstop.DEBUG = bool(args.debug or (error is None and env_setting("REFIMPL_DEBUG")))
     failstop.install_excepthook(args.command)
     return int(importlib.import_module(args._module).run(args) or 0)
 

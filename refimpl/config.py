@@ -81,6 +81,9 @@ CHOICES = {
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
     "backend": ("numpy", "cupy", "strict"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
     "normalize": (True, False), "priority": ("none", "input-first"),
+    # the names of parallel.collectives.ALGORITHMS, listed here so that building the command line
+    # does not import mpi4py.MPI (which initialises MPI); tests/test_failstop.py keeps them equal
+    "allreduce": ("native", "ring", "recursive_doubling", "halving_doubling", "multicolor", "hierarchical"),
 }
 
 # config keys whose default comes from an environment variable (see the precedence above)

@@ -179,6 +179,49 @@ def on_root(comm, fn, *args, error=WriteError, root=0, **kwargs):
 _ERRORS = {cls.__name__: cls for cls in (RunError, InputError, Diverged, WriteError, InternalError)}
 
 
+# ---------------------------------------------------------------- 0. settings agreed before the first message
+
+_settings = (None, {})          # (this rank's REFIMPL_* error or None, {name: parsed value})
+
+
+def note_settings(error: str | None, values: dict | None) -> None:
+    """What this rank found checking its ``REFIMPL_*`` variables (``cli.main``, before MPI starts)."""
+    global _settings
+    from .settings import SETTINGS
+    shared = {k: v for k, v in (values or {}).items() if not SETTINGS[k].test_only}
+    _settings = (error, shared)
+
+
+def agree_settings(comm) -> None:
+    """The first collective of every command: every rank's settings outcome, allgathered once.
+
+    mpiexec normally gives every rank the same environment, but a per-node
+    profile, a wrapper or a module load may not: a rank that refused its
+    ``REFIMPL_*`` value alone would leave the others blocked in their first
+    collective.  So each rank only *notes* its outcome, and here every rank
+    learns every outcome and every value: a bad value anywhere, or a value that
+    differs between ranks (the ranks would run different code: threads, conv
+    algorithms, device paths), raises the same ``InputError`` on every rank.
+    """
+    outcomes = comm.allgather(_settings)
+    failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        alike = len(failed) == len(outcomes) and len({e for _, e in failed}) == 1
+        raise InputError(error + ("" if alike else f" (rank {rank})"), agreed=True)
+    names = sorted({name for _, values in outcomes for name in values})
+    for name in names:
+        seen = [values.get(name) for _, values in outcomes]
+        if len({repr(v) for v in seen}) > 1:
+            rank = next(r for r, v in enumerate(seen) if repr(v) != repr(seen[0]))
+            raise InputError(f"{name} differs between ranks: rank {rank} has {_shown(seen[rank])}, rank 0 has "
+                             f"{_shown(seen[0])}; every rank must run with the same REFIMPL_* settings", agreed=True)
+
+
+def _shown(value) -> str:
+    return "the default (unset)" if value is None else repr(value)
+
+
 def refuse(message: str):
     """Raise InputError for bad input that every rank finds identically (no message needed to agree)."""
     raise InputError(message, agreed=True)
@@ -549,8 +592,24 @@ def _leave() -> None:
     sys.stderr.flush()
 
 
+def _mpi_running() -> bool:
+    """Whether this process started MPI (one-process commands never import mpi4py.MPI)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    return MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
+
+
+def _world() -> tuple[int, int]:
+    """(rank, size) of COMM_WORLD, or (0, 1) without MPI."""
+    if not _mpi_running():
+        return 0, 1
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
 def _abort(code: int) -> None:
     _leave()
+    if not _mpi_running():
+        os._exit(code)
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(code)
 
@@ -590,6 +649,16 @@ def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STAL
     watchdog thread runs alongside when there is more than one rank.
     """
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    if comm is None and _settings[0] is not None:          # a one-process command: no one to agree with
+        print(f"refimpl {command}: error: {_settings[0]}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    try:
+        if comm is not None:
+            agree_settings(comm)          # before any other message: the watchdog's Dup included
+    except InputError as err:
+        if rank == 0:
+            print(f"refimpl {command}: {err.label}: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     watchdog = Watchdog(comm, command, stall_timeout).start() if size > 1 else None
     try:
         code = body() or 0
@@ -617,11 +686,11 @@ def set_stall_timeout(seconds: float) -> None:
 def install_excepthook(command: str = "") -> None:
     """Safety net: an uncaught exception in any thread ends the whole job (as ``python -m mpi4py``)."""
     def hook(kind, value, tb):
-        from mpi4py import MPI
-        world = MPI.COMM_WORLD
         if DEBUG:
             traceback.print_exception(kind, value, tb)
-        fail_stop(command or "refimpl", value, world.Get_rank(), world.Get_size())
+        rank, size = _world()
+        code = fail_stop(command or "refimpl", value, rank, size)
+        _abort(code)              # alone too: end here, never return into the loop that failed
 
     def thread_hook(args):
         hook(args.exc_type, args.exc_value, args.exc_traceback)
@@ -631,7 +700,8 @@ def install_excepthook(command: str = "") -> None:
 
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
-           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError",
+           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "note_settings",
+           "agree_settings",
            "Diverged", "WriteError", "InternalError", "agree", "on_root", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
            "fail_stop", "run_command", "set_stall_timeout", "install_excepthook"]

@@ -27,7 +27,6 @@ import argparse
 def add_arguments(parser):
     from ..config import CHOICES
     from ..optim import SCHEDULES
-    from ..parallel.collectives import ALGORITHMS
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     a = parser.add_argument
@@ -73,7 +72,7 @@ def add_arguments(parser):
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
     a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
-    a("--allreduce", choices=sorted(ALGORITHMS), help="gradient allreduce algorithm (default native)")
+    a("--allreduce", choices=sorted(CHOICES["allreduce"]), help="gradient allreduce algorithm (default native)")
     a("--bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     a("--no-overlap", dest="overlap", action="store_const", const=False,
       help="reduce gradients after backward instead of during it")
