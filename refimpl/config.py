@@ -59,8 +59,8 @@ DEFAULTS = {
     # numerics and reproducibility
     "dtype": "float32", "seed": 0,
     # output
-    "out": "runs/train", "resume": False, "overwrite": False, "checkpoint_every": 50, "validate_every": 25,
-    "log_every": 1, "quiet": False, "plot": True,
+    "out": "runs/train", "resume": False, "overwrite": False, "break_lock": False, "checkpoint_every": 50,
+    "validate_every": 25, "log_every": 1, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
     "optimizer_sharding": False, "compress": "none", "error_feedback": True,
@@ -258,7 +258,8 @@ RULES = {
     "base_batch": _integer(1, optional=True), "warmup_steps": _integer(0),
     "schedule": _one_of(*CHOICES["schedule"]), "decay": _decay, "warmup_epochs": _integer(0, optional=True),
     "dtype": _one_of(*CHOICES["dtype"]), "seed": _integer(0),
-    "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "checkpoint_every": _integer(1),
+    "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "break_lock": _boolean(),
+    "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
     "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(), "optimizer_sharding": _boolean(),
     "compress": _compress, "error_feedback": _boolean(),

@@ -161,6 +161,24 @@ def on_root(comm, fn, *args, error=WriteError, root=0, **kwargs):
     message: no rank is left waiting in the next collective.  Returns ``fn``'s
     result on root, None elsewhere.
     """
+    return _root_runs(comm, fn, args, kwargs, error, root, share=False)
+
+
+def decide(comm, fn, *args, error=InputError, root=0, **kwargs):
+    """A decision every rank acts on, taken once: ``fn`` runs on ``root``, its result is broadcast.
+
+    The rule of this module for the file system: a branch whose outcome could
+    differ between ranks (does OUT hold a run? is there generated data? is there
+    a validation split?) is never re-derived by each rank from a shared file
+    system, where another rank (or another job) may be changing it at that very
+    moment: rank 0 looks, every rank follows (ULFM's agreement, Horovod's
+    coordinator).  Returns ``fn``'s result on every rank, or raises ``error``
+    with root's message on every rank.
+    """
+    return _root_runs(comm, fn, args, kwargs, error, root, share=True)
+
+
+def _root_runs(comm, fn, args, kwargs, error, root, share):
     result, outcome = None, None
     if comm.Get_rank() == root:
         try:
@@ -170,10 +188,10 @@ def on_root(comm, fn, *args, error=WriteError, root=0, **kwargs):
                 traceback.print_exc()
             outcome = (classify(err, error).__name__, describe(err))
     from .parallel.objects import bcast_object
-    outcome = bcast_object(comm, outcome, root=root)
+    outcome, shared = bcast_object(comm, (outcome, result if share else None), root=root)
     if outcome is not None:
         raise _ERRORS[outcome[0]](outcome[1], agreed=True)
-    return result
+    return shared if share else result
 
 
 _ERRORS = {cls.__name__: cls for cls in (RunError, InputError, Diverged, WriteError, InternalError)}
@@ -702,6 +720,6 @@ def install_excepthook(command: str = "") -> None:
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
            "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "note_settings",
            "agree_settings",
-           "Diverged", "WriteError", "InternalError", "agree", "on_root", "refuse", "check_writable", "PROGRESS",
+           "Diverged", "WriteError", "InternalError", "agree", "on_root", "decide", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
            "fail_stop", "run_command", "set_stall_timeout", "install_excepthook"]

@@ -43,8 +43,8 @@ import time
 from . import checkpoint
 from .backend import asarray, resolve_dtype, set_backend
 from .config import effective_settings
-from .failstop import (Diverged, InputError, WriteError, agree, atomic_write, check_writable, describe,
-                       label_layers, on_root, phase, refuse, set_step)
+from .failstop import (Diverged, InputError, WriteError, agree, atomic_write, check_writable, decide,
+                       describe, label_layers, on_root, phase, refuse, set_step)
 from .optim import Schedule, make_optimizer, parse_decay, scaled_lr
 from .parallel.objects import allreduce_sum
 
@@ -165,16 +165,14 @@ def generate_data(config, model, directory) -> None:
         write_split(os.path.join(directory, "val.h5"), make, n_val, n_train, attrs)
 
 
-def open_split(path, model, grid, config, required: bool):
-    """HDF5Reader of this rank's block, checked against the model; None if absent and optional."""
+def open_split(path, model, grid, config):
+    """HDF5Reader of this rank's block, checked against the model."""
     import h5py
 
     from .data.reader import HDF5Reader
     if not os.path.exists(path):
-        if required:
-            raise ValueError(f"--data: {path} does not exist (write it with 'refimpl datagen', "
-                             "or leave --data out to generate a small dataset)")
-        return None
+        raise ValueError(f"--data: {path} does not exist (write it with 'refimpl datagen', "
+                         "or leave --data out to generate a small dataset)")
     reader = HDF5Reader(path)                      # validates the layout; whole-sample block
     if reader.sample_shape != tuple(model.input_shape):
         raise ValueError(f"{path}: samples are (C, D, H, W) = {reader.sample_shape} but the {config['model']} "
@@ -390,7 +388,7 @@ class Trainer:
         directory = config["data"]
         if directory is None:
             directory = os.path.join(self.out, "data")
-            missing = not os.path.exists(os.path.join(directory, "train.h5"))
+            missing = not decide(comm, os.path.exists, os.path.join(directory, "train.h5"))
             if config["generate"] is False and missing:
                 refuse("no --data given and --no-generate: nothing to train on")
             if missing:
@@ -404,9 +402,10 @@ class Trainer:
             config["data"] = directory
         phase("opening the data")
         self.train_reader = agree(comm, open_split, os.path.join(directory, "train.h5"), self.model,
-                                  self.grid, config, True)
-        self.val_reader = agree(comm, open_split, os.path.join(directory, "val.h5"), self.model,
-                                self.grid, config, False)
+                                  self.grid, config)
+        val_path = os.path.join(directory, "val.h5")
+        self.val_reader = agree(comm, open_split, val_path, self.model, self.grid, config) \
+            if decide(comm, os.path.exists, val_path) else None
         if self.train_reader.num_samples < self.global_batch:
             refuse(f"{self.train_reader.path} holds {self.train_reader.num_samples} samples, "
                    f"fewer than the global batch {self.global_batch}")
@@ -638,23 +637,52 @@ def summary_line(summary: dict, metric_name: str) -> str:
     return " | ".join(parts)
 
 
+def run_directory(out: str) -> dict:
+    """What OUT holds (rank 0 looks, ``decide``): a checkpoint, any run file, stale clear-outs."""
+    import glob
+    return {"checkpoint": os.path.exists(os.path.join(out, CHECKPOINT)),
+            "run_files": any(os.path.exists(os.path.join(out, name)) for name in RUN_FILES),
+            "stale_clear_out": bool(glob.glob(os.path.join(glob.escape(out), ".overwritten-*")))}
+
+
+def take_lock(config: dict):
+    """OUT/.lock for this job (rank 0, before anything is written); LockHeld names the holder."""
+    from .run_lock import RunLock
+    return RunLock(config["out"]).acquire(break_lock=bool(config["break_lock"] or config["overwrite"]),
+                                          how_to_break="--break-lock (or --overwrite to start over)")
+
+
 def main(config: dict, given: dict, comm) -> dict:
-    """Resolve resume, build, train.  Collective; raises InputError / Diverged / WriteError on every rank."""
-    from .config import resume_config
+    """Lock OUT, resolve resume, build, train.  Collective; raises InputError / Diverged / WriteError on
+    every rank.  Every branch on what OUT holds is decided on rank 0 and broadcast (``decide``)."""
     agree(comm, preflight, config)
+    phase("locking the run directory (rank 0)")
+    lock = on_root(comm, take_lock, config, error=InputError)      # rank 0 holds it, None elsewhere
+    try:
+        if lock is not None and lock.note:
+            print(f"refimpl train: note: {lock.note}", file=sys.stderr, flush=True)
+        return _main_locked(config, given, comm)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _main_locked(config: dict, given: dict, comm) -> dict:
+    from .config import resume_config
     resume_state, notes = None, []
     path = os.path.join(config["out"], CHECKPOINT)
+    held = decide(comm, run_directory, config["out"])
     if config["resume"]:
-        if not os.path.exists(path):
+        if not held["checkpoint"]:
             refuse(f"--resume: {path} does not exist: nothing to resume (drop --resume to start a new run)")
         phase("reading the checkpoint")
         resume_state = agree(comm, checkpoint.read_file, path)
         config, notes = agree(comm, resume_config, resume_state[1]["config"],
                               dict(given, resume=True, out=config["out"]))
-    elif os.path.exists(path) and not config["overwrite"]:
+    elif held["checkpoint"] and not config["overwrite"]:
         refuse(f"{config['out']} already holds a run ({CHECKPOINT}): pass --resume to continue it, "
                "--overwrite to start over, or another --out")
-    elif config["overwrite"] and any(os.path.exists(os.path.join(config["out"], n)) for n in RUN_FILES):
+    elif config["overwrite"] and (held["run_files"] or held["stale_clear_out"]):
         phase("clearing the old run (--overwrite, rank 0)")
         on_root(comm, clear_run, config["out"], error=WriteError)
     trainer = Trainer(config, comm, resume_state, notes)

@@ -69,6 +69,9 @@ def add_arguments(parser):
     a("--out", metavar="DIR", help="output directory (default runs/train)")
     a("--resume", action="store_const", const=True, help="continue the run in OUT from OUT/checkpoint.h5")
     a("--overwrite", action="store_const", const=True, help="start over in an OUT that holds a run")
+    a("--break-lock", action="store_const", const=True,
+      help="take over OUT/.lock when the job that took it is gone (its process no longer runs on this host, "
+           "or it was not refreshed for 10 minutes; --overwrite does too); a live job's lock is never broken")
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
     a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
@@ -107,7 +110,7 @@ def add_arguments(parser):
 
 FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
-             "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite",
+             "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite", "break_lock",
              "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
              "optimizer_sharding", "compress", "error_feedback", "priority", "chunk_mb", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
