@@ -251,20 +251,34 @@ def check_writable(path, what: str, directory: bool = False) -> None:
     A path named on the command line that cannot be written is bad input, found
     before the first message: the nearest existing ancestor must be a directory
     we may write in, and ``path`` itself, if it exists, must be a directory
-    (``directory=True``) or a regular file we may overwrite.
+    (``directory=True``) or a regular file we may overwrite.  Names the file
+    system cannot hold (a component over NAME_MAX, a path over PATH_MAX) and
+    dangling symbolic links are refused here rather than failing mid-run.  A
+    file that is a symbolic link is refused too: refimpl writes files atomically
+    (a new file renamed over the old one), which would replace the link by a
+    regular file and leave its target stale.
     """
     path = os.path.abspath(os.fspath(path))
+    _check_name_lengths(path, what)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{what} {path} is a dangling symbolic link (to {os.readlink(path)})")
     if os.path.exists(path):
         if directory and not os.path.isdir(path):
             raise ValueError(f"{what} {path} exists and is not a directory")
         if not directory and os.path.isdir(path):
             raise ValueError(f"{what} {path} is a directory, not a file")
+        if not directory and os.path.islink(path):
+            raise ValueError(f"{what} {path} is a symbolic link (to {os.readlink(path)}): refimpl replaces "
+                             "its files atomically, which would replace the link; give the target's path")
         target = path if directory else os.path.dirname(path)
         if not os.access(target, os.W_OK | os.X_OK) or (not directory and not os.access(path, os.W_OK)):
             raise ValueError(f"{what} {path} is not writable")
         return
     parent = os.path.dirname(path)
     while not os.path.exists(parent):
+        if os.path.islink(parent):
+            raise ValueError(f"{what} {path} cannot be created: {parent} is a dangling symbolic link "
+                             f"(to {os.readlink(parent)})")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{what} {path} cannot be created: {parent} is not a directory")
@@ -272,15 +286,37 @@ def check_writable(path, what: str, directory: bool = False) -> None:
         raise ValueError(f"{what} {path} cannot be created: {parent} is not writable")
 
 
+def _check_name_lengths(path: str, what: str) -> None:
+    """ValueError for a path the file system cannot hold (ENAMETOOLONG mid-run otherwise)."""
+    encoded = os.fsencode(path)
+    limit = _path_limit("PC_PATH_MAX", 4096)
+    if len(encoded) >= limit:
+        raise ValueError(f"{what} is {len(encoded)} bytes long, over the file system's limit of {limit - 1} "
+                         f"(PATH_MAX): {path[:60]}...")
+    name_max = _path_limit("PC_NAME_MAX", 255)
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(f"{what} {path[:60]}...: the name {part[:40]}... is {len(os.fsencode(part))} "
+                             f"bytes long, over the file system's limit of {name_max} (NAME_MAX)")
+
+
+def _path_limit(name: str, default: int) -> int:
+    try:
+        return os.pathconf("/", name)
+    except (OSError, ValueError):
+        return default
+
+
 # ---------------------------------------------------------------- 3. what the main thread is doing
 
 class Progress:
     """The main thread's current phase, read by the watchdog thread (GIL-atomic stores)."""
 
-    __slots__ = ("count", "step", "phase", "layer", "names")
+    __slots__ = ("count", "step", "phase", "layer", "names", "saved")
 
     def __init__(self):
         self.count, self.step, self.phase, self.layer, self.names = 0, None, "start-up", None, {}
+        self.saved = None        # what an interrupted run keeps: 'the last checkpoint is step 40'
 
     def where(self) -> str:
         """'halo exchange of features.3 (forward) at step 12'."""
@@ -626,7 +662,8 @@ def _world() -> tuple[int, int]:
 
 def _abort(code: int) -> None:
     _leave()
-    if not _mpi_running():
+    from .cli import launcher_size
+    if not _mpi_running() or _world()[1] == 1 and launcher_size() == 1:    # no launcher to tell
         os._exit(code)
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(code)
@@ -658,6 +695,84 @@ def fail_stop(command: str, err: BaseException, rank: int, size: int) -> int:
     return code                                       # not reached
 
 
+# ---------------------------------------------------------------- 5. signals
+
+INTERRUPTS = ("SIGINT", "SIGTERM")
+
+
+def _interrupted(signum: int, command: str) -> None:
+    """A SIGINT / SIGTERM arrived: one line, every rank ends with 128 + the signal number.
+
+    Runs on the signal thread, not in a Python signal handler: the main thread may
+    be inside a GEMM or an MPI wait for a long time, and Open MPI's mpiexec, when
+    it is interrupted or cancelled, sends the ranks SIGCONT, SIGTERM 0.25 s later
+    and SIGKILL 0.25 s after that.  So the temporaries (a checkpoint being
+    written, the run's lock) are removed first, then the line, then the job ends
+    as for any failure on one rank (``Watchdog.report``: rank 0 prints and aborts).
+    """
+    import signal
+    _clean_up()
+    name = signal.Signals(signum).name
+    rank, size = _world()
+    step = f" at step {PROGRESS.step}" if PROGRESS.step is not None else f" during {PROGRESS.where()}"
+    kept = f"; {PROGRESS.saved}" if PROGRESS.saved else ""
+    line = f"refimpl {command}: interrupted by {name} on rank {rank}{step}{kept}"
+    code = 128 + signum
+    if size > 1 and _watchdog is not None:
+        _watchdog.report(code, line)
+    print(line, file=sys.stderr, flush=True)
+    _abort(code)
+
+
+class SignalThread:
+    """SIGINT and SIGTERM handled on a thread of their own, at once, whatever the main thread does.
+
+    The C-level handler that Python installs writes the signal's number into the
+    wake-up file descriptor (``signal.set_wakeup_fd``) the moment the signal
+    arrives; this thread blocks on that pipe.  The Python-level handlers do
+    nothing (the main thread would run them only between two bytecodes).
+    """
+
+    def __init__(self, command: str):
+        import signal
+        self.command = command
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self.previous = {name: signal.signal(getattr(signal, name), lambda *_: None) for name in INTERRUPTS}
+        self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._wait, name="refimpl-signals", daemon=True).start()
+
+    def _wait(self) -> None:
+        import signal
+        wanted = {int(getattr(signal, name)) for name in INTERRUPTS}
+        while True:
+            try:
+                data = os.read(self.read_fd, 64)
+            except OSError:
+                return                       # closed: the command ended normally
+            if not data:
+                return
+            for signum in data:
+                if signum in wanted:
+                    _interrupted(signum, self.command)
+
+    def close(self) -> None:
+        """Give the signals back (the command ended); a signal from now on acts as before."""
+        import signal
+        signal.set_wakeup_fd(self.previous_fd)
+        for name, handler in self.previous.items():
+            signal.signal(getattr(signal, name), handler)
+        os.close(self.write_fd)
+        os.close(self.read_fd)
+
+
+def handle_signals(command: str) -> SignalThread | None:
+    """SIGINT / SIGTERM end the command with one line (130 / 143); None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return SignalThread(command)
+
+
 def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> int:
     """Run ``body()`` (returns an exit code) on every rank of ``comm`` under the fail-stop rules
     (``comm`` None: a command of one process).
@@ -678,6 +793,7 @@ def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STAL
             print(f"refimpl {command}: {err.label}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     watchdog = Watchdog(comm, command, stall_timeout).start() if size > 1 else None
+    signals = handle_signals(command)
     try:
         code = body() or 0
     except RunError as err:
@@ -690,6 +806,9 @@ def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STAL
         if isinstance(err, SystemExit) and size == 1:
             raise
         return fail_stop(command, err, rank, size)
+    finally:
+        if signals is not None:
+            signals.close()
     if watchdog is not None:
         watchdog.stop()
     return code

@@ -43,8 +43,8 @@ import time
 from . import checkpoint
 from .backend import asarray, resolve_dtype, set_backend
 from .config import effective_settings
-from .failstop import (Diverged, InputError, WriteError, agree, atomic_write, check_writable, decide,
-                       describe, label_layers, on_root, phase, refuse, set_step)
+from .failstop import (PROGRESS, Diverged, InputError, WriteError, agree, atomic_write, check_writable,
+                       decide, describe, label_layers, on_root, phase, refuse, set_step)
 from .optim import Schedule, make_optimizer, parse_decay, scaled_lr
 from .parallel.objects import allreduce_sum
 
@@ -66,9 +66,7 @@ def preflight(config: dict) -> None:
     out = config["out"]
     check_writable(out, "--out", directory=True)
     for name in RUN_FILES + (() if config["data"] else ("data",)):
-        path = os.path.join(out, name)
-        if os.path.exists(path):
-            check_writable(path, f"--out: {name}", directory=name == "data")
+        check_writable(os.path.join(out, name), f"--out: {name}", directory=name == "data")
 
 
 def clear_run(out: str) -> None:
@@ -166,13 +164,10 @@ def generate_data(config, model, directory) -> None:
 
 
 def open_split(path, model, grid, config):
-    """HDF5Reader of this rank's block, checked against the model."""
+    """HDF5Reader of this rank's block, checked against the model (``path`` exists: rank 0 said so)."""
     import h5py
 
     from .data.reader import HDF5Reader
-    if not os.path.exists(path):
-        raise ValueError(f"--data: {path} does not exist (write it with 'refimpl datagen', "
-                         "or leave --data out to generate a small dataset)")
     reader = HDF5Reader(path)                      # validates the layout; whole-sample block
     if reader.sample_shape != tuple(model.input_shape):
         raise ValueError(f"{path}: samples are (C, D, H, W) = {reader.sample_shape} but the {config['model']} "
@@ -401,8 +396,11 @@ class Trainer:
                 on_root(comm, self._generate, directory)    # doubles as the barrier: files are complete
             config["data"] = directory
         phase("opening the data")
-        self.train_reader = agree(comm, open_split, os.path.join(directory, "train.h5"), self.model,
-                                  self.grid, config)
+        train_path = os.path.join(directory, "train.h5")
+        if not decide(comm, os.path.exists, train_path):
+            refuse(f"--data: {train_path} does not exist (write it with 'refimpl datagen', "
+                   "or leave --data out to generate a small dataset)")
+        self.train_reader = agree(comm, open_split, train_path, self.model, self.grid, config)
         val_path = os.path.join(directory, "val.h5")
         self.val_reader = agree(comm, open_split, val_path, self.model, self.grid, config) \
             if decide(comm, os.path.exists, val_path) else None
@@ -517,6 +515,12 @@ class Trainer:
         self.step += 1
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "lr": self.optimizer.lr}
 
+    def _saved(self, step) -> None:
+        """The last checkpoint is at ``step`` (None: none yet); an interruption's message says so."""
+        self.last_saved = step
+        PROGRESS.saved = (f"the last checkpoint is step {step} ({self._path(CHECKPOINT)})" if step is not None
+                          else "no checkpoint was written yet")
+
     def _checkpoint_step(self):
         return self.last_saved if self.last_saved is not None else "?"
 
@@ -541,7 +545,7 @@ class Trainer:
     def run(self) -> dict:
         from tqdm import tqdm
         cfg = self.config
-        self.last_saved = self.step if self.step else None
+        self._saved(self.step if self.step else None)
         phase("writing config.json (rank 0)")
         on_root(self.comm, self._start_outputs, error=WriteError)
         for note in self.notes:
@@ -586,7 +590,7 @@ class Trainer:
                                   f"{val[self.metric_name]:.4g}", file=sys.stdout)
             if self.step % cfg["checkpoint_every"] == 0 or final:
                 self.save()
-                self.last_saved = self.step
+                self._saved(self.step)
         bar.close()
         set_step(None)
         elapsed = time.perf_counter() - started

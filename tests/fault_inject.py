@@ -9,7 +9,13 @@ The fault comes from the environment, so that every rank parses the same command
   ``forward`` (RuntimeError in a conv layer's forward), ``backward`` (the same in
   its backward), ``stop`` (SIGSTOP itself inside a conv's forward: a process that
   stops answering), ``kill`` (SIGKILL itself there), ``plot`` (the loss plot's
-  write fails with ENOSPC), and STEP the training step (1-based) it happens at;
+  write fails with ENOSPC), ``sigterm`` (SIGTERM to itself: a scheduler's cancel of
+  one rank), ``ctrl-c`` (SIGINT to the launcher's process group, as a terminal's
+  Ctrl-C sends it), ``slow`` (every conv forward sleeps 0.2 s from that step on:
+  a run that lasts), and STEP the training step (1-based) it happens at;
+- ``FAULT_BLIND``: a path; on the faulty rank ``os.path.exists``, ``glob.glob`` and
+  ``os.listdir`` see nothing under it (a file system whose metadata this node sees
+  late): a rank that decided alone what OUT holds would take another branch;
 - ``FAULT_FSIZE``: a file-size limit in bytes for that rank (``RLIMIT_FSIZE``;
   Python ignores SIGXFSZ, so a write past it fails with EFBIG, like a full disk);
 - ``FAULT_LOG``: a directory; every rank writes ``pid-RANK`` (its process id) there
@@ -40,6 +46,23 @@ def mark_fault():
         with open(os.path.join(log, "fault"), "w") as f:
             f.write(repr(time.time()))
 
+
+if rank == fault_rank and os.environ.get("FAULT_BLIND"):
+    import glob
+
+    blind = os.path.abspath(os.environ["FAULT_BLIND"])
+
+    def hidden(path):
+        path = os.path.abspath(os.fspath(path))
+        return path == blind or path.startswith(blind + os.sep)
+
+    def seeing(original, nothing):
+        def look(path, *args, **kwargs):
+            return nothing if hidden(path) else original(path, *args, **kwargs)
+        return look
+    os.path.exists = seeing(os.path.exists, False)
+    glob.glob = seeing(glob.glob, [])
+    os.listdir = seeing(os.listdir, [])
 
 if rank == fault_rank:
     if os.environ.get("FAULT_FSIZE"):
@@ -73,7 +96,31 @@ if rank == fault_rank:
             mark_fault()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        if what in ("forward", "backward"):
+        sent = []
+
+        def signal_self():
+            if not sent:                     # once: the step's later convs must not send it again
+                sent.append(mark_fault())
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def ctrl_c():
+            if not sent:
+                sent.append(mark_fault())
+                os.killpg(os.getpgid(os.getppid()), signal.SIGINT)     # the launcher's group
+
+        if what == "slow":
+            original_forward = spatial.SpatialConv3d.forward
+
+            def slow_forward(self, x):
+                if (failstop.PROGRESS.step or 0) >= int(at):
+                    time.sleep(0.2)
+                return original_forward(self, x)
+            spatial.SpatialConv3d.forward = slow_forward
+        elif what == "sigterm":
+            wrap("forward", signal_self)
+        elif what == "ctrl-c":
+            wrap("forward", ctrl_c)
+        elif what in ("forward", "backward"):
             wrap(what, fail)
         elif what == "stop":
             wrap("forward", stop)

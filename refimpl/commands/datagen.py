@@ -8,13 +8,17 @@ Examples::
 
 Train sample i is drawn from seed + i and val sample j from seed + samples + j,
 so the splits never share a universe and any sample can be regenerated alone.
-Files appear under their final names only when complete (tmp + os.replace).
+Files appear under their final names only when complete (tmp + fsync +
+os.replace, ``failstop.atomic_write``).  OUT belongs to one datagen at a time
+(``OUT/.lock``, ``run_lock.RunLock``): two writing the same files would each
+rename a complete file over the other's, mixing two datasets.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import sys
 
 EPILOG = """\
 examples:
@@ -23,7 +27,9 @@ examples:
   refimpl datagen cosmoflow --out data/lbann --layout per-sample --chunk 32
 
 train sample i is drawn from seed + i, val sample j from seed + samples + j; files
-appear under their final names only once complete (tmp file + os.replace).
+appear under their final names only once complete (tmp file + os.replace).  OUT/.lock
+is held while writing: a second datagen into the same OUT exits 2 naming the first.
+exit status: 0 written, 2 bad input (or OUT in use), 4 a write failed (disk full).
 
 output (docs/data.md):
   --layout single       OUT/train.h5, OUT/val.h5 with 'full' (N,C,D,H,W) float32 and
@@ -71,7 +77,10 @@ def add_arguments(parser) -> None:
                         help="one file per split (default) or one file per sample")
     parser.add_argument("--chunk", type=int, default=32,
                         help="spatial chunk edge in voxels (default 32; pick a divisor of your blocks)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing output (and take over the lock of a datagen that is gone)")
+    parser.add_argument("--break-lock", action="store_true",
+                        help="take over OUT/.lock left by a datagen that is gone (a live one is never broken)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -89,7 +98,8 @@ def generate(args) -> int:
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
-    from refimpl.failstop import WriteError, check_writable, describe, refuse
+    from refimpl.failstop import WriteError, check_writable, describe, phase, refuse
+    from refimpl.run_lock import RunLock
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
@@ -110,25 +120,29 @@ def generate(args) -> int:
     splits = [("train", args.samples, 0), ("val", args.val_samples, args.samples)]
     splits = [s for s in splits if s[1] > 0]
     targets = [os.path.join(args.out, name + suffix) for name, _, _ in splits]
-    existing = [t for t in targets if os.path.exists(t)]
-    if existing and not args.overwrite:
-        refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
     try:
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
         refuse(str(err))
-    os.makedirs(args.out, exist_ok=True)
     attrs = {"generator": args.kind, "params": params, "seed": args.seed,
              "refimpl_version": __version__}
     try:
-        with tqdm(total=sum(n for _, n, _ in splits), unit="sample", desc=f"datagen {args.kind}",
-                  disable=args.quiet) as bar:
-            for (_, count, first), target in zip(splits, targets):
-                write_split(target, make, count, first, attrs, layout=args.layout,
-                            chunk_edge=args.chunk, progress=bar.update)
-    except ValueError as err:  # bad generator arguments: nothing was written under final names
+        with RunLock(args.out).acquire(break_lock=args.break_lock or args.overwrite,
+                                       how_to_break="--break-lock (or --overwrite)") as lock:
+            if lock.note:
+                print(f"refimpl datagen: note: {lock.note}", file=sys.stderr, flush=True)
+            existing = [t for t in targets if os.path.exists(t)]      # looked at under the lock
+            if existing and not args.overwrite:
+                refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
+            with tqdm(total=sum(n for _, n, _ in splits), unit="sample", desc=f"datagen {args.kind}",
+                      disable=args.quiet) as bar:
+                for (_, count, first), target in zip(splits, targets):
+                    phase(f"writing {target}")          # what an interrupt or a failure names
+                    write_split(target, make, count, first, attrs, layout=args.layout,
+                                chunk_edge=args.chunk, progress=bar.update)
+    except ValueError as err:  # OUT in use (LockHeld), bad generator arguments: nothing written
         refuse(str(err))
-    except OSError as err:     # disk full, ...: nothing was written under final names
+    except OSError as err:     # disk full, ...: the split that failed left nothing, not even a temporary
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     if not args.quiet:
         for target in targets:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 ACTIONS = ("generate", "run-torch", "check")
@@ -45,6 +46,8 @@ def add_arguments(parser):
     gen.add_argument("--out", required=True, metavar="DIR", help="directory for the case files (created)")
     gen.add_argument("--case", action="append", default=None, metavar="NAME",
                      help="only this case of the suite (repeatable)")
+    gen.add_argument("--break-lock", action="store_true",
+                     help="take over DIR/.lock left by a generate that is gone (a live one is never broken)")
     run = sub.add_parser("run-torch", help="PyTorch's results on the cases (the model adapter)",
                          description="Run PyTorch on every case, globally and per rank by slicing with the "
                                      "case's ranges, and write one results file per case into DIR.")
@@ -102,7 +105,9 @@ def make_out_dir(path: str) -> None:
 
 
 def generate(args) -> int:
-    from ..failstop import check_writable
+    """Write the suite's case files into --out, holding --out/.lock (a second generate there exits 2)."""
+    from ..failstop import WriteError, check_writable, describe
+    from ..run_lock import RunLock
     from ..oracle.casefile import write_case
     from ..oracle.suite import load_suite
     specs = load_suite(args.suite)
@@ -115,11 +120,17 @@ def generate(args) -> int:
     make_out_dir(args.out)
     check_writable(os.path.join(args.out, specs[0].file_name), "--out")
     start, size = time.perf_counter(), 0
-    for spec in specs:
-        path = write_case(spec, args.out)
-        size += os.path.getsize(path)
-        print(f"wrote {path}  ({spec.layer}, input {list(spec.input)}, grid {list(spec.grid)}, "
-              f"{spec.ranks} rank{'s' * (spec.ranks > 1)})", flush=True)
+    try:
+        with RunLock(args.out).acquire(break_lock=args.break_lock) as lock:   # LockHeld: exit 2
+            if lock.note:
+                print(f"refimpl oracle generate: note: {lock.note}", file=sys.stderr, flush=True)
+            for spec in specs:
+                path = write_case(spec, args.out)
+                size += os.path.getsize(path)
+                print(f"wrote {path}  ({spec.layer}, input {list(spec.input)}, grid {list(spec.grid)}, "
+                      f"{spec.ranks} rank{'s' * (spec.ranks > 1)})", flush=True)
+    except OSError as err:          # disk full, ...: the failed case file left no temporary
+        raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     print(f"{len(specs)} case file{'s' * (len(specs) != 1)}, {size / 2**20:.1f} MiB, in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -14,9 +14,13 @@ Root attributes: ``format`` ("refimpl-hdf5"), ``version``, ``generator``,
 sample i used ``default_rng(seed + first_index + i)``), ``layout``; per-sample
 files also carry ``sample_index``.
 
-Writes are atomic: everything goes to a temporary name beside the target and is
-renamed (``os.replace``) only once complete, so a crash never leaves a
-half-written file under the final name.
+Writes are atomic, through ``failstop.atomic_write`` as checkpoints are: every
+file is built under a temporary name beside its target, fsync-ed and renamed
+(``os.replace``) only once complete; a ``per-sample`` directory is built as a
+temporary directory and renamed as a whole.  A crash never leaves a half-written
+file under a final name, and a failed write (a full disk, a file-size limit)
+removes the temporary and raises one ``OSError`` naming the target, at the
+sample where it happened.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import contextlib
 import json
 import os
 import shutil
+
+from ..failstop import atomic_write
 
 FORMAT = "refimpl-hdf5"
 VERSION = 1
@@ -54,9 +60,10 @@ def chunk_shape(sample_shape, edge: int = DEFAULT_CHUNK_EDGE):
 def atomic_target(path):
     """Yield a temporary path beside ``path``; on success rename it to ``path``.
 
-    On an exception the temporary file or directory is removed and ``path`` is
-    left as it was.  An existing directory target is swapped out and deleted
-    after the rename (a directory cannot be replaced in one step).
+    For a ``per-sample`` directory (a file goes through ``failstop.atomic_write``).
+    On an exception the temporary directory is removed and ``path`` is left as
+    it was.  An existing directory target is swapped out and deleted after the
+    rename (a directory cannot be replaced in one step).
     """
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -89,6 +96,66 @@ def _root_attrs(f, attrs: dict) -> None:
         f.attrs[key] = json.dumps(value) if isinstance(value, dict) else value
 
 
+class _KeepFirstError:
+    """The file HDF5 writes through: every write "succeeds" for HDF5; the first failure is kept.
+
+    HDF5 reports a failed write (ENOSPC, EFBIG) wherever its caches happen to be
+    flushed, often while h5py frees an object: from a destructor, where the
+    error reaches only ``sys.excepthook`` / ``sys.unraisablehook`` and the
+    writing code carries on.  Here HDF5 never sees a failure: the first
+    ``OSError`` is kept (nothing after it reaches the disk) and ``check`` raises
+    it in the writer's own code.  It wraps the unbuffered file, because a
+    buffered one would also fail in ``seek`` (which flushes its buffer).
+    """
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.error = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        if self.error is None:
+            try:
+                while view:                        # an unbuffered write may write a part only
+                    view = view[self.raw.write(view):]
+            except OSError as err:
+                self.error = err
+        return size
+
+    def truncate(self, size: int) -> int:
+        if self.error is None:
+            try:
+                self.raw.truncate(size)
+            except OSError as err:
+                self.error = err
+        return size
+
+    def check(self) -> None:
+        """Raise the first failed write's error, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def __getattr__(self, name):                   # seek, tell, read, flush: the file's own
+        return getattr(self.raw, name)
+
+
+@contextlib.contextmanager
+def _h5_file(binary_file):
+    """``(h5py.File, check)`` writing through ``binary_file`` (from ``atomic_write``); the HDF5
+    file is closed here, and a write that failed (in the body, or in the close's flush) is
+    raised after the close, as an ``OSError``, never from an h5py destructor."""
+    import h5py
+
+    sink = _KeepFirstError(binary_file.raw)
+    f = h5py.File(sink, "w")
+    try:
+        yield f, sink.check
+    finally:
+        f.close()
+    sink.check()
+
+
 def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
                 layout: str = "single", chunk_edge: int = DEFAULT_CHUNK_EDGE,
                 progress=None) -> None:
@@ -98,11 +165,10 @@ def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
     ``target`` is unitPar (T,) float32 or labels (D, H, W) uint8, picked by
     dtype.  ``attrs`` become root attributes (dicts as JSON).  One sample is in
     memory at a time.  Chunks are ``chunk_shape(sample, chunk_edge)``.
-    ``progress`` is called with 1 after each sample.
+    ``progress`` is called with 1 after each sample.  A failed write raises its
+    ``OSError`` (naming the file) at the first sample it hits: nothing is left
+    under ``path`` or a temporary name.
     """
-    import h5py
-    import numpy
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if count < 1:
@@ -110,32 +176,55 @@ def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
     if chunk_edge < 1:
         raise ValueError(f"chunk_edge must be >= 1, got {chunk_edge}")
     attrs = dict(attrs, first_index=first_index, layout=layout)
-    with atomic_target(path) as tmp, contextlib.ExitStack() as open_files:
-        if layout == "per-sample":
-            os.makedirs(tmp)
-        f = None
+    if layout == "single":
+        atomic_write(path, lambda fh: _write_single(fh, make_sample, count, first_index, attrs, chunk_edge,
+                                                    progress), binary=True, fsync=True)
+        return
+    with atomic_target(path) as tmp:
+        os.makedirs(tmp)
         for i in range(count):
             full, target = make_sample(first_index + i)
-            target_key = TARGET_KEY if target.dtype.kind == "f" else LABEL_KEY
-            if layout == "per-sample":
-                with h5py.File(os.path.join(tmp, sample_file_name(i)), "w") as g:
-                    _root_attrs(g, dict(attrs, sample_index=first_index + i))
-                    g.create_dataset(DATA_KEY, data=full,
-                                     chunks=chunk_shape(full.shape, chunk_edge))
-                    g.create_dataset(target_key, data=target)
-            else:
-                if f is None:
-                    f = open_files.enter_context(h5py.File(tmp, "w"))
-                    _root_attrs(f, attrs)
-                    f.create_dataset(DATA_KEY, (count,) + full.shape, dtype=numpy.float32,
-                                     chunks=(1,) + chunk_shape(full.shape, chunk_edge))
-                    f.create_dataset(target_key, (count,) + target.shape, dtype=target.dtype,
-                                     chunks=(1,) + (target.shape if target_key == TARGET_KEY else
-                                                    chunk_shape((1,) + target.shape, chunk_edge)[1:]))
-                f[DATA_KEY][i] = full
-                f[target_key][i] = target
+            try:
+                atomic_write(os.path.join(tmp, sample_file_name(i)),
+                             lambda fh: _write_sample(fh, full, target, dict(attrs, sample_index=first_index + i),
+                                                      chunk_edge), binary=True, fsync=True)
+            except OSError as err:                 # name the file meant, not the temporary directory
+                raise OSError(err.errno, err.strerror, os.path.join(path, sample_file_name(i))) from None
             if progress is not None:
                 progress(1)
+
+
+def _target_key(target) -> str:
+    return TARGET_KEY if target.dtype.kind == "f" else LABEL_KEY
+
+
+def _write_single(binary_file, make_sample, count, first_index, attrs, chunk_edge, progress) -> None:
+    """Every sample into one file, (N, ...) datasets created from the first sample's shapes."""
+    import numpy
+
+    with _h5_file(binary_file) as (f, check):
+        _root_attrs(f, attrs)
+        for i in range(count):
+            full, target = make_sample(first_index + i)
+            key = _target_key(target)
+            if i == 0:
+                data = f.create_dataset(DATA_KEY, (count,) + full.shape, dtype=numpy.float32,
+                                        chunks=(1,) + chunk_shape(full.shape, chunk_edge))
+                targets = f.create_dataset(key, (count,) + target.shape, dtype=target.dtype,
+                                           chunks=(1,) + (target.shape if key == TARGET_KEY else
+                                                          chunk_shape((1,) + target.shape, chunk_edge)[1:]))
+            data[i] = full
+            targets[i] = target
+            check()                                # end at the first failed write, not the last sample
+            if progress is not None:
+                progress(1)
+
+
+def _write_sample(binary_file, full, target, attrs, chunk_edge) -> None:
+    with _h5_file(binary_file) as (f, _):
+        _root_attrs(f, attrs)
+        f.create_dataset(DATA_KEY, data=full, chunks=chunk_shape(full.shape, chunk_edge))
+        f.create_dataset(_target_key(target), data=target)
 
 
 __all__ = ["FORMAT", "VERSION", "DATA_KEY", "TARGET_KEY", "LABEL_KEY", "LAYOUTS",
