@@ -360,9 +360,13 @@ def forget_on_abort(path) -> None:
 
 
 def _clean_up() -> None:
+    import shutil
     for path in list(_cleanups):
         try:
-            os.remove(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)         # a per-sample dataset being built
+            else:
+                os.remove(path)
         except OSError:
             pass
 
@@ -607,9 +611,19 @@ class Watchdog:
 
 
 def self_frozen(previous: float, now: float, timeout: float) -> bool:
-    """Whether the watchdog thread itself went a whole stall timeout without running (its
-    process was stopped or frozen): then its own view of who is silent is void."""
-    return timeout > 0 and now - previous >= timeout
+    """Whether the watchdog thread itself did not run for two heartbeat intervals (at least 1 s;
+    its process was stopped or frozen): then its own view of who is silent is void.
+
+    Why not a whole timeout: the peers name a stopped rank 0 after ``timeout`` seconds without
+    its heartbeat, which left up to one interval before it stopped; Open MPI then continues it
+    (SIGCONT) before killing it, so it may have been stopped for only ``timeout - interval`` and
+    would blame the healthy ranks a moment before it dies: a second, contradicting verdict.
+    Its own loop runs every 0.2 s, so a gap of two intervals is a freeze, never a busy rank.
+    """
+    if timeout <= 0:
+        return False
+    interval = min(5.0, max(0.05, timeout / 5))
+    return now - previous >= min(timeout, max(1.0, 2 * interval))
 
 
 def _ranks(ranks) -> str:

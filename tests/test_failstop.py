@@ -154,3 +154,7 @@ def test_a_watchdog_that_was_itself_frozen_accuses_no_one():
     assert self_frozen(10.0, 13.5, 3.0) and self_frozen(0.0, 3.0, 3.0)
     assert not self_frozen(10.0, 10.2, 3.0)
     assert not self_frozen(0.0, 100.0, 0.0)          # --stall-timeout 0: off
+    # rank 0 stopped right after a heartbeat: its peers name it after the timeout, 8 s of stop with
+    # --stall-timeout 10 (interval 2); continued then, it must not blame them
+    assert self_frozen(0.0, 8.0, 10.0) and self_frozen(0.0, 4.0, 10.0)
+    assert not self_frozen(0.0, 0.5, 10.0)           # a slow iteration of its own loop is no freeze

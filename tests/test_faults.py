@@ -188,7 +188,7 @@ def test_debug_shows_the_traceback(tmp_path, data_dir):
 
 # ---------------------------------------------------------------- a rank that stops answering / dies
 
-@pytest.mark.parametrize("n, grid, rank", [(4, "1,2,2,1", 3), (2, "2,1,1,1", 0)])
+@pytest.mark.parametrize("n, grid, rank", [(4, "1,2,2,1", 3), (2, "2,1,1,1", 0), (4, "1,2,2,1", 0)])
 def test_stopped_rank_is_named_and_the_job_ends(tmp_path, tmp_path_factory, data_dir, n, grid, rank):
     out = tmp_path / "run"
     timeout = 3

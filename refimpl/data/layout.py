@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 
-from ..failstop import atomic_write
+from ..failstop import atomic_write, forget_on_abort, remove_on_abort
 
 FORMAT = "refimpl-hdf5"
 VERSION = 1
@@ -68,11 +68,14 @@ def atomic_target(path):
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     _remove(tmp)
+    remove_on_abort(tmp)                   # a signal or fail-stop meanwhile removes it too
     try:
         yield tmp
     except BaseException:
         _remove(tmp)
         raise
+    finally:
+        forget_on_abort(tmp)
     if os.path.isdir(path) and not os.path.islink(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
