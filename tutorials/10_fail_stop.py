@@ -15,7 +15,11 @@
 # 2. **fail-stop** for what escapes: an exception on one rank ends the whole job with one
 #    message (`fail_stop`, with `MPI_Abort` as the safety net);
 # 3. **a watchdog** that notices a rank that stopped answering, and says which one and where
-#    the others wait.
+#    the others wait;
+#
+# and two rules that keep ranks from parting ways before anything fails: **decisions taken
+# once** (what the file system holds, the `REFIMPL_*` settings) and **a lock on the run
+# directory**, so that two jobs never write into one.
 
 # %%
 import os
@@ -128,7 +132,69 @@ if comm.rank == 0:
         assert f"rank {last} stopped answering" in watchdog.verdict(later)
 
 # %% [markdown]
-# ## 4. Fail-stop
+# ## 4. Decisions taken once
+# `agree` gathers *outcomes*; some branches need one *answer*. "Does OUT already hold a run?"
+# asked by every rank of a shared file system can get two answers: rank 0 may be deleting the
+# old run (`--overwrite`) while rank 1 looks, or this node's metadata cache may lag. Rank 1
+# would then skip the clear-out that rank 0 joins, and both wait in different collectives: a
+# deadlock (4 runs in 5, before this rule). `decide(comm, fn)` asks rank 0 alone and
+# broadcasts the answer. Here a file exists in a directory only rank 0 can see; every rank
+# follows rank 0's answer.
+
+# %%
+private = tempfile.mkdtemp()                                 # one per rank: rank 0's is not the others'
+if comm.rank == 0:
+    open(os.path.join(private, "checkpoint.h5"), "w").close()
+here = os.path.exists(os.path.join(private, "checkpoint.h5"))
+decided = failstop.decide(comm, os.path.exists, os.path.join(private, "checkpoint.h5"))
+print(f"rank {comm.rank}: sees a checkpoint: {here}; decided: {decided}")
+assert decided is True
+shutil.rmtree(private)
+
+# %% [markdown]
+# The `REFIMPL_*` environment variables are the same kind of decision. mpiexec usually gives
+# every rank the same environment, but a per-node profile may not. Each rank only *notes* what
+# it found (`note_settings`, done by the `refimpl` command before MPI starts); the command's
+# first collective (`agree_settings`) gathers every rank's values and ends every rank with one
+# line if one is bad or different. Let the last rank run with `REFIMPL_THREADS=2`:
+
+# %%
+failstop.note_settings(None, {"REFIMPL_THREADS": 2 if comm.rank == last and comm.size > 1 else None})
+try:
+    failstop.agree_settings(comm)
+    outcome = "agreed"
+except InputError as err:
+    outcome = str(err)
+say("every rank:", outcome)
+assert comm.size == 1 or "REFIMPL_THREADS differs between ranks" in outcome
+failstop.note_settings(None, {})
+
+# %% [markdown]
+# ## 5. One job per run directory
+# A job resubmitted while the first still runs would write into the same `--out`: metrics of
+# two runs interleaved, a checkpoint from one and a config from the other. `refimpl train`
+# takes `OUT/.lock` first (created with `O_EXCL`: exactly one process succeeds), holding its
+# host, PID, start time and command, so that the job refused can name the holder. A lock whose
+# holder is gone (its PID no longer runs on this host, or it was not refreshed for 10 minutes)
+# is taken over only with `--break-lock`; a live one never.
+
+# %%
+from refimpl.run_lock import LockHeld, RunLock  # noqa: E402
+
+if comm.rank == 0:
+    out = tempfile.mkdtemp()
+    first = RunLock(out).acquire()
+    try:
+        RunLock(out).acquire(break_lock=True)                # a second job: refused, even with the flag
+    except LockHeld as err:
+        print("the second job is told:", err)
+    first.release()
+    second = RunLock(out).acquire()                          # free again once the first has ended
+    second.release()
+    shutil.rmtree(out)
+
+# %% [markdown]
+# ## 6. Fail-stop
 # The last piece is the one you cannot run in a tutorial without ending it: an exception on
 # one rank that nothing agreed on (a bug inside one rank's layer). `refimpl` runs every command
 # under `failstop.run_command`, which sends it to `fail_stop`: the failing rank reports to rank
