@@ -5,8 +5,23 @@ wait forever for a rank that will not come**.  A rank that raises and simply
 exits leaves the others blocked in their next collective (and Python's
 ``MPI_Finalize`` at exit then blocks the failing rank too); a rank that is
 stopped, or whose node vanished without MPI noticing, leaves them blocked with
-no error at all.  refimpl closes both holes with four pieces, each small enough
-to read here.
+no error at all.  refimpl closes both holes with the pieces below, each small
+enough to read here.
+
+0. **Decisions taken once** (``decide``, ``agree_settings``).  The rule: a branch
+   whose outcome could differ between ranks is decided on rank 0 and broadcast
+   before any rank acts on it, never re-derived by each rank from a shared file
+   system (``os.path.exists``, ``glob``, ``os.listdir`` on OUT, the data
+   directory, the checkpoint), where rank 0 or another job may be changing it at
+   that moment: ``--overwrite`` used to deadlock 4 runs in 5 because rank 1 looked
+   for the files rank 0 was deleting.  Checks that only *validate* (a path is
+   writable, a file parses) may run on every rank, inside ``agree``.  The
+   ``REFIMPL_*`` settings are read per rank (a per-node profile may differ) and
+   agreed in the first collective of every command, before the watchdog's
+   ``Dup``: a bad or differing value anywhere ends every rank with one line.
+   ``tests/test_faults.py`` keeps the rule: a rank that sees nothing under OUT
+   must end like the others.  A job also owns its output directory
+   (``run_lock.RunLock``, ``OUT/.lock``).
 
 1. **Agreed outcomes** (``agree``, ``on_root``).  Whatever can fail on bad input
    or I/O runs on every rank, and the outcomes are allgathered before anyone
@@ -42,7 +57,13 @@ to read here.
 
 4. **Exit codes** documented in docs/training.md ("Faults"): 0 done, 1 a check
    failed (``check-layer``), 2 bad input, 3 divergence, 4 I/O failure, 5 stall,
-   70 internal error (a bug), 130 interrupted.  Tracebacks are shown only with
+   70 internal error (a bug), 130 / 143 interrupted by SIGINT / SIGTERM.
+
+5. **Signals** (``SignalThread``).  SIGINT and SIGTERM are read from Python's
+   wake-up pipe by a thread of their own, at once, whatever the main thread is
+   doing; temporaries and the lock are removed first (Open MPI's mpiexec sends
+   SIGKILL 0.5 s after it was interrupted), then the job ends as for a failure
+   on one rank, with one line naming the signal, the step and the last checkpoint.  Tracebacks are shown only with
    ``--debug`` or ``REFIMPL_DEBUG=1``.
 
 How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed

@@ -169,18 +169,26 @@ def refimpl_worker(args) -> dict | None:
 
 
 def watchdog_cost(args, comm, step) -> dict | None:
-    """Step time with and without the fail-stop watchdog thread (refimpl/failstop.py), interleaved.
+    """Step time with and without the fail-stop machinery (refimpl/failstop.py), interleaved.
 
-    ``--watchdog-rounds`` rounds of ``--steps`` steps with the watchdog running (stall
-    timeout 600 s, the default: heartbeats every 5 s, the inbox polled every 0.2 s) and
-    ``--steps`` without, the order alternating so drifts of the machine hit both alike.
-    The phase marks (``failstop.phase``) run in both: they are part of every step.
+    ``--watchdog-rounds`` rounds of ``--steps`` steps with what ``refimpl train`` runs
+    beside the steps: the watchdog thread (stall timeout 600 s, the default: heartbeats
+    every 5 s, the inbox polled every 0.2 s), the signal thread, and the run directory's
+    lock held by rank 0 (``run_lock.RunLock``, refreshed by its own thread); and
+    ``--steps`` without any of them, the order alternating so drifts of the machine hit
+    both alike.  The phase marks (``failstop.phase``) run in both: they are part of every step.
     """
-    from refimpl.failstop import DEFAULT_STALL_TIMEOUT, Watchdog
+    from refimpl.failstop import DEFAULT_STALL_TIMEOUT, Watchdog, handle_signals
+    from refimpl.run_lock import RunLock
     totals = {"on": 0.0, "off": 0.0}
+    lock_dir = tempfile.mkdtemp() if comm.rank == 0 else None
     for r in range(args.watchdog_rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            watchdog = Watchdog(comm, "bench", DEFAULT_STALL_TIMEOUT).start() if mode == "on" else None
+            watchdog = signals = lock = None
+            if mode == "on":
+                watchdog = Watchdog(comm, "bench", DEFAULT_STALL_TIMEOUT).start()
+                signals = handle_signals("bench")
+                lock = RunLock(lock_dir).acquire() if comm.rank == 0 else None
             comm.Barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -189,6 +197,12 @@ def watchdog_cost(args, comm, step) -> dict | None:
             totals[mode] += time.perf_counter() - t0
             if watchdog is not None:
                 watchdog.stop()
+                if signals is not None:
+                    signals.close()
+                if lock is not None:
+                    lock.release()
+    if lock_dir is not None:
+        os.rmdir(lock_dir)
     if comm.rank != 0:
         return None
     n = args.watchdog_rounds * args.steps
@@ -569,7 +583,7 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
     ap.add_argument("--watchdog", action="store_true",
-                    help="measure the fail-stop watchdog's cost per step instead (grids default 2,1,1,1 "
+                    help="measure the cost per step of the fail-stop machinery (watchdog, signal thread, run lock) instead (grids default 2,1,1,1 "
                          "1,2,1,1; --watchdog-rounds rounds of --steps steps with it and without it)")
     ap.add_argument("--watchdog-rounds", type=int, default=0, metavar="R",
                     help="rounds for --watchdog (default 6)")
