@@ -27,6 +27,11 @@ rank reads the file on resume and takes its own data rank's buffers.
 Integrity: ``sha256`` is the hash of the meta JSON and of every array (name,
 dtype, shape, bytes) in sorted name order; a file whose hash does not match,
 or that is not a readable checkpoint at all, is refused with CheckpointError.
+The file is untrusted until then, and HDF5 declares sizes apart from data (a
+6 KB file can declare a 3 GB dataset): ``read_file`` checks the meta's types and
+ranges (``META_FIELDS``) and every dataset's dtype and declared size against the
+bytes it stores before it reads any array, then reads the arrays one at a time
+into the running hash.  Every refusal is one line: "damaged", the file, the field.
 
 Atomicity: the file is built in memory, written to ``<path>.tmp-<pid>`` beside
 the target, flushed and fsync-ed, then renamed over ``path`` with ``os.replace``
@@ -40,12 +45,14 @@ import errno
 import glob
 import hashlib
 import json
+import math
 import os
 import time
 
 import numpy
 
 from .backend import to_host
+from .data.reader import check_stored
 from .failstop import atomic_write, describe
 from .parallel.objects import bcast_object
 
@@ -59,13 +66,17 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------- the file (one process)
 
+def _hash_array(h, name: str, a) -> None:
+    a = numpy.ascontiguousarray(a)
+    h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+    h.update(a)
+
+
 def checksum(arrays: dict, meta_json: str) -> str:
     """sha256 over the meta JSON and every array (name, dtype, shape, bytes), names sorted."""
     h = hashlib.sha256(meta_json.encode())
     for name in sorted(arrays):
-        a = numpy.ascontiguousarray(arrays[name])
-        h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(a.tobytes())
+        _hash_array(h, name, arrays[name])
     return h.hexdigest()
 
 
@@ -97,8 +108,112 @@ def write_file(path, arrays: dict, meta: dict) -> None:
     atomic_write(path, lambda fh: fh.write(image.getbuffer()), binary=True, fsync=True)
 
 
+#: no run takes 2**53 steps (and beyond it a float no longer holds every integer)
+MAX_COUNT = 2 ** 53
+
+
+def _utf8(text) -> bool:
+    """Whether ``text`` is a string of UTF-8 (h5py escapes undecodable bytes as surrogates)."""
+    if not isinstance(text, str):
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _count(v) -> bool:
+    return type(v) is int and 0 <= v <= MAX_COUNT
+
+
+def _norm(v) -> bool:
+    return v is None or (isinstance(v, list) and len(v) == 2 and all(isinstance(r, list) for r in v)
+                         and len(v[0]) == len(v[1])
+                         and all(type(x) in (int, float) and math.isfinite(x) for r in v for x in r))
+
+
+COUNT = (_count, "a count (an integer in [0, 2**53])")
+POSITIVE = (lambda v: _count(v) and v > 0, "a positive count")
+SEED = (lambda v: type(v) is int and 0 <= v < 2 ** 64, "a seed (an integer in [0, 2**64))")
+TABLE = (lambda v: isinstance(v, dict), "a table")
+
+#: the meta fields training computes with, each with what it must be where present ('*': any
+#: key of a table); "step" and "config" every checkpoint has
+META_FIELDS = {
+    "step": COUNT, "epoch": COUNT, "config": TABLE,
+    "loader": TABLE, "loader.epoch": COUNT, "loader.step": COUNT, "loader.seed": SEED,
+    "loader.global_batch": POSITIVE, "loader.num_samples": POSITIVE,
+    "loader.shuffle": (lambda v: isinstance(v, bool), "true or false"),
+    "optimizer": TABLE, "optimizer.name": (_utf8, "a name"), "optimizer.step_count": COUNT,
+    "optimizer.lr": (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+    "dropout": TABLE, "dropout.*": TABLE, "dropout.*.seed": SEED, "dropout.*.step": COUNT,
+    "generators": TABLE, "generators.*": TABLE,
+    "grid": (lambda v: isinstance(v, list) and all(POSITIVE[0](d) for d in v), "a list of positive counts"),
+    "world_size": POSITIVE,
+    "input_norm": (_norm, "null or two equal-length lists of finite numbers (mean, 1/std)"),
+}
+REQUIRED_META = ("step", "config")
+
+
+def _fields(meta: dict, dotted: str) -> list:
+    """(name, value) of every field of ``meta`` that ``dotted`` names ('*': any key of a table)."""
+    found = [("", meta)]
+    for key in dotted.split("."):
+        found = [(f"{name}.{k}" if name else k, table[k]) for name, table in found if isinstance(table, dict)
+                 for k in (table if key == "*" else [key] if key in table else [])]
+    return found
+
+
+def _check_meta(meta, path) -> None:
+    """CheckpointError unless ``meta`` has the fields and the types and ranges training relies on
+    (a negative step would divide by zero long after the file was accepted)."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path} is damaged: attribute 'meta' is not a JSON table")
+    for field in REQUIRED_META:
+        if field not in meta:
+            raise CheckpointError(f"checkpoint {path} is damaged: meta has no field '{field}'")
+    for pattern, (valid, want) in META_FIELDS.items():
+        for name, value in _fields(meta, pattern):
+            if not valid(value):
+                raise CheckpointError(f"checkpoint {path} is damaged: meta field '{name}' is "
+                                      f"{json.dumps(value)[:80]}, not {want}")
+
+
+def _text(f, key, path) -> str:
+    """A string root attribute, refused as damaged unless it is UTF-8 text."""
+    value = f.attrs[key]
+    if not _utf8(value):
+        raise CheckpointError(f"checkpoint {path} is damaged: attribute '{key}' is not UTF-8 text")
+    return value
+
+
+def _datasets(f, path) -> list:
+    """(name, dataset) of every dataset, names sorted, each refused as damaged unless its name is
+    text, its dtype numeric and its declared size stored in the file (``check_stored``)."""
+    import h5py
+    found = []
+    f.visititems(lambda name, obj: found.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
+    for name, dataset in found:
+        if not _utf8(name):
+            raise CheckpointError(f"checkpoint {path} is damaged: a dataset name is not UTF-8 text ({name!r})")
+        if dataset.dtype.kind not in "biufc":
+            raise CheckpointError(f"checkpoint {path} is damaged: dataset '{name}' has dtype "
+                                  f"{dataset.dtype}, not a number")
+        try:
+            check_stored(dataset, path)
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint {err}") from None
+    return sorted(found, key=lambda item: item[0])
+
+
 def read_file(path):
-    """(arrays, meta) of a checkpoint; CheckpointError if it is missing, foreign or damaged."""
+    """(arrays, meta) of a checkpoint; CheckpointError if it is missing, foreign or damaged.
+
+    Everything is checked before it is used (module docstring, "Integrity"): the
+    attributes, the meta's fields, every dataset's dtype and stored size; then the
+    arrays are read one by one into the hash, which must match.
+    """
     import h5py
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -112,19 +227,26 @@ def read_file(path):
             if version != VERSION:
                 raise CheckpointError(f"{path} has checkpoint format version {version}; "
                                       f"this refimpl reads version {VERSION}")
-            meta_json, stored = str(f.attrs["meta"]), str(f.attrs["sha256"])
-            arrays = {}
-            f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
-                         if isinstance(obj, h5py.Dataset) else None)
+            meta_json, stored = _text(f, "meta", path), _text(f, "sha256", path)
+            try:
+                meta = json.loads(meta_json)
+            except (ValueError, RecursionError) as err:
+                raise CheckpointError(f"checkpoint {path} is damaged: attribute 'meta' is not JSON "
+                                      f"({str(err).splitlines()[0]})") from None
+            _check_meta(meta, path)
+            h, arrays = hashlib.sha256(meta_json.encode()), {}
+            for name, dataset in _datasets(f, path):
+                arrays[name] = dataset[()]
+                _hash_array(h, name, arrays[name])
     except CheckpointError:
         raise
     except Exception as err:   # truncated / overwritten bytes: HDF5 raises OSError, KeyError, ...
         raise CheckpointError(f"checkpoint {path} is damaged and cannot be read "
-                              f"({type(err).__name__}: {err})") from None
-    if checksum(arrays, meta_json) != stored:
+                              f"({type(err).__name__}: {describe(err)})") from None
+    if h.hexdigest() != stored:
         raise CheckpointError(f"checkpoint {path} is damaged: its sha256 checksum does not match "
                               "the contents (refusing to resume from it)")
-    return arrays, json.loads(meta_json)
+    return arrays, meta
 
 
 # ---------------------------------------------------------------- the training state
@@ -150,7 +272,14 @@ def _set_generators(model, states: dict) -> None:
     modules = dict(model.named_modules())
     for key, state in states.items():
         name, _, attr = key.rpartition(":")
-        modules[name].__dict__[attr].bit_generator.state = state
+        generator = vars(modules[name]).get(attr) if name in modules else None
+        if not isinstance(generator, numpy.random.Generator):
+            raise CheckpointError(f"checkpoint has generator state for {key!r}, not in this model")
+        try:
+            generator.bit_generator.state = state
+        except (KeyError, TypeError, ValueError) as err:      # numpy's checks of a state table
+            raise CheckpointError(f"checkpoint is damaged: generator state {key!r} is not one numpy "
+                                  f"accepts ({type(err).__name__}: {err})") from None
 
 
 def save(path, model, optimizer, grid, meta: dict, rank_state=None) -> None:
@@ -229,6 +358,10 @@ def restore(arrays: dict, meta: dict, model, optimizer, grid) -> list[str]:
         optimizer.load_state_dict(dict(meta["optimizer"], arrays=opt_arrays))
     except ValueError as err:
         raise CheckpointError(f"checkpoint does not fit this model / optimizer: {err}") from None
+    norm = meta.get("input_norm")
+    if norm is not None and len(norm[0]) != model.input_shape[0]:
+        raise CheckpointError(f"checkpoint does not fit this model: its input normalisation has "
+                              f"{len(norm[0])} channels, the model takes {model.input_shape[0]}")
     modules = dict(model.named_modules())
     for name, state in meta.get("dropout", {}).items():
         if name not in modules:

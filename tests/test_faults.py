@@ -542,7 +542,7 @@ def test_ctrl_c_of_a_one_process_run(tmp_path, data_dir):
     log = tmp_path / "log"
     log.mkdir()
     proc = subprocess.Popen([sys.executable, str(INJECT), "train", *map(str, common(data_dir, "1,1,1,1", out)),
-                             "--steps", 400, "--quiet"], cwd=ROOT, env=mpi_env(FAULT_LOG=log),
+                             "--steps", "400", "--quiet"], cwd=ROOT, env=mpi_env(FAULT_LOG=log),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 60
     while not (out / "checkpoint.h5").exists() and time.time() < deadline:

@@ -13,6 +13,10 @@ row-major map compute uses.  The reader does no MPI: errors are ValueError on
 the rank that sees them (the caller makes them collective).  Everything is
 host-side NumPy; the caller moves batches to the device (``backend.asarray``).
 
+A file is untrusted input: before any array is read, every dataset's declared size is
+checked against the bytes the file stores for it (``check_stored``), so a 6 KB file that
+declares 10^7 samples is refused as damaged on open instead of being trained on.
+
 Counters: ``bytes_read`` is the payload of the hyperslabs taken from files
 (cache hits excluded), exactly the block's share; ``file_bytes_read`` is what
 the HDF5 library actually pulled from the files after opening them (whole
@@ -29,6 +33,44 @@ import numpy
 from ..functional._args import triple
 from ..parallel import partition
 from .layout import DATA_KEY, LABEL_KEY, PER_SAMPLE_SUFFIXES, TARGET_KEY
+
+
+#: deflate (gzip), the strongest filter every h5py build has, packs at most 1032 bytes into one
+DEFLATE_MAX_RATIO = 1032
+
+
+def byte_size(n: int) -> str:
+    """'3.2 GB': a byte count for a message (decimal units)."""
+    if n < 1000:
+        return f"{n} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+
+
+def check_stored(dataset, path) -> None:
+    """ValueError unless the bytes ``path`` stores for ``dataset`` can hold what it declares.
+
+    HDF5 declares a dataset's shape apart from its data: a 6 KB file can declare
+    3 GB (an unallocated, or a forged, dataset), and reading it allocates the
+    whole before any check can look at the values.  Unfiltered data needs its
+    full size in the file, filtered data at least 1/``DEFLATE_MAX_RATIO`` of it,
+    and no dataset stores more than the file holds.  Call it before reading.
+    """
+    name = dataset.name.lstrip("/")
+    if dataset.shape is None:
+        raise ValueError(f"{path} is damaged: dataset '{name}' has no shape (an empty dataspace)")
+    stored, file_size = dataset.id.get_storage_size(), os.path.getsize(path)
+    if stored > file_size:
+        raise ValueError(f"{path} is damaged: dataset '{name}' claims {byte_size(stored)} of storage "
+                         f"in a {byte_size(file_size)} file")
+    declared = dataset.size * dataset.dtype.itemsize
+    packed = dataset.id.get_create_plist().get_nfilters() > 0
+    if declared > stored * (DEFLATE_MAX_RATIO if packed else 1):
+        raise ValueError(f"{path} is damaged: dataset '{name}' declares {byte_size(declared)} ({dataset.size} "
+                         f"{dataset.dtype}, shape {dataset.shape}) but stores {byte_size(stored)}"
+                         + (" compressed" if packed else ""))
 
 
 def block_slices(spatial_shape, grid, coords):
@@ -116,6 +158,10 @@ class HDF5Reader:
         except ValueError:
             first.close()
             raise
+        except (OSError, KeyError, TypeError, RuntimeError) as err:   # h5py on metadata it cannot decode
+            first.close()
+            raise ValueError(f"{first.path} is damaged: its metadata cannot be read "
+                             f"({type(err).__name__}: {err})") from None
         if self._file is None:
             first.close()
         self._checked = {0} if self.layout == "per-sample" else set()
@@ -131,6 +177,7 @@ class HDF5Reader:
         lead = 0 if per_sample else 1
         name = self.files[0]
         full = self._dataset(h5, DATA_KEY, name)
+        check_stored(full, name)
         if full.ndim != 4 + lead:
             layout = "(C, D, H, W)" if per_sample else "(N, C, D, H, W)"
             raise ValueError(f"{name}: dataset '{DATA_KEY}' must be {4 + lead}-D {layout}, "
@@ -141,20 +188,20 @@ class HDF5Reader:
         self.sample_shape = tuple(full.shape[lead:])                      # (C, D, H, W)
         if TARGET_KEY in h5:
             self.kind, self.target_key = "cosmoflow", TARGET_KEY
-            target = h5[TARGET_KEY]
-            if target.ndim != 1 + lead or target.dtype != numpy.float32:
-                raise ValueError(f"{name}: dataset '{TARGET_KEY}' must be float32 of "
-                                 f"{'(T,)' if per_sample else '(N, T)'}, got {target.dtype} "
-                                 f"{target.shape}")
         elif LABEL_KEY in h5:
             self.kind, self.target_key = "segmentation", LABEL_KEY
-            target = h5[LABEL_KEY]
-            if target.shape[lead:] != self.sample_shape[1:] or target.dtype.kind not in "iu":
-                raise ValueError(f"{name}: dataset '{LABEL_KEY}' must be integer of spatial shape "
-                                 f"{self.sample_shape[1:]}, got {target.dtype} {target.shape[lead:]}")
         else:
             raise ValueError(f"{name}: missing dataset '{TARGET_KEY}' (cosmoflow) or "
                              f"'{LABEL_KEY}' (segmentation); found {sorted(h5.keys())}")
+        target = self._dataset(h5, self.target_key, name)
+        check_stored(target, name)
+        if self.kind == "cosmoflow" and (target.ndim != 1 + lead or target.dtype != numpy.float32):
+            raise ValueError(f"{name}: dataset '{TARGET_KEY}' must be float32 of "
+                             f"{'(T,)' if per_sample else '(N, T)'}, got {target.dtype} {target.shape}")
+        if self.kind == "segmentation" and (target.shape[lead:] != self.sample_shape[1:]
+                                            or target.dtype.kind not in "iu"):
+            raise ValueError(f"{name}: dataset '{LABEL_KEY}' must be integer of spatial shape "
+                             f"{self.sample_shape[1:]}, got {target.dtype} {target.shape[lead:]}")
         if not per_sample and target.shape[0] != self.num_samples:
             raise ValueError(f"{name}: dataset '{self.target_key}' holds {target.shape[0]} samples "
                              f"but '{DATA_KEY}' holds {self.num_samples}")
@@ -166,8 +213,11 @@ class HDF5Reader:
 
     @staticmethod
     def _dataset(h5, key, name):
+        import h5py
         if key not in h5:
             raise ValueError(f"{name}: missing dataset '{key}'; found {sorted(h5.keys())}")
+        if not isinstance(h5[key], h5py.Dataset):
+            raise ValueError(f"{name}: '{key}' must be a dataset, found a group")
         return h5[key]
 
     def _check_divisible(self, divisible_by) -> None:
@@ -271,10 +321,12 @@ class HDF5Reader:
 
     def _check_same_layout(self, h5, name) -> None:
         full = self._dataset(h5, DATA_KEY, name)
+        check_stored(full, name)
         if full.shape != self.sample_shape or full.dtype != numpy.float32:
             raise ValueError(f"{name}: dataset '{DATA_KEY}' is {full.dtype} {full.shape}, expected "
                              f"float32 {self.sample_shape} like {self.files[0]}")
         target = self._dataset(h5, self.target_key, name)
+        check_stored(target, name)
         if target.shape != self.target_shape or target.dtype != self.target_dtype:
             raise ValueError(f"{name}: dataset '{self.target_key}' is {target.dtype} {target.shape}, "
                              f"expected {self.target_dtype} {self.target_shape}")
@@ -305,4 +357,4 @@ class HDF5Reader:
         self.close()
 
 
-__all__ = ["block_slices", "HDF5Reader"]
+__all__ = ["DEFLATE_MAX_RATIO", "byte_size", "check_stored", "block_slices", "HDF5Reader"]

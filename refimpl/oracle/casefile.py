@@ -24,7 +24,11 @@ root attribute ``case_digest``::
 
 Anything unusable (unreadable or truncated file, a case from another refimpl version, a
 missing or unknown dataset, a wrong shape or dtype, NaN/inf where a finite value is
-expected) raises ``UnusableInput`` naming the file and dataset; the CLI exits 2.
+expected) raises ``UnusableInput`` naming the file and dataset; the CLI exits 2.  Both
+files are untrusted: every dataset's dtype and shape are checked against what the case
+implies (``case_shapes``; for results, the case's arrays), and its declared size against
+the bytes the file stores (``data.reader.check_stored``), before it is read: a 6 KB file
+declaring a 700 GB dataset is refused, not allocated.
 """
 from __future__ import annotations
 
@@ -36,8 +40,9 @@ from dataclasses import dataclass, field
 import numpy
 
 from .. import __version__
+from ..data.reader import check_stored
 from . import expect
-from .suite import CaseSpec
+from .suite import DTYPES, LAYERS, CaseSpec
 
 FORMAT = "refimpl-oracle-case"
 FORMAT_VERSION = 1
@@ -119,15 +124,68 @@ def _open(path, what):
         raise UnusableInput(f"{what} {path}: not a readable HDF5 file (truncated or corrupt?): {err}") from None
 
 
-def _read(h5, name, path):
+def _read(h5, name, path, what, dtype, shape):
+    """Dataset /``name``, read once its metadata holds: ``dtype``, ``shape``, and the bytes it
+    declares stored in the file."""
+    import h5py
+    where = f"{what} {path}: /{name}"
+    dataset = h5.get(name)
+    if not isinstance(dataset, h5py.Dataset):
+        raise UnusableInput(f"{where} must be a dataset")
+    if dataset.dtype != dtype:
+        raise UnusableInput(f"{where}: dtype {dataset.dtype}, expected {dtype}")
+    if dataset.shape != tuple(shape):
+        raise UnusableInput(f"{where}: shape {dataset.shape}, expected {tuple(shape)}")
     try:
-        return h5[name][()]
-    except (OSError, KeyError) as err:
+        check_stored(dataset, path)
+        return dataset[()]
+    except ValueError as err:
+        raise UnusableInput(f"{what} {err}") from None
+    except OSError as err:
         raise UnusableInput(f"{path}: cannot read dataset /{name} ({err})") from None
+
+
+def case_shapes(spec: CaseSpec, layouts) -> dict:
+    """The shape of every dataset of a case file (its path below ``/<dtype>/``), from its spec."""
+    c, out = spec.input[1], expect.output_shape(spec)
+    shapes = {"inputs/x": spec.input, "inputs/dy": out, "global/y": out, "global/dx": spec.input}
+    w = b = None
+    if spec.layer in expect.CONV_LAYERS:
+        w, b = ((out[1], c) if spec.layer == "conv3d" else (c, out[1])) + tuple(spec.kernel), (out[1],)
+    elif spec.layer == "batch_norm3d":
+        w = b = (c,)
+    if w is not None:
+        shapes.update({"inputs/w": w, "inputs/b": b, "global/dw": w, "global/db": b})
+
+    def extent(index):
+        return tuple(s.stop - s.start for s in index)
+
+    def shard(shape, part):              # the shape of expect.take(array of ``shape``, part)
+        axis, start, stop = part if part is not None else (None, 0, 0)
+        return tuple(stop - start if a == axis else m for a, m in enumerate(shape))
+
+    for lo in layouts:
+        x, y, needed = (extent(lo.index(k)) for k in ("x", "y", "needed"))
+        per = {"x": x, "dx": x, "y": y, "dy": y, "x_needed": needed, "dx_needed": needed,
+               "y_partial": (y[0], out[1]) + y[2:]}
+        if w is not None:
+            wr, br = shard(w, expect.weight_shard(spec, lo)), shard(b, expect.bias_shard(spec, lo))
+            per.update({"dw": wr, "dw_partial": wr, "db": br, "db_partial": br, "sum_partial": br,
+                        "sumsq_partial": br})
+        shapes.update({f"rank/{lo.rank}/{k}": v for k, v in per.items()})
+    return shapes
 
 
 def load_case(path: str) -> Case:
     """Read and validate a case file (``UnusableInput`` if it is not one this refimpl wrote)."""
+    try:
+        return _load_case(path)
+    except (TypeError, AttributeError, KeyError, OSError, RuntimeError) as err:   # bytes HDF5 cannot make sense of
+        raise UnusableInput(f"case file {path} is damaged: not laid out as docs/oracle.md describes "
+                            f"({type(err).__name__}: {err})") from None
+
+
+def _load_case(path: str) -> Case:
     with _open(path, "case file") as h5:
         attrs = dict(h5.attrs)
         if attrs.get("format") != FORMAT:
@@ -140,15 +198,31 @@ def load_case(path: str) -> Case:
         try:
             raw = json.loads(attrs["case"])
             spec = CaseSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, RecursionError) as err:
             raise UnusableInput(f"case file {path}: unreadable case description ({err})") from None
         if attrs.get("digest") != digest(spec):
             raise UnusableInput(f"case file {path}: its digest does not match its description (edited?)")
-        case = Case(path, spec, attrs["digest"], expect.rank_layouts(spec))
+        try:                         # the digest vouches for no one: check-layer's rules, and a group per rank
+            if spec.layer not in LAYERS or not set(spec.dtypes) <= set(DTYPES):
+                raise ValueError(f"layer {spec.layer!r}, dtypes {spec.dtypes!r}")
+            spec.layer_spec()
+        except (KeyError, TypeError, ValueError) as err:
+            raise UnusableInput(f"case file {path} is damaged: its case description is invalid ({err})") from None
         for dtype in spec.dtypes:
-            case.inputs[dtype] = {k: _read(h5, f"{dtype}/inputs/{k}", path) for k in h5[f"{dtype}/inputs"]}
-            case.expected[dtype] = {k: _read(h5, f"{dtype}/global/{k}", path) for k in h5[f"{dtype}/global"]}
-            case.ranks[dtype] = [{k: (_read(h5, f"{dtype}/rank/{r}/{k}", path),
+            if len(h5[f"{dtype}/rank"]) != spec.ranks:
+                raise UnusableInput(f"case file {path} is damaged: /{dtype}/rank holds {len(h5[f'{dtype}/rank'])} "
+                                    f"groups for the {spec.ranks} ranks of grid {list(spec.grid)}")
+        case = Case(path, spec, attrs["digest"], expect.rank_layouts(spec))
+        shapes = case_shapes(spec, case.layouts)
+
+        def read(dtype, name):
+            if name not in shapes:
+                raise UnusableInput(f"case file {path} is damaged: unknown dataset /{dtype}/{name}")
+            return _read(h5, f"{dtype}/{name}", path, "case file", dtype, shapes[name])
+        for dtype in spec.dtypes:
+            case.inputs[dtype] = {k: read(dtype, f"inputs/{k}") for k in h5[f"{dtype}/inputs"]}
+            case.expected[dtype] = {k: read(dtype, f"global/{k}") for k in h5[f"{dtype}/global"]}
+            case.ranks[dtype] = [{k: (read(dtype, f"rank/{r}/{k}"),
                                       tuple(int(o) for o in h5[f"{dtype}/rank/{r}/{k}"].attrs["offset"]))
                                   for k in h5[f"{dtype}/rank/{r}"]} for r in range(spec.ranks)]
     return case
@@ -163,11 +237,7 @@ class Results:
     ranks: dict = field(default_factory=dict)
 
 
-def _check_array(array, want, where):
-    if array.dtype != want.dtype:
-        raise UnusableInput(f"{where}: dtype {array.dtype}, expected {want.dtype}")
-    if array.shape != want.shape:
-        raise UnusableInput(f"{where}: shape {array.shape}, expected {want.shape}")
+def _check_finite(array, want, where):
     bad = ~numpy.isfinite(array) & numpy.isfinite(want)
     if bad.any():
         index = tuple(int(i) for i in numpy.argwhere(bad)[0])
@@ -181,7 +251,8 @@ def required(case: Case) -> tuple:
 
 def _read_tensors(h5, path, where, need, expected) -> dict:
     """The datasets of group ``where``: every name in ``need`` present, none outside
-    ``expected`` ({name: expected array}), each of the expected dtype, shape and finite."""
+    ``expected`` ({name: expected array}), each of the expected dtype and shape (checked before
+    it is read) and finite."""
     import h5py
     if not isinstance(h5[where], h5py.Group):
         raise UnusableInput(f"results file {path}: /{where} must be a group of datasets, found a dataset")
@@ -196,8 +267,9 @@ def _read_tensors(h5, path, where, need, expected) -> dict:
                                if unknown else ""))
     arrays = {}
     for name in sorted(names):
-        array = numpy.asarray(_read(h5, f"{where}/{name}", path))
-        _check_array(array, expected[name], f"results file {path}: /{where}/{name}")
+        want = expected[name]
+        array = numpy.asarray(_read(h5, f"{where}/{name}", path, "results file", want.dtype, want.shape))
+        _check_finite(array, want, f"results file {path}: /{where}/{name}")
         arrays[name] = array
     return arrays
 
