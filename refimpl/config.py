@@ -164,14 +164,15 @@ def _integer(minimum, optional=False):
     return rule
 
 
-def _number(optional=False):
+def _number(optional=False, positive=False):
+    """A finite number >= 0; ``positive``: > 0 (a size of which 0 would mean nothing sensible)."""
     def rule(key, value, config):
         from .models.base import is_number
         if optional and value is None:
             return
-        if not is_number(value) or value < 0:
-            raise ValueError(f"{key} must be a number >= 0{' (or unset)' if optional else ''}, "
-                             f"got {value!r}")
+        if not is_number(value) or not (value > 0 if positive else value >= 0):
+            raise ValueError(f"{key} must be a number {'>' if positive else '>='} 0"
+                             f"{' (or unset)' if optional else ''}, got {value!r}")
     return rule
 
 
@@ -261,7 +262,7 @@ RULES = {
     "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "break_lock": _boolean(),
     "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
-    "allreduce": _allreduce, "bucket_mb": _number(), "overlap": _boolean(), "optimizer_sharding": _boolean(),
+    "allreduce": _allreduce, "bucket_mb": _number(positive=True), "overlap": _boolean(), "optimizer_sharding": _boolean(),
     "compress": _compress, "error_feedback": _boolean(),
     "priority": _one_of(*CHOICES["priority"]), "chunk_mb": _number(optional=True),
     "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),

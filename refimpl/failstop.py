@@ -449,6 +449,8 @@ class Watchdog:
         self.state = [(0, "start-up")] * self.size    # (progress count, where) per rank
         self.sends = {}                               # dest -> pending request (at most one each)
         self.ending = False
+        self.last_loop = time.monotonic()             # when the thread last ran its loop
+        self.thawed = None                            # when it last found its process had been frozen
         self._pending = []                            # requests of the abort / fail messages (kept alive)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="refimpl-watchdog", daemon=True)
@@ -487,7 +489,7 @@ class Watchdog:
 
     # ------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        previous = time.monotonic()
+        self.last_loop = time.monotonic()
         while not self._stop.wait(self.poll):
             try:
                 self._receive()
@@ -495,15 +497,16 @@ class Watchdog:
                 if now >= self.next_beat:
                     self._beat()
                     self.next_beat = now + self.interval
-                if self_frozen(previous, now, self.timeout):
-                    # this process itself did not run for a whole timeout (SIGSTOP then SIGCONT, a
-                    # frozen VM): the silence it sees is its own; its peers judge it, it restarts
-                    # its clocks instead of accusing them
+                if self_frozen(self.last_loop, now, self.timeout):
+                    # this process itself did not run for a while (SIGSTOP then SIGCONT, a frozen
+                    # VM): the silence it sees is its own; its peers judge it, it restarts its
+                    # clocks instead of accusing them
                     self.last_beat = [now] * self.size
                     self.last_change = [now] * self.size
+                    self.thawed = now
                 elif self.timeout > 0 and not self.ending:
                     self._check(now)
-                previous = now
+                self.last_loop = now
             except Exception as err:  # noqa: BLE001 - the watchdog must never die silently
                 print(f"refimpl {self.command}: watchdog on rank {self.rank} failed: {describe(err)}",
                       file=sys.stderr, flush=True)
@@ -625,6 +628,12 @@ class Watchdog:
             time.sleep(0.02)
         self.ending = False
         self.end_job(code, line)                      # rank 0 did not answer: it is gone or stuck
+
+    def was_frozen(self, now: float) -> bool:
+        """Whether this process was stopped just now (or is resuming from it at this moment): the
+        launcher continues (SIGCONT) and terminates (SIGTERM) a stopped rank its peers have named."""
+        return self_frozen(self.last_loop, now, self.timeout) or \
+            (self.thawed is not None and now - self.thawed < 2 * self.interval + 1.0)
 
     def _exit_quietly(self, code: int) -> None:
         _leave()
@@ -753,6 +762,9 @@ def _interrupted(signum: int, command: str) -> None:
     kept = f"; {PROGRESS.saved}" if PROGRESS.saved else ""
     line = f"refimpl {command}: interrupted by {name} on rank {rank}{step}{kept}"
     code = 128 + signum
+    if _watchdog is not None and _watchdog.was_frozen(time.monotonic()):
+        _leave()                 # a stopped rank, named by its peers, now ended by the launcher: no second line
+        os._exit(code)
     if size > 1 and _watchdog is not None:
         _watchdog.report(code, line)
     print(line, file=sys.stderr, flush=True)
@@ -764,8 +776,11 @@ class SignalThread:
 
     The C-level handler that Python installs writes the signal's number into the
     wake-up file descriptor (``signal.set_wakeup_fd``) the moment the signal
-    arrives; this thread blocks on that pipe.  The Python-level handlers do
-    nothing (the main thread would run them only between two bytecodes).
+    arrives; this thread blocks on that pipe and ends the job.  The Python-level
+    handler, which the main thread runs at its next bytecode, parks the main
+    thread: from then on it starts no step, no collective and no write (a
+    checkpoint begun after the signal would race the clean-up), and it cannot
+    finish the run and exit 0 while the job is being ended.
     """
 
     def __init__(self, command: str):
@@ -773,7 +788,7 @@ class SignalThread:
         self.command = command
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
-        self.previous = {name: signal.signal(getattr(signal, name), lambda *_: None) for name in INTERRUPTS}
+        self.previous = {name: signal.signal(getattr(signal, name), _park) for name in INTERRUPTS}
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._wait, name="refimpl-signals", daemon=True).start()
 
@@ -799,6 +814,12 @@ class SignalThread:
             signal.signal(getattr(signal, name), handler)
         os.close(self.write_fd)
         os.close(self.read_fd)
+
+
+def _park(signum, frame) -> None:
+    """The main thread's handler: wait here while the signal thread ends the job."""
+    while True:
+        time.sleep(3600)
 
 
 def handle_signals(command: str) -> SignalThread | None:

@@ -43,6 +43,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .failstop import phase
 from .parallel.partition import (block_range, conv_halo_plan, grid_coords, grid_rank, moved_bytes, pack_buckets,
                                  transposed_conv_halo_plan, transposed_output_extent, window_output_extent)
 
@@ -672,30 +673,96 @@ def feasibility(layers, dims, batch) -> str:
     return ""
 
 
-def factorizations(p: int, parts: int) -> list[tuple]:
-    """Every ordered tuple of ``parts`` positive integers whose product is p."""
-    if parts == 1:
-        return [(p,)]
-    return [(d,) + rest for d in range(1, p + 1) if p % d == 0 for rest in factorizations(p // d, parts - 1)]
+#: The most ranks ``search`` takes: the grids of any count up to 2^20 (at most 1,102,500
+#: ordered 5-tuples, for 997920) are enumerated and screened in about two seconds.
+MAX_RANKS = 2 ** 20
+#: The grids ``search`` prices in full by default: each takes 10 to 250 ms (more ranks on
+#: every axis, more layers: longer), so a search answers in a few seconds.
+MAX_PRICED = 24
 
 
-def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None, **kw) -> list[GridPlan]:
-    """Every grid of ``ranks`` ranks, feasible ones first, by predicted step time.
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (trial division up to sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def factorizations(p: int, parts: int):
+    """Every ordered tuple of ``parts`` positive integers whose product is p (a generator).
+
+    Each entry is a divisor of p, so only p's divisors are tried: the work is that of the
+    tuples themselves (1365 5-tuples for p = 2048, 5 for a prime), never a count up to p."""
+    of_p = divisors(p)
+    below = {m: [d for d in of_p if m % d == 0] for m in of_p}      # m | p -> the divisors of m
+
+    def split(m, parts):
+        if parts == 1:
+            yield (m,)
+            return
+        for d in below[m]:
+            for rest in split(m // d, parts - 1):
+                yield (d,) + rest
+    return split(p, parts)
+
+
+def cut_faces(dims, in_dhw, batch) -> float:
+    """Voxels on the faces of a rank's input block cut by the grid, times its samples: the
+    grid's halo traffic to first order, cheap enough to order every grid by (``search``)."""
+    spatial = grid5(dims)[1:4]
+    block = [n / p for n, p in zip(in_dhw, spatial)]
+    return batch / dims[0] * sum(math.prod(block) / block[a] for a, p in enumerate(spatial) if p > 1)
+
+
+class GridSearch(list):
+    """The grids ``search`` lists, best first (GridPlan), and how many it looked at:
+    ``grids`` enumerated, ``runnable`` of them that can run the model at all (``feasibility``),
+    ``priced`` of those predicted in full (the rest were left out by ``max_grids``)."""
+
+    def __init__(self, plans, grids: int, runnable: int, priced: int):
+        super().__init__(plans)
+        self.grids, self.runnable, self.priced = grids, runnable, priced
+
+
+def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None, max_grids=MAX_PRICED,
+           **kw) -> GridSearch:
+    """The grids of ``ranks`` ranks, feasible ones first, by predicted step time.
 
     ``layers_mp``: the model with its model-parallel layers, used on grids with Pm > 1
     (None: no model axis).  Spatial splits are taken in canonical order Pd >= Ph >= Pw
     when the sample is cubic: the others are rotations of it, which differ only in which
     faces their halos pack, and the canonical one puts the most splits on depth, whose
-    faces are the cheapest to pack (``Machine.pack_bandwidth_d``)."""
-    plans = []
+    faces are the cheapest to pack (``Machine.pack_bandwidth_d``).
+
+    Pricing a grid takes tens of milliseconds and a large rank count has tens of thousands
+    of runnable grids, so at most ``max_grids`` of them are priced: those whose ranks cut
+    the fewest voxels (``cut_faces``; the narrower model axis first among equals).  For one
+    model axis Pm, every split of the other P/Pm ranks into Pn x Ps gives a rank about the
+    same compute, memory and gradient allreduce group (its samples times its block's
+    voxels is batch x sample / (P/Pm)); what sets them apart is mostly the halo, which
+    grows with the cut faces.  The grids that cannot run are listed after the priced
+    ones, at most ``max_grids`` of them (with why).  ValueError above ``MAX_RANKS``."""
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"the planner searches the grids of 1 to {MAX_RANKS} ranks, not {ranks}")
     cubic = len(set(layers[0].in_dhw)) == 1
+    grids, runnable, unrunnable = 0, [], []
     for dims in factorizations(ranks, 5):
         pn, pd, ph, pw, pm = dims
         if (cubic and not pd >= ph >= pw) or (pm > 1 and layers_mp is None):
             continue
-        plans.append(plan_grid(layers if pm == 1 else layers_mp, dims, batch, machine, **kw))
-    plans.sort(key=lambda g: (not g.feasible, not g.memory_bytes, g.step_s if g.feasible else g.memory_bytes))
-    return plans[:top] if top else plans
+        grids += 1
+        why = feasibility(layers if pm == 1 else layers_mp, dims, batch)
+        if not why:
+            runnable.append(dims)
+        elif len(unrunnable) < max_grids:
+            unrunnable.append(GridPlan(dims, False, why))
+    runnable.sort(key=lambda dims: (cut_faces(dims, layers[0].in_dhw, batch), dims[4]))
+    priced = []
+    for dims in runnable[:max_grids]:
+        phase(f"pricing grid {dims}")
+        priced.append(plan_grid(layers if dims[4] == 1 else layers_mp, dims, batch, machine, **kw))
+    plans = sorted(priced + unrunnable,
+                   key=lambda g: (not g.feasible, not g.memory_bytes, g.step_s if g.feasible else g.memory_bytes))
+    return GridSearch(plans[:top] if top else plans, grids, len(runnable), min(len(runnable), max_grids))
 
 
 # ---------------------------------------------------------------- calibration
@@ -774,7 +841,7 @@ def _time_conv(layer, repeats, rng):
                                conv3d_weight_grad(dy, x, w.shape, stride=s, padding=p)), repeats)
 
 
-def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=None) -> Machine | None:
+def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=None, comm=None) -> Machine | None:
     """Measure this machine with short microbenchmarks of refimpl's own functions:
 
     - ``conv_gflops``: forward + backward of every conv shape of ``layers`` (the model to
@@ -786,16 +853,18 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
       batch norm, LeakyReLU and 2^3 max pooling forward + backward on (2, 16, 32^3);
     - ``mem_bandwidth``: a 32 MiB copy; ``pack_bandwidth_d/h/w``: one-voxel faces of a
       (2, 16, 34^3) block copied into contiguous buffers, as the halo exchange packs them;
-    - under mpiexec with 2 or more ranks, alpha and beta from a ping-pong between ranks 0
-      and 1 (small messages: alpha; 8 MiB: beta).  Every rank computes at once, as in training.
+    - with ``comm`` of 2 or more ranks (under mpiexec), alpha and beta from a ping-pong
+      between its ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Every rank computes
+      at once, as in training.
 
-    ``report(line)`` receives one line per measurement.  Returns the machine on rank 0, None
-    on the other ranks."""
+    Each measurement is a phase of the fail-stop watchdog (``failstop.phase``), so a rank
+    that stops answering is named with what the others were measuring.  ``report(line)``
+    receives one line per measurement.  Returns the machine on rank 0 of ``comm``, None on
+    its other ranks."""
     import statistics
 
     import numpy
 
-    from .cli import launcher_size
     from .functional import (batch_norm3d, batch_norm3d_backward, leaky_relu, leaky_relu_backward, max_pool3d,
                              max_pool3d_backward)
     say = report or (lambda line: None)
@@ -804,45 +873,50 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
     def normal(*shape):
         return rng.standard_normal(shape, dtype=numpy.float32)
 
+    def timed(what, fn, times=repeats):
+        phase(f"calibration: {what}")
+        return _best_time(fn, times)
+
     rates = dict(machine.conv_gflops)
     for layer in calibration_layers(layers):
+        key = conv_key(layer, layer.in_dhw)
+        phase(f"calibration: {key}")
         seconds = _time_conv(layer, repeats, rng)
         (cost,) = rank_costs([layer], (1,) * 5, (0,) * 5, 1, 4, machine)
-        key = conv_key(layer, layer.in_dhw)
         rates[key] = cost.flops / seconds / 1e9
         say(f"{key}: {seconds * 1e3:.2f} ms, {rates[key]:.1f} GFLOP/s")
     gflops = statistics.median(rates.values()) if rates else machine.gflops
     a, b = normal(512, 512), normal(512, 512)
-    gemm = 2 * 512 ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
+    gemm = 2 * 512 ** 3 / timed("GEMM", lambda: a @ b) / 1e9
     x = normal(2, 16, 32, 32, 32)
     dy = normal(*x.shape)
 
     def bn():
         y, cache = batch_norm3d(x, numpy.ones(16, numpy.float32), numpy.zeros(16, numpy.float32))
         batch_norm3d_backward(dy, cache)
-    bn_rate = x.size / _best_time(bn, repeats)
-    act_rate = x.size / _best_time(lambda: (leaky_relu(x), leaky_relu_backward(dy, x)), repeats)
+    bn_rate = x.size / timed("batch norm", bn)
+    act_rate = x.size / timed("activation", lambda: (leaky_relu(x), leaky_relu_backward(dy, x)))
     dyp = normal(2, 16, 16, 16, 16)
 
     def pool():
         _, masks = max_pool3d(x, 2, return_masks=True)
         max_pool3d_backward(dyp, x, 2, masks=masks)
-    pool_rate = x.size / _best_time(pool, repeats)
+    pool_rate = x.size / timed("pooling", pool)
     big, dst = normal(8 * 2 ** 20), numpy.empty(8 * 2 ** 20, numpy.float32)
-    mem_bandwidth = big.nbytes / _best_time(lambda: numpy.copyto(dst, big), repeats)
+    mem_bandwidth = big.nbytes / timed("copy", lambda: numpy.copyto(dst, big))
     block = normal(2, 16, 34, 34, 34)
     faces = [block[:, :, 1:2], block[:, :, :, 1:2], block[:, :, :, :, 1:2]]
-    packs = [face.nbytes / _best_time(lambda f=face: numpy.ascontiguousarray(f), repeats * 10) for face in faces]
+    packs = [face.nbytes / timed(f"halo packing across {axis}", lambda f=face: numpy.ascontiguousarray(f),
+                                 repeats * 10) for axis, face in zip("DHW", faces)]
     say(f"GEMM {gemm:.1f} GFLOP/s; batch norm {bn_rate / 1e9:.3f}, activation {act_rate / 1e9:.3f}, "
         f"pooling {pool_rate / 1e9:.3f} G elements/s; copy {mem_bandwidth / 1e9:.2f} GB/s; "
         f"halo faces packed at {', '.join(f'{p / 1e9:.2f}' for p in packs)} GB/s (d, h, w)")
     values = dict(machine.__dict__, gflops=gflops, conv_gflops=tuple(rates.items()), gemm_gflops=gemm,
                   bn_rate=bn_rate, act_rate=act_rate, pool_rate=pool_rate, mem_bandwidth=mem_bandwidth,
                   pack_bandwidth_d=packs[0], pack_bandwidth_h=packs[1], pack_bandwidth_w=packs[2])
-    if launcher_size() > 1:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
+    if comm is not None and comm.Get_size() > 1:
         from .parallel.collectives import ping_pong
+        phase("calibration: ping-pong between ranks 0 and 1")
         times = {nbytes: ping_pong(comm, nbytes, reps) for nbytes, reps in ((8, 50), (8 * 2 ** 20, 5))}
         if comm.Get_rank() != 0:
             return None
@@ -858,4 +932,4 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
 
 __all__ = ["Machine", "load_machine", "Layer", "model_layers", "rank_costs", "plan_grid", "search",
            "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility", "calibrate", "calibration_layers",
-           "conv_key", "save_machine"]
+           "conv_key", "save_machine", "MAX_RANKS", "MAX_PRICED", "divisors", "cut_faces", "GridSearch"]

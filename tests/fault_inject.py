@@ -13,6 +13,8 @@ The fault comes from the environment, so that every rank parses the same command
   one rank), ``ctrl-c`` (SIGINT to the launcher's process group, as a terminal's
   Ctrl-C sends it), ``slow`` (every conv forward sleeps 0.2 s from that step on:
   a run that lasts), and STEP the training step (1-based) it happens at;
+- ``FAULT=stop-calibrating:N``: SIGSTOP itself before timing the N-th conv shape of
+  ``refimpl plan --calibrate`` (tests/test_plan_faults.py);
 - ``FAULT_BLIND``: a path; on the faulty rank ``os.path.exists``, ``glob.glob`` and
   ``os.listdir`` see nothing under it (a file system whose metadata this node sees
   late): a rank that decided alone what OUT holds would take another branch;
@@ -107,6 +109,7 @@ if rank == fault_rank:
             if not sent:
                 sent.append(mark_fault())
                 os.killpg(os.getpgid(os.getppid()), signal.SIGINT)     # the launcher's group
+                time.sleep(2.0)              # a step still running when the launcher passes it on
 
         if what == "slow":
             original_forward = spatial.SpatialConv3d.forward
@@ -135,6 +138,16 @@ if rank == fault_rank:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), png_path)
                 return original_plot(metrics_path, png_path, metric_name)
             train.plot_metrics = plot
+        elif what == "stop-calibrating":
+            from refimpl import plan
+            original_time_conv, timed = plan._time_conv, []
+
+            def time_conv(layer, repeats, rng):
+                timed.append(layer)
+                if len(timed) == int(at):
+                    stop()
+                return original_time_conv(layer, repeats, rng)
+            plan._time_conv = time_conv
         else:
             raise SystemExit(f"fault_inject: unknown FAULT {what!r}")
 

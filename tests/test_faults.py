@@ -503,11 +503,12 @@ def test_out_names_the_file_system_cannot_hold_are_bad_input(tmp_path, data_dir)
 
 # ---------------------------------------------------------------- signals
 
-def test_sigterm_to_one_rank_ends_the_job_and_resumes(tmp_path, tmp_path_factory, data_dir):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_sigterm_to_one_rank_ends_the_job_and_resumes(tmp_path, tmp_path_factory, data_dir, rank):
     """A scheduler's cancel of one rank: one line, 143, the checkpoint untouched, then a bit-identical resume."""
     out = tmp_path / "run"
-    proc = faulty(tmp_path, 2, common(data_dir, "1,2,1,1", out) + ["--steps", STEPS], fault="sigterm:5", rank=1)
-    expect(proc, 143, "interrupted by SIGTERM on rank 1 at step 5", "the last checkpoint is step 3")
+    proc = faulty(tmp_path, 2, common(data_dir, "1,2,1,1", out) + ["--steps", STEPS], fault="sigterm:5", rank=rank)
+    expect(proc, 143, f"interrupted by SIGTERM on rank {rank} at step 5", "the last checkpoint is step 3")
     assert proc.fault_to_exit < EXIT_BOUND_S, proc.fault_to_exit
     assert not (out / ".lock").exists()
     assert_resumes_bit_identical(tmp_path_factory, data_dir, 2, "1,2,1,1", out)

@@ -5,16 +5,18 @@ Byte and message counts against real runs: tests/mpi/test_plan_mpi.py; step time
 memory against measured runs: scripts/bench_plan.py (docs/planner.md)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from launcher import run_launched
 from refimpl.models import PRESETS, build_model
-from refimpl.plan import (Layer, Machine, conv_key, factorizations, load_machine, model_layers, parse_bytes,
-                          plan_grid, rank_costs, save_machine, search)
+from refimpl.plan import (MAX_RANKS, Layer, Machine, conv_key, factorizations, load_machine, model_layers,
+                          parse_bytes, plan_grid, rank_costs, save_machine, search)
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}
 GIB = 2 ** 30
@@ -45,8 +47,29 @@ def test_layer_lists_are_the_models(model, config):
 
 def test_factorizations():
     assert sorted(factorizations(4, 2)) == [(1, 4), (2, 2), (4, 1)]
-    assert len(factorizations(2048, 5)) == 1365 and all(a * b * c * d * e == 2048
-                                                        for a, b, c, d, e in factorizations(2048, 5))
+    grids = list(factorizations(2048, 5))
+    assert len(grids) == 1365 == len(set(grids)) and all(a * b * c * d * e == 2048 for a, b, c, d, e in grids)
+    # only divisors are tried: a large prime has its 5 tuples at once, 720720 = 2^4 3^2 5 7 11 13
+    # its C(8,4) C(6,4) 5^4 = 656250
+    assert sorted(factorizations(1_000_000_007, 5))[0] == (1, 1, 1, 1, 1_000_000_007)
+    assert len(list(factorizations(1_000_000_007, 5))) == 5
+    assert sum(1 for _ in factorizations(720720, 5)) == 656250
+
+
+def test_search_prices_the_grids_that_cut_the_fewest_voxels():
+    """At most max_grids grids are priced, those whose blocks cut the fewest voxels; the best of
+    them is the best of all (the grids of one model axis differ mostly by their halos)."""
+    layers = model_layers("cosmoflow", "small")
+    layers_mp = model_layers("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="filter"))
+    full = search(layers, 64, 16, layers_mp=layers_mp, max_grids=10 ** 6)
+    capped = search(layers, 64, 16, layers_mp=layers_mp, max_grids=8)
+    assert full.grids == capped.grids and full.runnable == capped.runnable > capped.priced == 8
+    assert full.priced == full.runnable == sum(p.feasible for p in full)
+    assert sum(p.feasible for p in capped) == 8 and capped[0].dims == full[0].dims
+    unrunnable = [p for p in full if not p.feasible]
+    assert len(unrunnable) == full.grids - full.runnable and all(p.why for p in unrunnable)
+    with pytest.raises(ValueError, match=f"1 to {MAX_RANKS} ranks"):
+        search(layers, MAX_RANKS + 1, 16)
 
 
 def test_512_cube_cosmoflow_needs_spatial_splitting():
@@ -161,10 +184,58 @@ def test_parse_bytes(text, value):
     (["--batch", "4"], "--ranks is required"),
     (["--batch", "0", "--ranks", "4"], "--batch must be a positive integer"),
     (["--preset", "tiny", "--batch", "4", "--ranks", "2", "--allreduce", "foo"], "--allreduce must be one of"),
+    (["--batch", "64", "--ranks", "1000000007"], "--ranks 1000000007 is more than the 1048576 (2^20) ranks"),
+    (["--batch", "4", "--ranks", "4", "--max-grids", "0"], "--max-grids must be >= 1"),
+    (["--calibrate", "--stall-timeout", "-1"], "--stall-timeout must be a number of seconds >= 0"),
+    (["--calibrate", "--stall-timeout", "nan"], "--stall-timeout must be a number of seconds >= 0"),
 ])
 def test_bad_input_exits_2(args, message):
     proc = cli(*args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("refimpl")]) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("ranks, batch, runnable", [
+    (1_000_000_007, 64, None),      # a prime above the maximum: refused at once
+    (1_048_573, 64, 0),             # the largest prime below it: 3 grids, none can run
+    (720_720, 64, 4509),            # 115724 grids (656250 tuples), thousands runnable: priced 24
+])
+def test_large_rank_counts_answer_within_seconds(ranks, batch, runnable):
+    started = time.monotonic()
+    proc = cli("--batch", str(batch), "--ranks", str(ranks), "--top", "3")
+    elapsed = time.monotonic() - started
+    assert elapsed < 10, elapsed
+    if runnable is None:
+        assert proc.returncode == 2 and "more than the 1048576" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert f"ranks, {runnable} can run it," in proc.stdout.splitlines()[0]
+    if runnable > 24:
+        assert "priced the 24 whose blocks cut the fewest voxels (--max-grids N for more)" in proc.stdout
+
+
+def table_rows(lines, header_start):
+    """The rows of the table whose header starts with ``header_start``, split at two or more spaces."""
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(header_start))
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(re.split(r" {2,}", line.strip()))
+    return rows
+
+
+def test_tables_keep_wide_numbers_apart():
+    """A 65536^3 sample: step times of 5e11 ms and petabytes of memory still leave every column
+    apart (the widths come from the content)."""
+    proc = cli("--sample", "65536", "--batch", "8", "--ranks", "8", "--top", "4")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for header_start, width in (("#", 10), ("layer", 10)):
+        header, *rows = table_rows(lines, header_start)
+        assert len(header) == width and len(rows) >= 4, header
+        assert all(len(row) == width for row in rows), rows
+    assert "534466796847.8" in proc.stdout         # the step of the data-parallel grid, whole
 
 
 def test_cli_table_json_and_plot(tmp_path):

@@ -123,7 +123,14 @@ def test_sigkill_then_resume_equals_uninterrupted_bit_for_bit(tmp_path, data_dir
     _, meta = read_file(killed / "checkpoint.h5")
     assert 3 <= meta["step"] < steps and meta["step"] % 3 == 0
 
-    proc = train(2, *common, "--steps", steps, "--out", killed, "--resume")
+    # the ranks outlive mpiexec for a moment (OUT/.lock names rank 0 until it is gone); the lock is
+    # left behind where rank 0 itself died by SIGKILL (tests/test_faults.py), so resume as a
+    # requeue script would: --break-lock takes over only a lock whose holder is gone
+    holder = json.loads((killed / ".lock").read_text())["pid"]
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc = train(2, *common, "--steps", steps, "--out", killed, "--resume", "--break-lock")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, meta_a = model_arrays(whole / "checkpoint.h5")
     b, meta_b = model_arrays(killed / "checkpoint.h5")

@@ -1,15 +1,19 @@
 """``refimpl plan``: which grid is fastest for a model, sample size, batch and machine, and why.
 
-Enumerates the process grids (Pn, Pd, Ph, Pw, Pm) of --ranks ranks, predicts each one's
-step time and memory per rank from the layers' own halo plans and the alpha-beta-gamma
-cost of every message (refimpl/plan.py; docs/planner.md), and prints the fastest grids
-that fit in --mem-per-rank, with the winner and the runner-up explained layer by layer.
-Math only: it runs in one process, nothing is trained.
+Enumerates the process grids (Pn, Pd, Ph, Pw, Pm) of --ranks ranks (at most 2^20), predicts
+the step time and memory per rank of the most promising of them (--max-grids, those whose
+blocks cut the fewest voxels) from the layers' own halo plans and the alpha-beta-gamma cost
+of every message (refimpl/plan.py; docs/planner.md), and prints the fastest grids that fit in
+--mem-per-rank, with the winner and the runner-up explained layer by layer.  Math only: it
+runs in one process, nothing is trained; under mpiexec only with --calibrate, where every
+rank measures and ranks 0 and 1 time the link, under the fail-stop watchdog of refimpl train
+(--stall-timeout).
 
 Exit status: 0 a plan was printed (even when no grid fits: the table says why); 2 bad
-input (an unknown model or preset, a bad memory size, a grid that is not a factorisation
-of --ranks, a sample the grid or the model cannot take); 4 an output could not be
-written.
+input (an unknown model or preset, a bad memory size, more ranks than the planner searches,
+a grid that is not a factorisation of --ranks, a sample the grid or the model cannot take;
+under mpiexec every rank exits, rank 0 says why); 4 an output could not be written; 5 a
+rank stopped answering for --stall-timeout seconds during --calibrate.
 
 Examples:
     refimpl plan --model cosmoflow --preset mlperf --sample 512 --batch 64 --ranks 2048 --mem-per-rank 16GiB
@@ -23,6 +27,8 @@ import argparse
 import json
 import math
 
+from ..failstop import DEFAULT_STALL_TIMEOUT
+
 
 def add_arguments(parser):
     parser.description = __doc__
@@ -34,7 +40,7 @@ def add_arguments(parser):
     parser.add_argument("--sample", type=int, default=None, metavar="S",
                         help="cubic sample extent S (overrides the preset's D = H = W)")
     parser.add_argument("--batch", type=int, required=False, default=None, metavar="B", help="global batch")
-    parser.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks")
+    parser.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks (at most 2^20)")
     parser.add_argument("--mem-per-rank", default=None, metavar="SIZE",
                         help="memory per rank, e.g. 16GiB (default: the machine file's, else no limit)")
     parser.add_argument("--machine", default=None, metavar="FILE.toml", help="machine constants (docs/planner.md)")
@@ -45,6 +51,9 @@ def add_arguments(parser):
     parser.add_argument("--save-machine", default=None, metavar="FILE.toml", help="write the machine constants")
     parser.add_argument("--grid", default=None, metavar="Pn,Pd,Ph,Pw[,Pm]", help="explain this grid layer by layer")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="grids to list (default 10)")
+    parser.add_argument("--max-grids", type=int, default=None, metavar="N",
+                        help="price at most N grids, those whose blocks cut the fewest voxels first (default 24: "
+                             "a few seconds; each grid takes 10 to 250 ms); the output says how many were left out")
     parser.add_argument("--model-parallel", choices=("filter", "channel", "off"), default="filter",
                         help="how grids with Pm > 1 split the model (default filter); off: no model axis")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -60,6 +69,9 @@ def add_arguments(parser):
     parser.add_argument("--json", default=None, metavar="FILE", help="write the ranked grids as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="predicted step time and memory vs P for the best grid of each family")
+    parser.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
+                        help="with --calibrate under mpiexec: end the job (exit 5) when a rank has sent no "
+                             "heartbeat, or no rank has moved on, for this long (default 600; 0 = off)")
 
 
 def layers_of(args, model_parallel=None):
@@ -87,16 +99,31 @@ def layers_of(args, model_parallel=None):
 
 
 def check(args):
+    """Every refusal of bad input, before any work: ValueError, the same on every rank.
+
+    Returns (machine, layers, layers_mp, dims): the machine of --machine and --mem-per-rank,
+    the model's layers, and when a plan follows (--batch and --ranks given) its layers with
+    the model axis (None for --model-parallel off) and the 5 dims of --grid (None: search)."""
+    from ..cli import launcher_size
     from ..parallel.grid import parse_grid
-    from ..plan import Machine, load_machine, parse_bytes
+    from ..plan import MAX_RANKS, Machine, feasibility, load_machine, parse_bytes
+    if launcher_size() > 1 and not args.calibrate:
+        raise ValueError("it runs in one process: start it without mpiexec (mpiexec -n 2 only with "
+                         "--calibrate, to measure the link)")
     for name in ("batch", "ranks"):
         value = getattr(args, name)
         if value is None and not args.calibrate:
             raise ValueError(f"--{name} is required")
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.ranks is not None and args.ranks > MAX_RANKS:
+        raise ValueError(f"--ranks {args.ranks} is more than the {MAX_RANKS} (2^20) ranks refimpl plan searches")
+    for name in ("top", "max_grids"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not (math.isfinite(args.stall_timeout) and args.stall_timeout >= 0):
+        raise ValueError(f"--stall-timeout must be a number of seconds >= 0 (0: off), got {args.stall_timeout}")
     from ..parallel.collectives import ALGORITHMS
     if args.allreduce not in ALGORITHMS:
         raise ValueError(f"--allreduce must be one of {', '.join(sorted(ALGORITHMS))}, got {args.allreduce!r}")
@@ -104,40 +131,73 @@ def check(args):
     if args.mem_per_rank is not None:
         from dataclasses import replace
         machine = replace(machine, mem_per_rank=parse_bytes(args.mem_per_rank))
-    grid = None
-    if args.grid is not None:
-        grid = parse_grid(args.grid)
-        if math.prod(grid) != args.ranks:
-            raise ValueError(f"--grid {args.grid} holds {math.prod(grid)} ranks, not --ranks {args.ranks}")
-    return machine, grid
+    from ..failstop import check_writable
+    for path, flag in ((args.json, "--json"), (args.plot, "--plot"), (args.save_machine, "--save-machine")):
+        if path:
+            check_writable(path, flag)
+    layers = layers_of(args)
+    if args.batch is None or args.ranks is None:            # --calibrate alone
+        return machine, layers, None, None
+    layers_mp = None if args.model_parallel == "off" else layers_of(args, args.model_parallel)
+    if args.grid is None:
+        return machine, layers, layers_mp, None
+    grid = parse_grid(args.grid)
+    if math.prod(grid) != args.ranks:
+        raise ValueError(f"--grid {args.grid} holds {math.prod(grid)} ranks, not --ranks {args.ranks}")
+    dims = tuple(grid) + (1,) * (5 - len(grid))
+    if dims[4] > 1 and layers_mp is None:
+        raise ValueError(f"--grid {args.grid} has a model axis, but --model-parallel off")
+    why = feasibility(layers if dims[4] == 1 else layers_mp, dims, args.batch)
+    if why:                              # the grid cannot run this model at all: bad input
+        raise ValueError(f"--grid {args.grid}: {why}")
+    return machine, layers, layers_mp, dims
 
 
 def run(args) -> int:
-    from ..failstop import InputError, run_command
+    from ..cli import launcher_size
+    from ..failstop import run_command
+    comm = None
+    if launcher_size() > 1:              # mpiexec -n 2 refimpl plan --calibrate: every rank measures
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    return run_command("plan", comm, lambda: plan(args, comm))
 
-    def body():
-        try:
-            return plan(args)
-        except ValueError as err:
-            raise InputError(str(err), agreed=True) from None
-    return run_command("plan", None, body)
+
+def agreed(comm, fn, *args):
+    """``fn(*args)`` whose ValueError becomes bad input on every rank alike (``failstop.agree``
+    under mpiexec; in one process, that one)."""
+    from ..failstop import InputError, agree
+    if comm is not None:
+        return agree(comm, fn, *args)
+    try:
+        return fn(*args)
+    except ValueError as err:
+        raise InputError(str(err), agreed=True) from None
+
+
+def columns(header, rows, right):
+    """The lines of a table whose every column is as wide as its widest cell, two spaces
+    apart, so numbers of any width stay apart; ``right``: the indices of right-aligned columns."""
+    widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+            for cells in [header, *rows]]
 
 
 def _ms(s):
-    return f"{s * 1e3:9.1f}"
+    return f"{s * 1e3:.1f}"
 
 
 def print_table(plans):
     from ..plan import format_bytes
-    print(f"{'#':>3} {'grid (Pn,Pd,Ph,Pw,Pm)':<24}{'family':<22}{'step ms':>9}{'compute':>9}{'halo':>9}"
-          f"{'other':>9}{'allreduce':>10}{'mem/rank':>11}  fits")
+    rows = []
     for i, p in enumerate(plans, 1):
         mem = format_bytes(p.memory_bytes) if p.memory_bytes else "-"
-        if not p.feasible and not p.step_s:
-            print(f"{i:>3} {str(p.dims):<24}{p.family:<22}{'':>9}{'':>9}{'':>9}{'':>9}{'':>10}{mem:>11}  no: {p.why}")
-            continue
-        print(f"{i:>3} {str(p.dims):<24}{p.family:<22}{_ms(p.step_s)}{_ms(p.compute_s)}{_ms(p.halo_s)}"
-              f"{_ms(p.model_s)}{_ms(p.allreduce_s):>10}{mem:>11}  {'yes' if p.feasible else 'no: ' + p.why}")
+        priced = p.feasible or p.step_s                 # not a grid that cannot run at all
+        times = [_ms(t) for t in (p.step_s, p.compute_s, p.halo_s, p.model_s, p.allreduce_s)] if priced else ["-"] * 5
+        rows.append([str(i), str(p.dims), p.family, *times, mem, "yes" if p.feasible else "no: " + p.why])
+    header = ["#", "grid (Pn,Pd,Ph,Pw,Pm)", "family", "step ms", "compute", "halo", "other", "allreduce",
+              "mem/rank", "fits"]
+    print("\n".join(columns(header, rows, right={0, 3, 4, 5, 6, 7, 8})))
 
 
 def explain(plan):
@@ -147,12 +207,11 @@ def explain(plan):
           f"= compute {plan.compute_s * 1e3:.1f} + halo {plan.halo_s * 1e3:.1f} + model/bn/flatten messages "
           f"{plan.model_s * 1e3:.1f} + gradient allreduce {plan.allreduce_s * 1e3:.1f} ({plan.buckets} buckets, "
           f"{format_bytes(plan.grad_bytes)}); memory {format_bytes(plan.memory_bytes)}")
-    print(f"  {'layer':<16}{'kind':<15}{'GFLOP':>8}{'comp ms':>9}{'halo KiB':>10}{'msgs':>6}{'halo ms':>9}"
-          f"{'model KiB':>10}{'other ms':>9}{'saved MiB':>10}")
-    for c in plan.layers:
-        print(f"  {c.name:<16}{c.kind:<15}{c.flops / 1e9:8.3f}{c.compute_s * 1e3:9.2f}{c.halo_bytes / 1024:10.1f}"
-              f"{c.halo_messages:6d}{c.halo_s * 1e3:9.3f}{(c.model_bytes + c.model_allreduce_bytes) / 1024:10.1f}"
-              f"{c.comm_s * 1e3:9.3f}{c.saved_bytes / 2**20:10.1f}")
+    header = ["layer", "kind", "GFLOP", "comp ms", "halo KiB", "msgs", "halo ms", "model KiB", "other ms", "saved MiB"]
+    rows = [[c.name, c.kind, f"{c.flops / 1e9:.3f}", f"{c.compute_s * 1e3:.2f}", f"{c.halo_bytes / 1024:.1f}",
+             str(c.halo_messages), f"{c.halo_s * 1e3:.3f}", f"{(c.model_bytes + c.model_allreduce_bytes) / 1024:.1f}",
+             f"{c.comm_s * 1e3:.3f}", f"{c.saved_bytes / 2**20:.1f}"] for c in plan.layers]
+    print("\n".join("  " + line for line in columns(header, rows, right=set(range(2, 10)))))
 
 
 def compare_two(a, b):
@@ -179,22 +238,19 @@ def batch_advice(args, plans):
               f"parallelism to add ranks")
 
 
-def plot_scaling(args, path, machine):
+def plot_scaling(args, path, machine, layers, searching):
     """Predicted step time and memory vs P, best grid of each family (log-log)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..failstop import atomic_write
+    from ..failstop import atomic_write, phase
     from ..plan import search
-    layers, layers_mp = layers_of(args), (None if args.model_parallel == "off" else
-                                          layers_of(args, args.model_parallel))
     ps = sorted({2 ** i for i in range(int(math.log2(args.ranks)) + 1)} | {args.ranks})
     families = ("data", "spatial", "model", "hybrid")
     series = {f: ([], [], []) for f in families}
     for p in ps:
-        plans = search(layers, p, args.batch, machine, layers_mp=layers_mp, optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding,
-                       algorithm=args.allreduce)
+        plans = search(layers, p, args.batch, machine, **searching)
         for family in families:
             best = next((g for g in plans if g.feasible and (g.family.startswith(family) or
                                                               (p == 1 and family == "data"))), None)
@@ -218,55 +274,62 @@ def plot_scaling(args, path, machine):
         ax2.axhline(machine.mem_per_rank / 2 ** 30, color="k", ls="--", lw=1)
     fig.suptitle(f"{args.model}, batch {args.batch}: best grid per family (refimpl plan)")
     fig.tight_layout()
+    phase(f"writing {path}")
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
     plt.close(fig)
     print(f"wrote {path}")
 
 
-def plan(args) -> int:
-    from ..failstop import atomic_write, check_writable
-    from ..plan import plan_grid, save_machine, search
-    from ..cli import launcher_rank, launcher_size
-    machine, grid = check(args)
-    if launcher_size() > 1 and not args.calibrate:
-        raise ValueError("refimpl plan runs in one process: start it without mpiexec (mpiexec -n 2 only "
-                         "with --calibrate, to measure the link)")
-    for path, flag in ((args.json, "--json"), (args.plot, "--plot"), (args.save_machine, "--save-machine")):
-        if path:
-            check_writable(path, flag)
+def plan(args, comm) -> int:
+    """Refuse bad input on every rank alike, calibrate on every rank (``comm``: under mpiexec),
+    then answer from rank 0 while the others wait for its outcome (``failstop.on_root``)."""
+    from ..failstop import on_root, phase, set_stall_timeout
+    machine, layers, layers_mp, dims = agreed(comm, check, args)
+    set_stall_timeout(args.stall_timeout)
     if args.calibrate:
         from ..plan import calibrate
-        machine = calibrate(machine, layers=layers_of(args), report=print if launcher_rank() == 0 else None)
-        if machine is None:              # a helper rank of the ping-pong: rank 0 reports
-            return 0
+        root = comm is None or comm.Get_rank() == 0
+        machine = calibrate(machine, layers=layers, report=print if root else None, comm=comm)
+    if comm is None:
+        answer(args, machine, layers, layers_mp, dims)
+    else:
+        phase("rank 0's report")
+        on_root(comm, answer, args, machine, layers, layers_mp, dims)
+    return 0
+
+
+def answer(args, machine, layers, layers_mp, dims) -> None:
+    """What rank 0 prints and writes: the calibrated machine, then the plan of one grid (``dims``)
+    or of the search."""
+    from ..failstop import atomic_write, phase
+    from ..plan import MAX_PRICED, plan_grid, save_machine, search
+    if args.calibrate:
         print(f"calibrated: {machine.summary()}")
         if args.save_machine:
+            phase(f"writing {args.save_machine}")
             atomic_write(args.save_machine, lambda f: f.write(save_machine(machine)))
             print(f"wrote {args.save_machine}")
         if args.batch is None or args.ranks is None:
-            return 0
-    layers = layers_of(args)
-    layers_mp = None if args.model_parallel == "off" else layers_of(args, args.model_parallel)
+            return
     kw = dict(optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding, algorithm=args.allreduce)
-    if grid is not None:
-        from ..plan import feasibility
-        dims = tuple(grid) + (1,) * (5 - len(grid))
-        if dims[4] > 1 and layers_mp is None:
-            raise ValueError(f"--grid {args.grid} has a model axis, but --model-parallel off")
-        chosen_layers = layers if dims[4] == 1 else layers_mp
-        why = feasibility(chosen_layers, dims, args.batch)
-        if why:                          # the grid cannot run this model at all: bad input
-            raise ValueError(f"--grid {args.grid}: {why}")
-        chosen = plan_grid(chosen_layers, dims, args.batch, machine, **kw)
+    searching = dict(kw, layers_mp=layers_mp, max_grids=args.max_grids or MAX_PRICED)
+    searched = None                      # what the search looked at (not for an explicit --grid)
+    if dims is not None:
+        phase(f"pricing grid {dims}")
+        chosen = plan_grid(layers if dims[4] == 1 else layers_mp, dims, args.batch, machine, **kw)
         print_table([chosen])
         if chosen.layers:
             explain(chosen)
         plans = [chosen]
     else:
-        plans = search(layers, args.ranks, args.batch, machine, layers_mp=layers_mp, **kw)
+        plans = search(layers, args.ranks, args.batch, machine, **searching)
+        searched = {"grids": plans.grids, "runnable": plans.runnable, "priced": plans.priced}
         feasible = [p for p in plans if p.feasible]
-        print(f"{args.model}: {len(plans)} grids of {args.ranks} ranks, {len(feasible)} fit"
-              f"{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; {machine.summary()}")
+        left_out = (f"priced the {plans.priced} whose blocks cut the fewest voxels (--max-grids N for more)"
+                    if plans.priced < plans.runnable else "all priced")
+        print(f"{args.model}: {plans.grids} grids of {args.ranks} ranks, {plans.runnable} can run it, {left_out}; "
+              f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; "
+              f"{machine.summary()}")
         print_table(plans[:args.top])
         if feasible:
             explain(feasible[0])
@@ -275,10 +338,10 @@ def plan(args) -> int:
                 compare_two(feasible[0], feasible[1])
         batch_advice(args, plans)
     if args.json:
-        text = json.dumps({"model": args.model, "batch": args.batch, "ranks": args.ranks,
-                           "machine": machine.__dict__, "grids": [p.as_dict() for p in plans[:max(args.top, 1)]]},
+        text = json.dumps({"model": args.model, "batch": args.batch, "ranks": args.ranks, "searched": searched,
+                           "machine": machine.__dict__, "grids": [p.as_dict() for p in plans[:args.top]]},
                           indent=1)
+        phase(f"writing {args.json}")
         atomic_write(args.json, lambda f: f.write(text))
     if args.plot:
-        plot_scaling(args, args.plot, machine)
-    return 0
+        plot_scaling(args, args.plot, machine, layers, searching)
