@@ -108,9 +108,10 @@ _REGISTRY = (
     Setting("REFIMPL_CUDA_AWARE", _boolean, _BOOLEAN, False,
             "hand device buffers to MPI directly (MPI built with CUDA support) instead of "
             "staging them through host memory"),
-    _choice_setting("REFIMPL_CONV_ALGORITHM", ("auto", "im2col", "winograd"), "auto",
+    _choice_setting("REFIMPL_CONV_ALGORITHM", ("auto", "im2col", "winograd", "reference"), "auto",
                     "conv algorithm of every conv layer: auto (Winograd where it pays), im2col "
-                    "(the plain sum everywhere) or winograd"),
+                    "(the tiled im2col + GEMM everywhere), winograd, or reference (the plain math of "
+                    "refimpl/functional/conv3d.py: pad, one slice per tap, one GEMM)"),
     _choice_setting("REFIMPL_CONV_SCHEDULE", ("auto", "host", "device"), "auto",
                     "how im2col convs are scheduled: auto (by where the arrays live), host "
                     "(cache-sized tiles on worker threads: CPUs) or device (a few large "

@@ -93,7 +93,7 @@ import numpy  # noqa: E402  (after the thread environment)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from refimpl.backend import tune_allocator  # noqa: E402
-from refimpl.functional import _im2col  # noqa: E402
+from refimpl.kernels import _im2col  # noqa: E402
 from refimpl.functional.activations import (leaky_relu, leaky_relu_backward, relu,  # noqa: E402
                                             relu_backward)
 from refimpl.functional.batch_norm import batch_norm3d, batch_norm3d_backward  # noqa: E402

@@ -214,7 +214,7 @@ def run_one_p(args) -> dict | None:
     import numpy
     from mpi4py import MPI
 
-    from refimpl.functional import _im2col
+    from refimpl.kernels import _im2col
     from refimpl.parallel.grid import ProcessGrid
 
     comm = MPI.COMM_WORLD

@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from refimpl.functional import winograd  # noqa: E402
+from refimpl.kernels import winograd  # noqa: E402
 from test_winograd import float32_errors  # noqa: E402
 
 SHAPES = [(2, 4, 8, 12), (2, 4, 32, 16), (1, 16, 32, 12), (1, 32, 16, 9), (1, 32, 64, 8),

@@ -4,10 +4,12 @@ Hypothesis profiles:
 - "default": bounded example counts so the whole suite fits CI on 2 cores.
 - "mpi": the same, derandomized and without database or time-based health
   checks, so that every MPI rank draws the *same* sequence of examples (a
-  rank that drew a different shape would deadlock its peers).
+  rank that drew a different shape would deadlock its peers); and without the
+  shrink phase: shrinking a failing example replays it hundreds of times under
+  mpiexec (over 10 minutes on 2 cores), so the failure is reported as drawn.
 The MPI test files (tests/mpi/) load the "mpi" profile themselves.
 """
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from refimpl.settings import env_setting
 
@@ -17,5 +19,6 @@ settings.register_profile(
 settings.register_profile(
     "mpi", max_examples=env_setting("REFIMPL_MPI_EXAMPLES"),
     deadline=None, derandomize=True, database=None,
-    suppress_health_check=list(HealthCheck), print_blob=False)
+    suppress_health_check=list(HealthCheck), print_blob=False,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile("default")

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from refimpl.functional import _im2col, _phase_grid
+from refimpl.kernels import _im2col, _phase_grid
 from refimpl.functional._args import transposed_out_size, window_out_size
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
                                        conv3d_weight_grad)
@@ -506,7 +506,7 @@ def test_depth_tap_forward_in_blocks_of_rows(n, c, f, size, k, p, d, rows, monke
 # ------------------------------------------------- BLAS held to one thread (_threads)
 
 def _blas_threads():
-    from refimpl.functional import _threads
+    from refimpl.kernels import _threads
     return [lib.num_threads for lib in _threads._blas_controller().lib_controllers]
 
 
@@ -516,7 +516,7 @@ def test_blas_is_held_to_one_thread_inside_the_conv_and_model_passes(monkeypatch
     next pass), keep the worker count resolved on entry, nest, and restore BLAS's threads
     on the way out, after an exception too."""
     from threadpoolctl import threadpool_limits
-    from refimpl.functional import _threads
+    from refimpl.kernels import _threads
     from refimpl.models import build_model
     monkeypatch.delenv("REFIMPL_THREADS", raising=False)
     rng = np.random.default_rng(0)
@@ -721,7 +721,7 @@ def test_device_schedule_matches_torch(case, budget, seed, data):
     flipped kernel) equals torch to 1e-10 in float64 on host arrays: forward, dx, dW, the
     shared forward + dW pass, and a dy covering only the first outputs, for every budget
     from one row per tile to one tile."""
-    from refimpl.functional import _im2col_device as dev
+    from refimpl.kernels import _im2col_device as dev
     rng = np.random.default_rng(seed)
     c = case
     x = rng.standard_normal((c["n"], c["c"]) + c["size"])
@@ -746,7 +746,7 @@ def test_device_schedule_runs_for_device_arrays():
     """Device arrays (the strict stand-in) take the device schedule, host arrays the CPU
     one, and both give the same numbers."""
     from refimpl import strict
-    from refimpl.functional import _im2col_device as dev
+    from refimpl.kernels import _im2col_device as dev
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 3, 6, 5, 7))
     w = rng.standard_normal((4, 3, 3, 3, 3))

@@ -65,3 +65,12 @@ def test_a_launcher_failure_is_run_once_more(tmp_path):
         count = tmp_path / f"runs-{failures}-{len(message)}"
         proc = run_launched([sys.executable, "-c", script, str(count), message, str(failures)], timeout=60)
         assert int(count.read_text()) == runs and proc.returncode == rc, (failures, message, proc.stderr)
+
+
+def test_the_mpi_hypothesis_profile_does_not_shrink():
+    """A failing distributed property test reports its example as drawn: shrinking replays it
+    hundreds of times under mpiexec (over 10 minutes on 2 cores)."""
+    from hypothesis import Phase, settings
+    profile = settings.get_profile("mpi")
+    assert Phase.shrink not in profile.phases and Phase.generate in profile.phases
+    assert profile.derandomize and profile.database is None

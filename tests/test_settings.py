@@ -76,10 +76,10 @@ def test_variable_refuses_a_bad_value_in_one_line(monkeypatch, name):
 
 def test_existing_readers_parse_through_settings(monkeypatch):
     """The conv algorithm, thread count, allocator and CUDA-aware switch read the registry."""
-    from refimpl.functional import _threads
+    from refimpl.kernels import _threads
     from refimpl.functional.conv3d import ALGORITHMS, algorithm_setting
     from refimpl.parallel import buffers
-    assert ALGORITHMS == ("auto", "im2col", "winograd")
+    assert ALGORITHMS == ("auto", "im2col", "winograd", "reference")
     monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
     monkeypatch.setenv("REFIMPL_THREADS", "3")
     assert algorithm_setting() == "im2col" and _threads.thread_count() == 3

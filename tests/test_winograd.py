@@ -1,4 +1,4 @@
-"""Winograd F(4x4x4, 3x3x3) (refimpl/functional/winograd.py).
+"""Winograd F(4x4x4, 3x3x3) (refimpl/kernels/winograd.py).
 
 - the 1-D F(4, 3) identity, exactly, and the transforms as Kronecker products;
 - conv3d / conv_transpose3d with ``algorithm="winograd"`` vs PyTorch float64 (<= 1e-10)
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refimpl.functional import _threads, winograd
-from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
-                                       conv3d_weight_grad, resolve_algorithm)
+from refimpl.kernels import _threads, winograd
+from refimpl.functional.conv3d import conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_grad
+from refimpl.kernels.conv import resolve_algorithm
 from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from test_conv import RTOL, _traced, needs_torch, rel_err, torch  # the conv tests' helpers
 
@@ -336,7 +336,6 @@ def test_auto_picks_im2col_on_a_device():
     """Measured on an H100, Winograd's many small passes run 10-20x slower than the device
     schedule of im2col: "auto" picks im2col for device arrays, Winograd for the same conv on
     the host; an explicit "winograd" is still honoured."""
-    from refimpl.functional.conv3d import resolve_algorithm
     w_shape = (32, 32, 3, 3, 3)
     assert resolve_algorithm("auto", w_shape, (1,) * 3, (1,) * 3, (16,) * 3, n_batch=2) == "winograd"
     assert resolve_algorithm("auto", w_shape, (1,) * 3, (1,) * 3, (16,) * 3, n_batch=2,

@@ -36,7 +36,7 @@ LAYER_MODES = {"conv3d": MODEL_MODES, "conv_transpose3d": MODEL_MODES, "max_pool
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 #: float32 tolerance where a conv may run Winograd: its rounding depends on where the
 #: 4x4x4 tiles fall, which differs between a rank's block and the whole volume
-#: (refimpl/functional/winograd.py documents ~1e-4 of a typical output).
+#: (refimpl/kernels/winograd.py documents ~1e-4 of a typical output).
 WINOGRAD_FLOAT32_TOLERANCE = 1e-3
 
 
@@ -76,9 +76,10 @@ def add_arguments(parser):
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float64",
                         help="float64 (tolerance 1e-10) or float32 (1e-5; 1e-3 for a conv that may "
                              "run Winograd)")
-    parser.add_argument("--algorithm", choices=("auto", "im2col", "winograd"), default=None,
-                        help="conv algorithm of the partitioned layer and the oracle (default: "
-                             "$REFIMPL_CONV_ALGORITHM, else auto: Winograd for wide 3x3x3 stride-1 convs)")
+    parser.add_argument("--algorithm", choices=("auto", "im2col", "winograd", "reference"), default=None,
+                        help="conv algorithm of the partitioned layer (default: $REFIMPL_CONV_ALGORITHM, else "
+                             "auto: Winograd for wide 3x3x3 stride-1 convs); the oracle always computes "
+                             "with the reference (refimpl/functional/conv3d.py)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the global arrays")
     parser.add_argument("--save", default=None, metavar="FILE.npz",
                         help="write the gathered global x, w, b, dy, y, dx, dw, db")
@@ -136,14 +137,14 @@ class LayerSpec:
         if self.save is not None:
             check_writable(self.save, "--save")
         self.algorithm = getattr(args, "algorithm", None)
-        if self.algorithm is not None:            # the layers and the oracle read the variable
+        if self.algorithm is not None:            # the partitioned layers read the variable
             os.environ["REFIMPL_CONV_ALGORITHM"] = self.algorithm
         if self.dtype == numpy.float32 and self.may_use_winograd():
             self.tolerance = WINOGRAD_FLOAT32_TOLERANCE
 
     def may_use_winograd(self):
         """Whether a conv of this request may run Winograd (on a block or on the whole)."""
-        from ..functional import winograd
+        from ..kernels import winograd
         from ..functional.conv3d import algorithm_setting
         if not self.layer.startswith("conv") or not winograd.applicable(
                 self.kernel, self.stride, self.dilation):
@@ -183,14 +184,17 @@ class LayerSpec:
         return spatial.SpatialBatchNorm3d(c, grid=grid, global_stats=True, dtype=dt)
 
     def oracle(self, x, w, b, dy):
-        """Unpartitioned forward and backward with refimpl.functional: (y, dx, dw, db)."""
+        """Unpartitioned forward and backward with refimpl.functional's reference: (y, dx, dw, db)."""
         from .. import functional as F
         k, s, p, d = self.kernel, self.stride, self.padding, self.dilation
+        ref = "reference"
         if self.layer == "conv3d":
-            return (F.conv3d(x, w, b, s, p, d),) + F.conv3d_backward(dy, x, w, s, p, d)
+            return (F.conv3d(x, w, b, s, p, d, algorithm=ref),) + F.conv3d_backward(dy, x, w, s, p, d,
+                                                                                     algorithm=ref)
         if self.layer == "conv_transpose3d":
             op = self.output_padding
-            return (F.conv_transpose3d(x, w, b, s, p, op, d),) + F.conv_transpose3d_backward(dy, x, w, s, p, op, d)
+            return (F.conv_transpose3d(x, w, b, s, p, op, d, algorithm=ref),) + \
+                F.conv_transpose3d_backward(dy, x, w, s, p, op, d, algorithm=ref)
         if self.layer == "max_pool3d":
             return F.max_pool3d(x, k, s, p, d), F.max_pool3d_backward(dy, x, k, s, p, d), None, None
         if self.layer == "avg_pool3d":

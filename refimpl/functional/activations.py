@@ -8,7 +8,7 @@ uses ``scale * tanh(x)`` (scale 1.2), see ``scaled_tanh``.
 from __future__ import annotations
 
 from ..backend import array_module, check_same_dtype
-from ._threads import elementwise
+from ..kernels._threads import elementwise
 
 
 def relu(x):

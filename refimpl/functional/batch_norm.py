@@ -62,7 +62,7 @@ from typing import NamedTuple
 import numpy
 
 from ..backend import array_module, check_same_dtype
-from . import _threads
+from ..kernels import _threads
 from ._args import check_float, check_ndim
 
 _AXES = (0, 2, 3, 4)  # every axis but the channel

@@ -1,59 +1,113 @@
-"""3D convolution, forward and backward (PyTorch semantics, NCDHW, no groups).
+"""3D convolution, forward and backward, as the math reads (PyTorch semantics, NCDHW, no groups).
 
     y[n, f, o] = b[f] + sum_{c, t} w[f, c, t] * x[n, c, o*s + t*dl - p]
 
 with zero padding ``p``, stride ``s`` and dilation ``dl`` per axis (each an int
-or a ``(d, h, w)`` tuple).  Output extent per axis:
-``floor((n + 2p - dl(k-1) - 1)/s) + 1``.
+or a ``(d, h, w)`` tuple), ``t`` running over the kernel taps.  Output extent
+per axis: ``floor((n + 2p - dl(k-1) - 1)/s) + 1``.
 
-Two algorithms, picked per call by ``algorithm=``:
+The reference (``algorithm="reference"``, or ``REFIMPL_CONV_ALGORITHM=reference``
+for a whole run) is three steps, each a few lines below:
 
-- ``"im2col"`` (``_im2col``): column tiles of a bounded size and one GEMM per
-  tile (``y = W @ col``, ``dW += dy @ col^T``, ``dx += col2im(W^T @ dy)``); any
-  kernel, stride, padding and dilation.  The temporary buffers of a call stay
-  below ``max(max_temp_bytes, one output row's column tile)`` bytes, default
-  ``_im2col.MAX_TEMP_BYTES`` = 64 MiB; the input is not padded (no padded copy).
-- ``"winograd"`` (``winograd``): F(4x4x4, 3x3x3), 3x3x3 kernels with stride 1
-  and dilation 1 only: 3.4x fewer multiplications per output than the 27 of
-  im2col, exact in float64, within ``winograd.FLOAT32_BOUND`` in float32.  Its
-  chunked work buffers obey ``max_temp_bytes``; it also copies the input and
-  output once in channels-last order.
-- ``"auto"`` (the default): Winograd where it applies, saves at least half of
-  the multiplications, the channels are not too narrow and there are at least two
-  tiles for the weight transform to pay (``winograd.worthwhile``: C*F/(C+F) >= 4,
-  >= 6 for an input gradient im2col takes by the flipped kernel (>= 3 where
-  Winograd's own is its forward with the flipped kernel), and for a weight
-  gradient also F <= 2C; ``MIN_TILES``), else im2col.  The forward, the input
-  gradient and the weight gradient of a layer choose apart.  Winograd's input gradient
-  is its forward conv of ``dy`` with the flipped kernel where F <= C (F <= 2C when the
-  weight gradient is not wanted) and that takes no more tiles (``winograd.dx_by_flipped_kernel``),
-  else the adjoint.
+1. ``im2col``: pad ``x`` with zeros, then copy one strided slice of it per tap
+   ``t``: row ``(c, t)`` of the column matrix holds ``x_pad[n, c, o*s + t*dl]``
+   for every output point ``(n, o)``.  Shape ``(C*kd*kh*kw, N*Do*Ho*Wo)``.
+2. one GEMM: ``Y = W @ col``, with ``W`` the weight as an ``(F, C*kd*kh*kw)``
+   matrix (its memory order is the rows' ``(c, t)`` order).
+3. backward, the adjoints of those two linear maps (docs/derivations.md, "Convolution"):
+   ``dW = dY @ col^T``; ``dcol = W^T @ dY``, and ``col2im`` adds every entry
+   of ``dcol`` back to the input point it was copied from (the adjoint of a
+   copy is an add; overlapping windows add up), then drops the padding;
+   ``db = sum of dY`` over (N, D, H, W).
 
-``algorithm=None`` reads ``REFIMPL_CONV_ALGORITHM`` (one of the three names;
-anything else is refused), default ``"auto"``: the layers and the training CLI
-call with ``None``, so the variable switches a whole run to the plain im2col.
+Transposed convolution is this conv's input adjoint (conv_transpose3d.py).
 
-Building blocks reused by the distributed layers and by conv_transpose3d:
+The other algorithms compute the same sums faster and live in
+``refimpl/kernels/`` (tiled im2col without a padded copy, phase grids for
+strides, Winograd F(4x4x4, 3x3x3), the device schedule, worker threads), picked
+by ``refimpl/kernels/conv.py``: ``algorithm`` "auto" (the default), "im2col" or
+"winograd"; None reads ``REFIMPL_CONV_ALGORITHM``.  Each is tested against the
+functions below.
 
-- ``conv3d_input_grad(dy, w, input_shape, ...)``: ``dx``, the adjoint of conv3d in ``x``;
-- ``conv3d_weight_grad(dy, x, weight_shape, ...)``: ``dW``.
-
-Both accept a ``dy`` whose spatial extent is *at most* the conv output extent
-of the input (the first outputs per axis; inputs past the last window get zero
-gradient / contribute nothing), which is what transposed convolution with
-``output_padding`` needs.
+``conv3d_input_grad`` and ``conv3d_weight_grad`` accept a ``dy`` whose spatial
+extent is *at most* the conv output extent (the first outputs per axis; inputs
+past the last window get zero gradient), which is what transposed convolution
+with ``output_padding`` needs.
 """
 from __future__ import annotations
 
+from itertools import product
+from math import prod
+
 from .. import settings
 from ..backend import array_module, check_same_dtype
-from . import _im2col, _threads, winograd
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = ("depth", "height", "width")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
-ALGORITHMS = settings.SETTINGS[ENV_ALGORITHM].choices      # ("auto", "im2col", "winograd")
+ALGORITHMS = settings.SETTINGS[ENV_ALGORITHM].choices      # ("auto", "im2col", "winograd", "reference")
+REFERENCE = "reference"
 
+
+# ---------------------------------------------------------------- the math
+
+def tap_windows(kernel, s, dl, out):
+    """``(tap, window)`` per kernel tap in weight order: ``window`` the strided slices of the padded
+    input that tap reads for the outputs ``0 .. out-1`` (``t*dl + o*s`` per axis)."""
+    for tap in product(*(range(k) for k in kernel)):
+        yield tap, tuple(slice(t * d, t * d + st * (o - 1) + 1, st) for t, d, st, o in zip(tap, dl, s, out))
+
+
+def im2col(x, kernel, s, p, dl, out):
+    """``(N, C, D, H, W) -> (C*kd*kh*kw, N*Do*Ho*Wo)``: row ``(c, t)`` holds ``x_pad[n, c, o*s + t*dl]``."""
+    xp = array_module(x)
+    n, c = x.shape[:2]
+    x_pad = xp.pad(x, ((0, 0), (0, 0)) + tuple((q, q) for q in p))   # (N, C, D+2p, H+2p, W+2p)
+    col = xp.empty((c, prod(kernel), n) + tuple(out), dtype=x.dtype)  # (C, taps, N, Do, Ho, Wo)
+    for j, (_, window) in enumerate(tap_windows(kernel, s, dl, out)):
+        col[:, j] = x_pad[(slice(None), slice(None)) + window].transpose(1, 0, 2, 3, 4)
+    return col.reshape(c * prod(kernel), n * prod(out))
+
+
+def col2im(col, input_shape, kernel, s, p, dl, out):
+    """The adjoint of ``im2col``: each entry of ``col`` added to the input point it came from."""
+    xp = array_module(col)
+    n, c = input_shape[:2]
+    padded = (n, c) + tuple(e + 2 * q for e, q in zip(input_shape[2:], p))
+    x_pad = xp.zeros(padded, dtype=col.dtype)                          # (N, C, D+2p, H+2p, W+2p)
+    col = col.reshape((c, prod(kernel), n) + tuple(out))               # (C, taps, N, Do, Ho, Wo)
+    for j, (_, window) in enumerate(tap_windows(kernel, s, dl, out)):
+        x_pad[(slice(None), slice(None)) + window] += col[:, j].transpose(1, 0, 2, 3, 4)
+    inner = tuple(slice(q, q + e) for q, e in zip(p, input_shape[2:]))
+    return x_pad[(slice(None), slice(None)) + inner]                   # the padding dropped
+
+
+def forward(x, w, b, s, p, dl, out):
+    """``y = W @ im2col(x) (+ b)`` for validated arguments; ``out`` may be the first outputs only."""
+    xp = array_module(x)
+    n, f = x.shape[0], w.shape[0]
+    y = w.reshape(f, -1) @ im2col(x, w.shape[2:], s, p, dl, out)      # (F, N*Do*Ho*Wo)
+    y = xp.ascontiguousarray(y.reshape((f, n) + tuple(out)).transpose(1, 0, 2, 3, 4))   # (N, F, Do, Ho, Wo)
+    if b is not None:
+        y += b.reshape(1, -1, 1, 1, 1)
+    return y
+
+
+def input_grad(dy, w, input_shape, s, p, dl):
+    """``dx = col2im(W^T @ dY)``: the adjoint of the forward in ``x`` (``dy`` may cover the first outputs)."""
+    f = w.shape[0]
+    dy_rows = dy.transpose(1, 0, 2, 3, 4).reshape(f, -1)             # (F, N*Do*Ho*Wo), as W @ col gives
+    return col2im(w.reshape(f, -1).T @ dy_rows, input_shape, w.shape[2:], s, p, dl, dy.shape[2:])
+
+
+def weight_grad(dy, x, weight_shape, s, p, dl):
+    """``dW = dY @ col^T``: the adjoint of the forward in ``W`` (``dy`` may cover the first outputs)."""
+    dy_rows = dy.transpose(1, 0, 2, 3, 4).reshape(dy.shape[1], -1)   # (F, N*Do*Ho*Wo)
+    col = im2col(x, weight_shape[2:], s, p, dl, dy.shape[2:])         # (C*taps, N*Do*Ho*Wo)
+    return (dy_rows @ col.T).reshape(weight_shape)
+
+
+# ---------------------------------------------------------------- arguments, and the choice of route
 
 def algorithm_setting():
     """``REFIMPL_CONV_ALGORITHM`` (default "auto"), or ValueError naming the variable
@@ -61,43 +115,13 @@ def algorithm_setting():
     return settings.env_setting(ENV_ALGORITHM)
 
 
-def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False):
-    """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
-    ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
-    validated against the shape.
-
-    ``full_dy=False`` when a gradient covers only the first outputs per axis (the
-    building blocks of transposed conv with output_padding): im2col only.
-    ``versus_flipped`` ("adjoint" or "forward": Winograd's route for it) when the choice is for
-    an input gradient that im2col would compute as the conv with the flipped kernel
-    (``_im2col.flipped_kernel_pays``): "auto" then asks Winograd to beat that
-    (``winograd.worthwhile``); ``weight_grad=True`` when it is
-    for a weight gradient (its own threshold).
-    """
-    source = "algorithm"
+def is_reference(algorithm) -> bool:
+    """Whether this call runs the math above (``algorithm``, else ``REFIMPL_CONV_ALGORITHM``)."""
     if algorithm is None:
-        algorithm, source = algorithm_setting(), ENV_ALGORITHM
+        algorithm = settings.env_setting(ENV_ALGORITHM)
     elif algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    kernel = tuple(weight_shape[2:])
-    fits = winograd.applicable(kernel, stride, dilation) and full_dy
-    if algorithm == "winograd" and not fits:
-        raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
-                         f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
-                         f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
-    if algorithm == "auto":
-        if on_device:          # measured on an H100: Winograd's many small passes lose 10-20x there
-            return "im2col"
-        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch,
-                                   versus_flipped, weight_grad)
-        return "winograd" if fits and wide else "im2col"
-    return algorithm
-
-
-def on_device(a):
-    """Whether ``a``'s convs run the device schedule (``_im2col.device_schedule``)."""
-    return _im2col.device_schedule(array_module(a))
+    return algorithm == REFERENCE
 
 
 def conv_params(stride, padding, dilation):
@@ -146,56 +170,52 @@ def check_dy_extent(dy, expected, name="dy"):
                              f"axis it must be between 1 and the conv output extent {e}")
 
 
-@_threads.blas_held_single()
-def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
-    """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
-    ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
-    if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0],
-                         on_device=on_device(x)) == "winograd":
-        return winograd.forward(x, w, p, out, budget, bias)
-    y = _im2col.forward(x, w, s, p, dl, out, budget)
-    if bias is not None:
-        y += bias.reshape(1, -1, 1, 1, 1)
-    return y
+def _check_x_w(x, w, x_name="x", w_name="w"):
+    check_ndim(x, 5, x_name, "N, C, D, H, W")
+    check_ndim(w, 5, w_name, "F, C, kd, kh, kw")
+    check_float(x_name, x)
+    check_float(w_name, w)
+    if min(w.shape[2:]) < 1:
+        raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but "
+                         f"{w_name} expects {w.shape[1]} (w.shape[1]); weights are (F, C, kd, kh, kw)")
 
 
-@_threads.blas_held_single()
-def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_dw=True, full_dy=True):
-    """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
-    None; ``x`` may then be only a shape, ``w`` likewise), by the algorithm picked for each
-    (together, sharing their passes, where both pick the same)."""
-    device = on_device(dy)
-    flipped = need_dx and _im2col.flipped_kernel_pays(dy, w, x.shape, s, budget, device)
-    versus = None
-    if flipped:                   # (F <= C) Winograd's own dx route sets the bar to beat im2col's
-        by_forward = winograd.dx_by_flipped_kernel(w.shape[1], w.shape[0], p, need_dw,
-                                                   x.shape[2:], dy.shape[2:])
-        versus = "forward" if by_forward else "adjoint"
-    pick = {kind: resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
-                                    device, versus if kind == "dx" else None, kind == "dw")
-            for kind, needed in (("dx", need_dx), ("dw", need_dw)) if needed}
+def check_bias(b, n_out, name="b"):
+    if b is None:
+        return
+    if getattr(b, "ndim", None) != 1 or b.shape[0] != n_out:
+        raise ValueError(f"{name} must have shape ({n_out},) (one value per output channel), "
+                         f"got {getattr(b, 'shape', None)}")
 
-    def run(algo, want_dx, want_dw):
-        if algo == "winograd":
-            return winograd.backward(dy, x, w, p, budget, want_dx, want_dw)
-        return _im2col.backward(dy, x, w, s, p, dl, budget, want_dx, want_dw, flipped and want_dx)
-    if len(set(pick.values())) <= 1:
-        return run(next(iter(pick.values()), "im2col"), need_dx, need_dw)
-    return run(pick["dx"], True, False)[0], run(pick["dw"], False, True)[1]
 
+def check_dy_extent(dy, expected, name="dy"):
+    """``dy``'s spatial extent must be >= 1 and <= ``expected`` per axis."""
+    for ax, (o, e) in enumerate(zip(dy.shape[2:], expected)):
+        if not 1 <= o <= e:
+            raise ValueError(f"{name} has spatial shape {tuple(dy.shape[2:])}: on the {AXES[ax]} "
+                             f"axis it must be between 1 and the conv output extent {e}")
+
+
+# ---------------------------------------------------------------- the public functions
 
 def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):
     """3D convolution ``(N, C, D, H, W) * (F, C, kd, kh, kw) -> (N, F, Do, Ho, Wo)``.
 
-    ``algorithm``: "auto", "im2col" or "winograd" (None: ``REFIMPL_CONV_ALGORITHM``
-    or "auto"), see the module docstring."""
+    ``algorithm``: "reference" (the math above), or "auto", "im2col", "winograd"
+    (refimpl/kernels/conv.py); None: ``REFIMPL_CONV_ALGORITHM``, default "auto".
+    ``max_temp_bytes`` bounds the kernels' temporary buffers (the reference has no bound)."""
     _check_x_w(x, w)
     check_same_dtype(x=x, w=w, b=b)
     check_bias(b, w.shape[0])
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
-    budget = _im2col.budget_or_default(max_temp_bytes)
-    return forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=b)
+    if is_reference(algorithm):
+        return forward(x, w, b, s, p, dl, out)
+    from ..kernels import conv as kernel
+    return kernel.forward_with_bias(x, w, s, p, dl, out, kernel.budget_or_default(max_temp_bytes),
+                                    algorithm, bias=b)
 
 
 def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
@@ -212,8 +232,11 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
     expected = (x.shape[0], w.shape[0]) + out
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have the conv output shape {expected}, got {tuple(dy.shape)}")
-    budget = _im2col.budget_or_default(max_temp_bytes)
-    dx, dw = backward_no_bias(dy, x, w, s, p, dl, budget, algorithm)
+    if is_reference(algorithm):
+        dx, dw = input_grad(dy, w, x.shape, s, p, dl), weight_grad(dy, x, w.shape, s, p, dl)
+    else:
+        from ..kernels import conv as kernel
+        dx, dw = kernel.backward_no_bias(dy, x, w, s, p, dl, kernel.budget_or_default(max_temp_bytes), algorithm)
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 
@@ -249,8 +272,11 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(input_shape[2:], w.shape[2:], s, p, dl, x_name="input_shape")
     check_dy_extent(dy, out)
-    return input_grad(dy, w, input_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes),
-                      algorithm, tuple(dy.shape[2:]) == out)
+    if is_reference(algorithm):
+        return input_grad(dy, w, input_shape, s, p, dl)
+    from ..kernels import conv as kernel
+    return kernel.input_grad(dy, w, input_shape, s, p, dl, kernel.budget_or_default(max_temp_bytes),
+                             algorithm, tuple(dy.shape[2:]) == out)
 
 
 def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
@@ -274,30 +300,12 @@ def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, 
     s, p, dl = conv_params(stride, padding, dilation)
     out = conv_out_spatial(x.shape[2:], weight_shape[2:], s, p, dl, w_name="weight_shape")
     check_dy_extent(dy, out)
-    return weight_grad(dy, x, weight_shape, s, p, dl, _im2col.budget_or_default(max_temp_bytes),
-                       algorithm, tuple(dy.shape[2:]) == out)
+    if is_reference(algorithm):
+        return weight_grad(dy, x, weight_shape, s, p, dl)
+    from ..kernels import conv as kernel
+    return kernel.weight_grad(dy, x, weight_shape, s, p, dl, kernel.budget_or_default(max_temp_bytes),
+                              algorithm, tuple(dy.shape[2:]) == out)
 
 
-class ShapeOnly:
-    """Stands in for an array of which only ``shape`` and ``dtype`` are read."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-
-
-def input_grad(dy, w, input_shape, s, p, dl, budget, algorithm, full_dy):
-    """``dx`` of ``conv3d(x, w)`` with ``x`` of shape ``input_shape`` (validated arguments)."""
-    dx, _ = backward_no_bias(dy, ShapeOnly(input_shape, dy.dtype), w, s, p, dl, budget,
-                             algorithm, need_dw=False, full_dy=full_dy)
-    return dx
-
-
-def weight_grad(dy, x, weight_shape, s, p, dl, budget, algorithm, full_dy):
-    """``dW`` (of shape ``weight_shape``) of ``conv3d(x, w)`` (validated arguments)."""
-    _, dw = backward_no_bias(dy, x, ShapeOnly(weight_shape, dy.dtype), s, p, dl, budget,
-                             algorithm, need_dx=False, full_dy=full_dy)
-    return dw
-
-
-__all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad"]
+__all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad", "im2col", "col2im",
+           "forward", "input_grad", "weight_grad", "ALGORITHMS", "REFERENCE"]

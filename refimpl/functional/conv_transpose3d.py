@@ -8,20 +8,19 @@ read as a conv weight ``(F=C_in, C=C_out, ...)``,
     d/dx of conv_transpose3d  (dx)  = conv3d(dy, w)            (first D_in outputs per axis)
     d/dw of conv_transpose3d  (dw)  = conv3d_weight_grad(dy=x, x=dy, w.shape)
 
-so the math is written once, in conv3d's two algorithms (``algorithm=`` as in
-conv3d: "auto" takes Winograd for 3x3x3 kernels with stride 1 and dilation 1).  Output extent per axis:
+so the math is written once, in conv3d's reference (``algorithm="reference"``:
+its ``input_grad``, ``forward`` and ``weight_grad``) and in its kernels
+(``refimpl/kernels/conv.py``; ``algorithm=`` as in conv3d: "auto" takes Winograd
+for 3x3x3 kernels with stride 1 and dilation 1).  Output extent per axis:
 ``(n-1)s - 2p + dl(k-1) + output_padding + 1``; ``output_padding`` must be
-smaller than ``max(stride, dilation)`` (PyTorch's rule).  The temporary
-buffers obey the same bound as conv3d (``max_temp_bytes``, default
-``_im2col.MAX_TEMP_BYTES`` = 64 MiB, or one output row's column tile if larger).
+smaller than ``max(stride, dilation)`` (PyTorch's rule): those last outputs are
+read by no input's window, the conv's "inputs past the last window".
 """
 from __future__ import annotations
 
 from ..backend import check_same_dtype
-from . import _im2col, _threads
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import (AXES, check_bias, conv_params, forward_with_bias, input_grad, on_device,
-                     resolve_algorithm, weight_grad)
+from .conv3d import AXES, check_bias, conv_params, forward, input_grad, is_reference, weight_grad
 
 
 def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
@@ -54,15 +53,18 @@ def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilati
     s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
     check_same_dtype(x=x, w=w, b=b)
     check_bias(b, w.shape[1])
-    budget = _im2col.budget_or_default(max_temp_bytes)
-    y = input_grad(x, w, (x.shape[0], w.shape[1]) + out, s, p, dl, budget, algorithm,
-                   full_dy=not any(op))
+    output_shape = (x.shape[0], w.shape[1]) + out
+    if is_reference(algorithm):
+        y = input_grad(x, w, output_shape, s, p, dl)            # x plays the conv's dy
+    else:
+        from ..kernels import conv as kernel
+        y = kernel.input_grad(x, w, output_shape, s, p, dl, kernel.budget_or_default(max_temp_bytes),
+                              algorithm, full_dy=not any(op))
     if b is not None:
         y += b.reshape(1, -1, 1, 1, 1)
     return y
 
 
-@_threads.blas_held_single()
 def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, *,
                               max_temp_bytes=None, algorithm=None):
     """``(dx, dw, db)`` of ``y = conv_transpose3d(x, w, b)`` given ``dy = dL/dy``.
@@ -76,15 +78,14 @@ def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, d
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have the transposed conv output shape {expected}, "
                          f"got {tuple(dy.shape)}")
-    budget = _im2col.budget_or_default(max_temp_bytes)
     # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
-    n_in = tuple(x.shape[2:])
-    full = not any(op)
-    if resolve_algorithm(algorithm, w.shape, s, dl, n_in, full, x.shape[0], on_device(dy)) == "winograd":
-        dx = forward_with_bias(dy, w, s, p, dl, n_in, budget, "winograd")
-        dw = weight_grad(x, dy, w.shape, s, p, dl, budget, "winograd", full)
-    else:   # one pass over the column tiles of dy gives both
-        dx, dw = _im2col.forward(dy, w, s, p, dl, n_in, budget, g=x)
+    if is_reference(algorithm):
+        dx = forward(dy, w, None, s, p, dl, tuple(x.shape[2:]))  # its first D_in outputs per axis
+        dw = weight_grad(x, dy, w.shape, s, p, dl)
+    else:
+        from ..kernels import conv as kernel
+        dx, dw = kernel.transpose_backward(dy, x, w, s, p, dl, kernel.budget_or_default(max_temp_bytes),
+                                           algorithm, full=not any(op))
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 

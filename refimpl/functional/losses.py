@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, check_same_dtype, to_host
-from . import _threads
+from ..kernels import _threads
 from ._args import check_float
 
 

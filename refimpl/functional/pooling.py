@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, check_same_dtype
-from . import _threads
+from ..kernels import _threads
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages

@@ -50,8 +50,10 @@ from ..parallel.partition import (block_range, channel_range, conv_halo_plan, gr
                                   transposed_conv_halo_plan, window_output_extent, transposed_output_extent)
 
 CONV_LAYERS = ("conv3d", "conv_transpose3d")
-#: the plain algorithm for expectations: exact summation order independent of tiling
-ALGORITHM = "im2col"
+#: expectations are computed by the reference math (refimpl/functional/conv3d.py: pad, one slice
+#: per tap, one GEMM), never by a kernel of refimpl/kernels/: the oracle's trust rests on code
+#: anyone can read
+ALGORITHM = "reference"
 
 
 @dataclass(frozen=True)

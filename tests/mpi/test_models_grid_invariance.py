@@ -22,7 +22,7 @@ model's scale it moves by 1e-6.  A partitioning bug moves tensors by O(1); float
 
 The convolutions run with the default algorithm ("auto": Winograd where it pays) in
 float64, where Winograd is exact, and with im2col in float32: Winograd's float32
-rounding (documented in refimpl/functional/winograd.py, ~1e-4 of a typical output)
+rounding (documented in refimpl/kernels/winograd.py, ~1e-4 of a typical output)
 depends on where the 4x4x4 tiles fall, which differs between a partitioned block and
 the whole volume, so float32 agreement to 1e-4 is a property of the plain algorithm.
 """
@@ -76,10 +76,11 @@ def data(model, batch, step, dtype):
     return x, rng.integers(0, model.num_classes, (batch,) + model.input_shape[1:])
 
 
-def train(name, grid, batch, dtype):
-    """STEPS SGD steps; returns (model, [(loss, metrics) per step])."""
+def train(name, grid, batch, dtype, conv=None):
+    """STEPS SGD steps; returns (model, [(loss, metrics) per step]).  ``conv``: the conv algorithm
+    (default: im2col in float32, auto in float64)."""
     algorithm = os.environ.get("REFIMPL_CONV_ALGORITHM")
-    os.environ["REFIMPL_CONV_ALGORITHM"] = "im2col" if np.dtype(dtype) == np.float32 else "auto"
+    os.environ["REFIMPL_CONV_ALGORITHM"] = conv or ("im2col" if np.dtype(dtype) == np.float32 else "auto")
     try:
         return _train(name, grid, batch, dtype)
     finally:
@@ -110,9 +111,9 @@ def _train(name, grid, batch, dtype, config=None):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name, batch, dtype):
+def reference(name, batch, dtype, conv=None):
     """The unpartitioned run, on this rank alone (no message)."""
-    return train(name, None, batch, dtype)
+    return train(name, None, batch, dtype, conv)
 
 
 def rel_err(a, b, floor=0.0):
@@ -123,10 +124,23 @@ def rel_err(a, b, floor=0.0):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("dims", arrangements(SIZE), ids=lambda d: "x".join(map(str, d)))
 def test_training_is_grid_invariant(comm, all_ranks_agree, name, dims, dtype):
+    check_grid_invariance(comm, all_ranks_agree, name, dims, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_training_under_the_reference_conv_is_grid_invariant(comm, all_ranks_agree, name):
+    """REFIMPL_CONV_ALGORITHM=reference (refimpl/functional/conv3d.py's plain math, no kernel) trains
+    every layer of both models, partitioned (the most spatial arrangement of this world size) as
+    unpartitioned, in float64."""
+    dims = max(arrangements(SIZE), key=lambda d: (d[1] * d[2] * d[3], d))
+    check_grid_invariance(comm, all_ranks_agree, name, dims, "float64", conv="reference")
+
+
+def check_grid_invariance(comm, all_ranks_agree, name, dims, dtype, conv=None):
     grid = ProcessGrid(comm, dims)
     batch = global_batch(dims[0])
-    model, history = train(name, grid, batch, dtype)
-    ref_model, ref_history = reference(name, batch, dtype)
+    model, history = train(name, grid, batch, dtype, conv)
+    ref_model, ref_history = reference(name, batch, dtype, conv)
 
     worst, where = 0.0, ""
     state, ref_state = model.state_dict(), ref_model.state_dict()
