@@ -76,8 +76,9 @@ ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 ap.add_argument("--only", default=None,
                 help="run only rows whose op or shape contains this text "
                      "('issue9': the issue's seven conv rows)")
-ap.add_argument("--algorithm", default="auto", choices=("auto", "im2col", "winograd"),
-                help="conv algorithm, passed to the conv functions that take an algorithm= keyword")
+ap.add_argument("--algorithm", default="auto", choices=("auto", "im2col", "winograd", "reference"),
+                help="conv algorithm, passed to the conv functions that take an algorithm= keyword "
+                     "(reference: the plain math of refimpl/functional/conv3d.py, to see what the kernels buy)")
 ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "strict"),
                 help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA/cuDNN (the GPU "
                      "lane of scripts/gpu_check.sh); strict: refimpl on the strict device stand-in "
