@@ -170,34 +170,6 @@ def check_dy_extent(dy, expected, name="dy"):
                              f"axis it must be between 1 and the conv output extent {e}")
 
 
-def _check_x_w(x, w, x_name="x", w_name="w"):
-    check_ndim(x, 5, x_name, "N, C, D, H, W")
-    check_ndim(w, 5, w_name, "F, C, kd, kh, kw")
-    check_float(x_name, x)
-    check_float(w_name, w)
-    if min(w.shape[2:]) < 1:
-        raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w.shape}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but "
-                         f"{w_name} expects {w.shape[1]} (w.shape[1]); weights are (F, C, kd, kh, kw)")
-
-
-def check_bias(b, n_out, name="b"):
-    if b is None:
-        return
-    if getattr(b, "ndim", None) != 1 or b.shape[0] != n_out:
-        raise ValueError(f"{name} must have shape ({n_out},) (one value per output channel), "
-                         f"got {getattr(b, 'shape', None)}")
-
-
-def check_dy_extent(dy, expected, name="dy"):
-    """``dy``'s spatial extent must be >= 1 and <= ``expected`` per axis."""
-    for ax, (o, e) in enumerate(zip(dy.shape[2:], expected)):
-        if not 1 <= o <= e:
-            raise ValueError(f"{name} has spatial shape {tuple(dy.shape[2:])}: on the {AXES[ax]} "
-                             f"axis it must be between 1 and the conv output extent {e}")
-
-
 # ---------------------------------------------------------------- the public functions
 
 def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):
