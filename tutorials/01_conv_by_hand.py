@@ -5,21 +5,37 @@
 #
 # Everything else in refimpl (halo exchanges, spatial and model parallelism, U-Net) is built
 # around one piece of math: a 3D convolution and its two backward passes. This tutorial
-# writes them by hand in NumPy — forward as **im2col + one matrix product**, the weight
-# gradient as another product with the same columns, the input gradient as the **adjoint of
-# im2col** — and checks each against `refimpl.functional` in float64. Last, it shows that the
-# **transposed convolution** is nothing but the input gradient of a convolution, which is why
-# U-Net's up-sampling path uses it.
+# derives them — forward as **im2col + one matrix product**, the weight gradient as another
+# product with the same columns, the input gradient as the **adjoint of im2col** (col2im) —
+# and reads the code that computes them: refimpl's **reference convolution**, the six short
+# functions at the top of `refimpl/functional/conv3d.py` ("the math"). `algorithm="reference"`
+# (or `REFIMPL_CONV_ALGORITHM=reference` for a whole run) makes `conv3d`, its backward and
+# `conv_transpose3d` run exactly those functions, and the oracle computes its expectations with
+# them. We check them against the definition, against an independent construction of the
+# columns, against finite differences, and against the fast routes in `refimpl/kernels/` (tiled
+# im2col, Winograd), all in float64. Last, it shows that the **transposed convolution** is
+# nothing but the input gradient of a convolution, which is why U-Net's up-sampling path uses it.
 #
 # No MPI messages are needed: every rank runs the whole tutorial on its own random draw (seeded
 # by its rank), so `p` ranks check `p` draws. The errors are reduced over the ranks
 # (`allreduce(MAX)`) before every assert, so all ranks pass or fail together.
+#
+# A naming trap: `refimpl.functional` re-exports the *function* `conv3d`, so
+# `from refimpl.functional import conv3d` — and even `import refimpl.functional.conv3d as conv` —
+# gives you the function, not the module. The reference's building blocks are imported by name
+# from the module, as below.
 
 # %%
+import inspect
+from itertools import combinations
+from pathlib import Path
+
 import numpy as np
 from mpi4py import MPI
 
+import refimpl
 from refimpl import functional as F
+from refimpl.functional.conv3d import col2im, forward, im2col, input_grad, tap_windows, weight_grad
 from refimpl.parallel.partition import transposed_output_extent, window_output_extent
 
 comm = MPI.COMM_WORLD
@@ -32,9 +48,24 @@ def worst(err):
     return comm.allreduce(float(err), op=MPI.MAX)
 
 
+def equal_everywhere(a, b):
+    """Whether a and b are equal bit for bit, on every rank (every rank gets the same answer)."""
+    return comm.allreduce(bool(a.shape == b.shape and np.array_equal(a, b)), op=MPI.LAND)
+
+
 def rel(got, ref):
     """Max-norm relative error."""
     return np.abs(got - ref).max() / np.abs(ref).max()
+
+
+def show(*functions):
+    """Print (rank 0) the source of library functions, with the file and lines they live in."""
+    root = Path(refimpl.__file__).resolve().parent.parent
+    for fn in functions:
+        lines, first = inspect.getsourcelines(fn)
+        where = Path(inspect.getsourcefile(fn)).resolve().relative_to(root)
+        say(f"# ---- {where}, lines {first}-{first + len(lines) - 1}")
+        say("".join(lines))
 
 
 # %% [markdown]
@@ -131,42 +162,40 @@ def conv_one_voxel(x, w, b, n, f, o, stride, padding, dilation):
 # Building it: pad $x$ with $p$ zeros per side (so the padding is just more zeros), then for
 # each kernel tap $t$ the inputs that tap reads, over all outputs, form a **strided slice**
 # of the padded input: start $d\,t$, step $s$, $n_{out}$ elements. $k_d k_h k_w$ slices fill
-# the columns. (refimpl's `_im2col` does the same tap by tap, but in bounded tiles and without
-# a padded copy.)
+# the columns.
+#
+# That is exactly what refimpl's reference does. Here is its code, printed from the library you
+# are running — `tap_windows` (the slices), `im2col` (the copies) and `forward` (the GEMM):
 
 # %%
-
-
-def tap_slices(t, out, stride, dilation):
-    """Per axis, the slice of the *padded* input that kernel tap t reads for every output."""
-    return tuple(slice(d * tt, d * tt + s * (o - 1) + 1, s)
-                 for tt, o, s, d in zip(t, out, stride, dilation))
-
-
-def im2col(x, kernel, out, stride, padding, dilation):
-    """(K, M) columns, K = C*kd*kh*kw ordered (c, a, b, e), M = N*Do*Ho*Wo ordered (n, o)."""
-    n_b, c_in = x.shape[:2]
-    xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
-    col = np.empty((c_in,) + tuple(kernel) + (n_b,) + tuple(out), dtype=x.dtype)
-    for t in np.ndindex(*kernel):
-        patch = xp[(slice(None), slice(None)) + tap_slices(t, out, stride, dilation)]  # (N, C, out)
-        col[(slice(None),) + t] = patch.transpose(1, 0, 2, 3, 4)
-    return col.reshape(c_in * int(np.prod(kernel)), n_b * int(np.prod(out)))
-
-
-def conv_forward(x, w, b, out, stride, padding, dilation):
-    col = im2col(x, w.shape[2:], out, stride, padding, dilation)
-    y = w.reshape(w.shape[0], -1) @ col + b[:, None]                 # (F, M): the one GEMM
-    return y.reshape((w.shape[0], x.shape[0]) + tuple(out)).transpose(1, 0, 2, 3, 4), col
-
+show(tap_windows, im2col, forward)
 
 # %% [markdown]
-# The same columns can be had without a Python loop: `sliding_window_view` gives every
-# window of extent $d(k-1)+1$ as a zero-copy view; taking every $s$-th window and every
-# $d$-th element inside it leaves exactly the taps. We check both constructions agree, then the
-# forward against the definition (one voxel) and against `refimpl.functional.conv3d`, with
-# each of its algorithms that applies (`algorithm="im2col"` always; `"winograd"` only for
-# 3×3×3, stride 1, dilation 1 — layer A).
+# Things to notice:
+#
+# - `tap_windows` yields the taps in the weight's memory order (the width tap fastest), and
+#   `im2col` stacks the rows as $(c, t)$; so the weight `(F, C, kd, kh, kw)` reshaped to
+#   $(F, K)$ *is* the GEMM's left factor, no transpose needed.
+# - The columns are ordered $(n, o)$: column $m$ = `np.ravel_multi_index((n,) + o, (N,) + out)`.
+#   The GEMM's $(F, M)$ result is therefore $F$-major and `forward` transposes it to NCDHW.
+# - These functions take arguments that are already checked: stride, padding and dilation as
+#   3-tuples, and the output extent `out`. The public `F.conv3d(x, w, b, stride, padding,
+#   dilation, algorithm="reference")` validates and normalises its arguments, computes `out`,
+#   then returns `forward(...)` — nothing else.
+#
+# The fast routes compute the same sums differently: `refimpl/kernels/_im2col.py` builds the
+# columns tap by tap too, but in bounded tiles and without a padded copy (out-of-range parts
+# of each tap's box are zeroed in the tile), strides above 1 can go by input phases
+# (`_phase_grid.py`), and 3×3×3 stride-1 convs by Winograd (`winograd.py`); `kernels/conv.py`
+# picks one (`algorithm="auto"`, the default), or you name it (`"im2col"`, `"winograd"`).
+#
+# Now the checks. The same columns can be had without a Python loop: `sliding_window_view`
+# gives every window of extent $d(k-1)+1$ as a zero-copy view; taking every $s$-th window and
+# every $d$-th element inside it leaves exactly the taps. Both constructions only *copy*
+# values, so they must agree bit for bit. Then one output voxel three ways — the definition
+# (section 1), one column dotted with one weight row, and the library's `y` — and last the
+# reference against the kernel routes and the routes against each other (`"im2col"` always;
+# `"winograd"` only for 3×3×3, stride 1, dilation 1 — layer A).
 
 # %%
 
@@ -185,28 +214,37 @@ def im2col_strided(x, kernel, out, stride, padding, dilation):
 errs = {}
 for name, L in LAYERS.items():
     x, w, b, out = L["x"], L["w"], L["b"], L["out"]
-    y, col = conv_forward(x, w, b, out, *L["args"])
-    L["y"], L["col"] = y, col
-    assert np.array_equal(col, im2col_strided(x, w.shape[2:], out, *L["args"]))
+    s, p, d = L["args"]
+    col = im2col(x, w.shape[2:], s, p, d, out)                     # the library's columns, (K, M)
+    L["col"] = col
+    assert equal_everywhere(col, im2col_strided(x, w.shape[2:], out, s, p, d)), name
+    y = F.conv3d(x, w, b, s, p, d, algorithm="reference")
+    assert equal_everywhere(y, forward(x, w, b, s, p, d, out)), name  # the public function = the math
+    L["y"] = y
     n, f, o = 1, 2, tuple(oo // 2 for oo in out)
-    by_definition = conv_one_voxel(x, w, b, n, f, o, *L["args"])
-    errs[f"{name} one voxel"] = abs(y[(n, f) + o] - by_definition) / np.abs(y).max()
-    algorithms = ("im2col", "winograd") if name == "A" else ("im2col",)
-    for algorithm in algorithms:
-        y_ref = F.conv3d(x, w, b, *L["args"], algorithm=algorithm)
-        errs[f"{name} vs conv3d({algorithm})"] = rel(y, y_ref)
-    say(f"layer {name}: col is {col.shape[0]} x {col.shape[1]} (K x M); "
-        f"the GEMM is ({Fo} x {col.shape[0]}) @ ({col.shape[0]} x {col.shape[1]})")
+    m = np.ravel_multi_index((n,) + o, (N,) + out)                  # the column of output (n, o)
+    scale = np.abs(y).max()
+    by_definition = conv_one_voxel(x, w, b, n, f, o, s, p, d)
+    by_column = w[f].ravel() @ col[:, m] + b[f]                     # one row of W times one column
+    errs[f"{name} one voxel: definition"] = abs(y[(n, f) + o] - by_definition) / scale
+    errs[f"{name} one voxel: W[f] . col[:, m] + b"] = abs(y[(n, f) + o] - by_column) / scale
+    routes = {"reference": y}
+    for algorithm in (("im2col", "winograd") if name == "A" else ("im2col",)):
+        routes[algorithm] = F.conv3d(x, w, b, s, p, d, algorithm=algorithm)
+    for r1, r2 in combinations(routes, 2):
+        errs[f"{name} y: {r1} vs {r2}"] = rel(routes[r2], routes[r1])
+    say(f"layer {name}: col is {col.shape[0]} x {col.shape[1]} (K x M), equal to the sliding-window "
+        f"columns bit for bit; the GEMM is ({Fo} x {col.shape[0]}) @ ({col.shape[0]} x {col.shape[1]})")
 for what, err in errs.items():
     err = worst(err)
-    say(f"  forward {what:<24} max relative error over ranks {err:.1e}")
+    say(f"  forward {what:<34} max relative error over ranks {err:.1e}")
     assert err < 1e-12, what
 
 # %% [markdown]
 # The column matrix is big: layer A's `col` repeats every input value up to 27 times. That
 # memory (and its traffic) is im2col's price for turning a convolution into one large GEMM,
-# which is why refimpl builds it in bounded tiles (`max_temp_bytes`) and offers Winograd for
-# 3×3×3 kernels.
+# which is why the reference is not what refimpl runs by default: the kernel route builds the
+# columns in bounded tiles (`max_temp_bytes`) and offers Winograd for 3×3×3 kernels.
 
 # %%
 for name, L in LAYERS.items():
@@ -237,73 +275,75 @@ for name, L in LAYERS.items():
 # the same strided slice per tap, `+=` instead of `=`, and the padding cropped off at the end
 # (gradients that land on padding are discarded — padding is a constant, not a variable).
 # Inside one tap the slice hits each input at most once, so a plain `+=` on the slice is safe;
-# the overlaps are between taps, handled by the loop.
+# the overlaps are between taps, handled by the loop. The library's `col2im`, and the two
+# gradients built on it — `input_grad` ($dx = \mathrm{col2im}(W^\top dY)$) and `weight_grad`
+# ($dW = dY\,\mathrm{col}^\top$, rebuilding the columns):
 
 # %%
-
-
-def col2im(dcol, x_shape, kernel, out, stride, padding, dilation):
-    """The adjoint of im2col: add every column entry back onto the input it was copied from."""
-    n_b, c_in = x_shape[:2]
-    dcol = dcol.reshape((c_in,) + tuple(kernel) + (n_b,) + tuple(out))
-    dxp = np.zeros((n_b, c_in) + tuple(n + 2 * p for n, p in zip(x_shape[2:], padding)))
-    for t in np.ndindex(*kernel):
-        dxp[(slice(None), slice(None)) + tap_slices(t, out, stride, dilation)] += \
-            dcol[(slice(None),) + t].transpose(1, 0, 2, 3, 4)
-    return dxp[(slice(None), slice(None)) + tuple(slice(p, p + n) for n, p in zip(x_shape[2:], padding))]
-
-
-def conv_backward(dy, x, w, col, out, stride, padding, dilation):
-    dy_mat = dy.transpose(1, 0, 2, 3, 4).reshape(w.shape[0], -1)   # (F, M), same (n, o) order as col
-    dw = (dy_mat @ col.T).reshape(w.shape)                         # GEMM 2
-    db = dy_mat.sum(axis=1)
-    dcol = w.reshape(w.shape[0], -1).T @ dy_mat                    # GEMM 3
-    dx = col2im(dcol, x.shape, w.shape[2:], out, stride, padding, dilation)
-    return dx, dw, db
-
+show(col2im, input_grad, weight_grad)
 
 # %% [markdown]
-# ### Check (a): against refimpl's backward
+# The bias gradient is one line of the public `F.conv3d_backward(dy, x, w, stride, padding,
+# dilation)`, which returns `(dx, dw, db)`: `db = dy.sum(axis=(0, 2, 3, 4))`. Its building
+# blocks `F.conv3d_input_grad(dy, w, x.shape, ...)` and `F.conv3d_weight_grad(dy, x, w.shape,
+# ...)` compute one gradient each (the distributed layers and the transposed conv reuse them);
+# `dy` may cover only the *first* outputs per axis (`input_grad` and `weight_grad` pass
+# `dy.shape[2:]` on as `out`), which the transposed conv of section 4 needs.
 #
-# `F.conv3d_backward(dy, x, w, stride, padding, dilation)` returns `(dx, dw, db)`; the
-# building blocks `F.conv3d_input_grad(dy, w, x.shape, ...)` and
-# `F.conv3d_weight_grad(dy, x, w.shape, ...)` compute one each (the distributed layers and
-# the transposed conv reuse them). We also check col2im's defining property, the adjoint
-# identity $\langle P x, u\rangle = \langle x, P^\top u\rangle$ for random $x$, $u$.
+# ### Check (a): the adjoint, and the reference against the kernel routes
+#
+# First col2im's defining property, the adjoint identity
+# $\langle P x, u\rangle = \langle x, P^\top u\rangle$ for random $x$, $u$ (its error measured
+# relative to $\sum |(Px)_i\, u_i|$, the scale of a dot product's rounding: a random draw can make
+# the dot product itself nearly cancel). Then: the public
+# backward with `algorithm="reference"` returns exactly `input_grad` and `weight_grad`; $dW$
+# equals $dY\,\mathrm{col}^\top$ with the *forward's* columns from section 2; and the reference
+# gradients agree with the kernel routes, both through `conv3d_backward` and through the
+# building blocks (separate kernel code paths), and the routes with each other.
 
 # %%
 errs = {}
 for name, L in LAYERS.items():
     x, w, col, out = L["x"], L["w"], L["col"], L["out"]
+    s, p, d = L["args"]
+    u = rng.standard_normal(col.shape)
+    lhs, rhs = np.vdot(col, u), np.vdot(x, col2im(u, x.shape, w.shape[2:], s, p, d, out))
+    errs[f"{name} <Px,u> = <x,P^T u>"] = abs(lhs - rhs) / np.vdot(np.abs(col), np.abs(u))
+
     dy = rng.standard_normal((N, Fo) + out)
     L["g"] = dy
-    dx, dw, db = conv_backward(dy, x, w, col, out, *L["args"])
+    dx, dw, db = F.conv3d_backward(dy, x, w, s, p, d, algorithm="reference")
     L["dx"], L["dw"] = dx, dw
-    dx_ref, dw_ref, db_ref = F.conv3d_backward(dy, x, w, *L["args"], algorithm="im2col")
-    for what, got, ref in (("dx", dx, dx_ref), ("dw", dw, dw_ref), ("db", db, db_ref)):
-        errs[f"{name} {what}"] = rel(got, ref)
-    errs[f"{name} input_grad"] = rel(F.conv3d_input_grad(dy, w, x.shape, *L["args"]), dx_ref)
-    errs[f"{name} weight_grad"] = rel(F.conv3d_weight_grad(dy, x, w.shape, *L["args"]), dw_ref)
-    if name == "A":
-        dx_w, dw_w, _ = F.conv3d_backward(dy, x, w, *L["args"], algorithm="winograd")
-        errs["A dx, dw (winograd)"] = max(rel(dx_w, dx), rel(dw_w, dw))
-    u = rng.standard_normal(col.shape)
-    px = im2col(x, w.shape[2:], out, *L["args"])
-    ptu = col2im(u, x.shape, w.shape[2:], out, *L["args"])
-    lhs, rhs = np.vdot(px, u), np.vdot(x, ptu)
-    errs[f"{name} <Px,u> = <x,P^T u>"] = abs(lhs - rhs) / abs(lhs)
+    assert equal_everywhere(dx, input_grad(dy, w, x.shape, s, p, d)), name
+    assert equal_everywhere(dw, weight_grad(dy, x, w.shape, s, p, d)), name
+    dy_rows = dy.transpose(1, 0, 2, 3, 4).reshape(Fo, -1)          # (F, M), columns in col's (n, o) order
+    errs[f"{name} dW = dY col^T (forward's col)"] = rel((dy_rows @ col.T).reshape(w.shape), dw)
+
+    routes = {"reference": (dx, dw)}
+    for algorithm in (("im2col", "winograd") if name == "A" else ("im2col",)):
+        dx_k, dw_k, _ = F.conv3d_backward(dy, x, w, s, p, d, algorithm=algorithm)
+        routes[algorithm] = (dx_k, dw_k)
+        errs[f"{name} input_grad: reference vs {algorithm}"] = rel(
+            F.conv3d_input_grad(dy, w, x.shape, s, p, d, algorithm=algorithm), dx)
+        errs[f"{name} weight_grad: reference vs {algorithm}"] = rel(
+            F.conv3d_weight_grad(dy, x, w.shape, s, p, d, algorithm=algorithm), dw)
+    for r1, r2 in combinations(routes, 2):
+        errs[f"{name} dx: {r1} vs {r2}"] = rel(routes[r2][0], routes[r1][0])
+        errs[f"{name} dw: {r1} vs {r2}"] = rel(routes[r2][1], routes[r1][1])
 for what, err in errs.items():
     err = worst(err)
-    say(f"  backward {what:<22} max relative error over ranks {err:.1e}")
+    say(f"  backward {what:<38} max relative error over ranks {err:.1e}")
     assert err < 1e-12, what
 
 # %% [markdown]
 # ### Check (b): finite differences
 #
-# The hand-written formulas could share a mistake with refimpl's, so we also ask the
+# Check (a) compares code with code, and the kernel routes were written and tested against the
+# reference: a mistake in the reference's formulas could be shared. So we also ask the
 # definition of a derivative. Take $L = \sum y \cdot g$ with a fixed random $g$: then
-# $\partial L/\partial y = g$, so $dx$, $dW$ are the backward of `dy = g`. For a few random
-# entries $\theta$ of $x$ and of $W$, the central difference
+# $\partial L/\partial y = g$, so $dx$, $dW$ are the backward of `dy = g` (computed in check
+# (a) with `algorithm="reference"`). For a few random entries $\theta$ of $x$ and of $W$, the
+# central difference of the reference forward
 #
 # $$ \frac{L(\theta + h) - L(\theta - h)}{2h} $$
 #
@@ -319,7 +359,7 @@ for name, L in LAYERS.items():
     x, w, b, g = L["x"].copy(), L["w"].copy(), L["b"], L["g"]
 
     def loss():
-        return float(np.sum(F.conv3d(x, w, b, *L["args"], algorithm="im2col") * g))
+        return float(np.sum(F.conv3d(x, w, b, *L["args"], algorithm="reference") * g))
 
     for arr, grad in ((x, L["dx"]), (w, L["dw"])):
         scale = np.abs(grad).max()
@@ -351,10 +391,13 @@ assert err < 1e-7
 #    \langle \mathrm{conv}(x),\, u \rangle = \langle x,\, \mathrm{conv\_transpose}(u) \rangle
 #    \;\; \text{for all } x, u . $$
 #
-# The right-hand identity — the **dot-product test** — pins $A^\top$ down completely, and we
-# check it with `F.conv_transpose3d(u, w, stride=, padding=, output_padding=, dilation=)`.
+# The right-hand identity — the **dot-product test** — pins $A^\top$ down completely (its error
+# measured as in section 3, relative to $\sum |y_i u_i|$), and we check it with `F.conv_transpose3d(u, w, stride=, padding=, output_padding=, dilation=)`.
 # Its weight layout is `(C_in, C_out, k...)`: our conv weight `(F, C, k...)` read as is, since
-# the transposed conv goes from $F$ channels back to $C$.
+# the transposed conv goes from $F$ channels back to $C$. With `algorithm="reference"` its
+# forward is the reference's `input_grad(u, w, output_shape, ...)` — one line of
+# `refimpl/functional/conv_transpose3d.py` — so it must equal `input_grad` bit for bit; the
+# kernel routes must agree with it to rounding.
 #
 # One subtlety: with stride $s > 1$ several input extents give the same output extent (the
 # floor in the extent formula drops a remainder $r = (n + 2p - d(k-1) - 1) \bmod s$). The
@@ -373,23 +416,27 @@ for name, L in LAYERS.items():
     assert back == L["dhw"], (back, L["dhw"])
     x, w = L["x"], L["w"]
     u = rng.standard_normal((N, Fo) + L["out"])
-    y0 = F.conv3d(x, w, None, s, p, d)                                     # conv, no bias
-    xt = F.conv_transpose3d(u, w, None, stride=s, padding=p, output_padding=r, dilation=d)
+    y0 = F.conv3d(x, w, None, s, p, d, algorithm="reference")              # conv, no bias
+    xt = F.conv_transpose3d(u, w, None, stride=s, padding=p, output_padding=r, dilation=d,
+                            algorithm="reference")
     lhs, rhs = np.vdot(y0, u), np.vdot(x, xt)
-    errs[f"{name} <conv x, u> = <x, convT u>"] = abs(lhs - rhs) / abs(lhs)
-    dx_u = F.conv3d_input_grad(u, w, x.shape, s, p, d)
-    errs[f"{name} convT(u) = conv dx(dy=u)"] = rel(xt, dx_u)
+    errs[f"{name} <conv x, u> = <x, convT u>"] = abs(lhs - rhs) / np.vdot(np.abs(y0), np.abs(u))
+    assert equal_everywhere(xt, input_grad(u, w, x.shape, s, p, d)), name
+    for algorithm in (("im2col", "winograd") if name == "A" else ("im2col",)):
+        xt_k = F.conv_transpose3d(u, w, None, stride=s, padding=p, output_padding=r, dilation=d,
+                                  algorithm=algorithm)
+        errs[f"{name} convT: reference vs {algorithm}"] = rel(xt_k, xt)
     say(f"layer {name}: output_padding {r}; conv_transpose3d maps {u.shape} -> {xt.shape}; "
         f"<conv x, u> = {lhs:+.12f}, <x, convT u> = {rhs:+.12f}")
 for what, err in errs.items():
     err = worst(err)
-    say(f"  {what:<30} max relative error over ranks {err:.1e}")
+    say(f"  {what:<32} max relative error over ranks {err:.1e}")
     assert err < 1e-12, what
 
 # %% [markdown]
-# So refimpl writes the math once: `conv_transpose3d`'s forward *is* `conv3d_input_grad`, its
-# input gradient is an ordinary `conv3d` (the transpose of a transpose), and its weight
-# gradient is `conv3d_weight_grad` with the roles of `x` and `dy` swapped.
+# So refimpl writes the math once: `conv_transpose3d`'s forward *is* the conv's input gradient
+# (`input_grad`), its input gradient is an ordinary conv (`forward`: the transpose of a
+# transpose), and its weight gradient is `weight_grad` with the roles of `x` and `dy` swapped.
 #
 # **Why U-Net up-samples with it.** The encoder shrinks the volume with stride-2 maps
 # (pooling, or a strided conv $A$ from $n$ to $n/2$). The decoder must go back to exactly the
@@ -492,12 +539,19 @@ if rank == 0:
 # %% [markdown]
 # ## Summary
 #
-# | pass | formula | refimpl |
-# |---|---|---|
-# | forward | $Y = W\,\mathrm{col} + b$, $\mathrm{col} = \mathrm{im2col}(x)$ | `conv3d` |
-# | weight grad | $dW = dY\,\mathrm{col}^\top$, $db = \sum dY$ | `conv3d_weight_grad` |
-# | input grad | $dx = \mathrm{col2im}(W^\top dY)$, col2im = im2col$^\top$ | `conv3d_input_grad` |
-# | transposed conv | $\mathrm{convT}(u) = \mathrm{col2im}(W^\top u)$ | `conv_transpose3d` |
+# | pass | formula | public function | the reference (`refimpl/functional/conv3d.py`) |
+# |---|---|---|---|
+# | forward | $Y = W\,\mathrm{col} + b$, $\mathrm{col} = \mathrm{im2col}(x)$ | `conv3d` | `forward`, `im2col`, `tap_windows` |
+# | weight grad | $dW = dY\,\mathrm{col}^\top$, $db = \sum dY$ | `conv3d_weight_grad` | `weight_grad` |
+# | input grad | $dx = \mathrm{col2im}(W^\top dY)$, col2im = im2col$^\top$ | `conv3d_input_grad` | `input_grad`, `col2im` |
+# | both | the above | `conv3d_backward` | `input_grad`, `weight_grad`, `dy.sum` |
+# | transposed conv | $\mathrm{convT}(u) = \mathrm{col2im}(W^\top u)$ | `conv_transpose3d` | `input_grad` |
+#
+# The public functions run the reference with `algorithm="reference"` (or
+# `REFIMPL_CONV_ALGORITHM=reference`), and a fast route from `refimpl/kernels/` otherwise
+# (`"auto"`, the default; `"im2col"`; `"winograd"`), each agreeing with the reference to
+# rounding. The derivations of all these formulas are on the docs' Derivations page
+# (`docs/derivations.md`, "Convolution").
 #
 # Next: splitting a sample over ranks, and why a convolution then needs its neighbours' voxels
 # (blocks, needed ranges and halos: tutorial 02; the halo exchange itself: tutorial 03).
