@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 
+from .parallel.allreduce import ALGORITHMS
 from .settings import env_setting, is_set
 
 DEFAULTS = {
@@ -62,7 +63,8 @@ DEFAULTS = {
     "out": "runs/train", "resume": False, "overwrite": False, "break_lock": False, "checkpoint_every": 50,
     "validate_every": 25, "log_every": 1, "quiet": False, "plot": True,
     # communication and device
-    "allreduce": "native", "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
+    "allreduce": "native", "allreduce_options": {},   # options: the algorithm's (parallel/allreduce/)
+    "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
     "optimizer_sharding": False, "compress": "none", "error_feedback": True,
     "priority": "none", "chunk_mb": None,
     # failure detection: seconds without progress of any rank before the job is ended (0: off)
@@ -81,9 +83,9 @@ CHOICES = {
     "schedule": ("constant", "step", "mlperf"), "dtype": ("float32", "float64"),
     "backend": ("numpy", "cupy", "strict"), "check_data": ("full", "lazy"), "log1p": ("auto", True, False),
     "normalize": (True, False), "priority": ("none", "input-first"),
-    # the names of parallel.collectives.ALGORITHMS, listed here so that building the command line
-    # does not import mpi4py.MPI (which initialises MPI); tests/test_failstop.py keeps them equal
-    "allreduce": ("native", "ring", "recursive_doubling", "halving_doubling", "multicolor", "hierarchical"),
+    # the registry of parallel/allreduce/ (it imports no mpi4py.MPI: building the command line must not
+    # initialise MPI; tests/test_faults.py checks)
+    "allreduce": tuple(ALGORITHMS),
 }
 
 # config keys whose default comes from an environment variable (see the precedence above)
@@ -121,12 +123,16 @@ def merge(*layers: dict) -> dict:
 
     ``steps`` and ``epochs`` say the same thing: a layer that sets one of them
     alone clears the other one set by an earlier layer (a flag beats the file).
+    ``allreduce_options`` belong to ``allreduce``: a layer that names another algorithm and no
+    options drops the options of the earlier layers.
     """
     config = copy.deepcopy(DEFAULTS)
     for layer in (environment_layer(),) + layers:
         length = [k for k in ("steps", "epochs") if layer.get(k) is not None]
         if len(length) == 1:
             config["epochs" if length[0] == "steps" else "steps"] = None
+        if layer.get("allreduce") not in (None, config["allreduce"]) and layer.get("allreduce_options") is None:
+            config["allreduce_options"] = {}          # another algorithm: the earlier one's options go
         for key, value in layer.items():
             if value is None:
                 continue
@@ -241,9 +247,22 @@ def _compress(key, value, config):
 
 
 def _allreduce(key, value, config):
-    from .parallel.collectives import ALGORITHMS
     if not isinstance(value, str) or value not in ALGORITHMS:
         raise ValueError(f"allreduce must be one of {sorted(ALGORITHMS)}, got {value!r}")
+
+
+def _allreduce_options(key, value, config):
+    """A table of options of the chosen algorithm (parallel/allreduce/: each declares its own);
+    what depends on the number of ranks (hierarchical's group_size dividing it) is checked when
+    the gradient synchroniser is built."""
+    from .parallel.allreduce import check_options
+    if not isinstance(value, dict):
+        raise ValueError(f"allreduce_options must be a table of options of the {config['allreduce']} allreduce, "
+                         f"got {value!r}")
+    try:
+        check_options(config["allreduce"], value)
+    except ValueError as err:
+        raise ValueError(f"allreduce_options: {err}") from None
 
 
 RULES = {
@@ -262,7 +281,7 @@ RULES = {
     "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "break_lock": _boolean(),
     "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
-    "allreduce": _allreduce, "bucket_mb": _number(positive=True), "overlap": _boolean(), "optimizer_sharding": _boolean(),
+    "allreduce": _allreduce, "allreduce_options": _allreduce_options, "bucket_mb": _number(positive=True), "overlap": _boolean(), "optimizer_sharding": _boolean(),
     "compress": _compress, "error_feedback": _boolean(),
     "priority": _one_of(*CHOICES["priority"]), "chunk_mb": _number(optional=True),
     "backend": _one_of(*CHOICES["backend"]), "cuda_aware": _boolean(),

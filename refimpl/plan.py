@@ -16,7 +16,7 @@ Pure math (no messages): for CosmoFlow or the 3D U-Net (any preset or config) on
   gradients over the model group;
 - the gradient allreduce: the parameters packed into buckets by ``partition.pack_buckets``
   (as ``GradientSynchronizer`` packs them) and each bucket's alpha-beta-gamma time from
-  ``collectives.predicted_time`` for the chosen algorithm over the Pn x Ps ranks holding a
+  ``allreduce.predicted_time`` for the chosen algorithm over the Pn x Ps ranks holding a
   copy of the parameter slice;
 - memory: saved activations (each layer keeps its input, halo included), the largest
   transient (halo work array + the output being produced), weights, gradients, the
@@ -34,7 +34,7 @@ The cost formulas follow Gholami et al. (SPAA'18): a conv layer's domain-paralle
 its halo ``alpha + beta * halo words``, a 1.5-D dense layer's the allgather /
 reduce-scatter of ``d_in B/Pn`` words over Pm plus the allreduce of ``d_out d_in / Pm``
 gradient words over Pn; collective costs after Thakur, Rabenseifner & Gropp (2005)
-(``collectives.predicted_time``).  docs/planner.md derives them and compares with runs.
+(``allreduce.predicted_time``).  docs/planner.md derives them and compares with runs.
 """
 from __future__ import annotations
 
@@ -356,7 +356,7 @@ def grid5(dims) -> tuple:
 
 
 def _allreduce_s(n_bytes, group, machine, algorithm="native"):
-    from .parallel.collectives import predicted_time
+    from .parallel.allreduce import predicted_time
     alpha, beta = machine.group_link(group)
     return predicted_time(algorithm, n_bytes, group[0], alpha, beta, machine.gamma)
 

@@ -63,12 +63,19 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from refimpl.commands.train import allreduce_options  # noqa: E402  (neither imports mpi4py.MPI)
+from refimpl.parallel.allreduce import ALGORITHMS as REGISTRY, check_options  # noqa: E402
+
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--quick", action="store_true", help="reduced sizes (<= 4 MiB) and repeats (< 1 min)")
 ap.add_argument("--max-bytes", type=int, default=None, help="largest message (default 64 MiB, quick 4 MiB)")
 ap.add_argument("--repeats", type=int, default=None, help="timed repeats per size (default 15, quick 5)")
-ap.add_argument("--colors", type=int, default=2, help="multicolor: number of colours k")
-ap.add_argument("--group-size", type=int, default=None, help="hierarchical: ranks per group g")
+for _option in {o.name: o for a in REGISTRY.values() for o in a.options}.values():   # --colors, --group-size
+    ap.add_argument("--" + _option.name.replace("_", "-"), default=_option.default,
+                    type=lambda text, name=_option.name: allreduce_options([f"{name}={text}"])[name],
+                    help=", ".join(a.name for a in REGISTRY.values() if _option in a.options) + f": {_option.allowed}")
 ap.add_argument("--skip-train", action="store_true", help="skip part 2 (the training step)")
 ap.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 3 or 1,2 (default 1,2,3)")
 ap.add_argument("--steps", type=int, default=None, help="part 3: timed steps per configuration "
@@ -89,11 +96,17 @@ if args.skip_train:
 for flag, value in (("--steps", args.steps), ("--local-batch", args.local_batch)):
     if value is not None and value < 1:
         ap.error(f"{flag} must be >= 1, got {value}")
+# each algorithm with options: the values given (or defaults) of its options
+OPTIONS = {a.name: {o.name: getattr(args, o.name) for o in a.options if getattr(args, o.name) is not None}
+           for a in REGISTRY.values() if a.options}
+for _name, _options in OPTIONS.items():
+    try:
+        check_options(_name, _options)
+    except ValueError as err:
+        ap.error(str(err))
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from refimpl.parallel import collectives  # noqa: E402
 from refimpl.parallel.collectives import (ALGORITHMS, Messages, allreduce, predicted_time,  # noqa: E402
@@ -105,8 +118,6 @@ rank, p = comm.Get_rank(), comm.Get_size()
 MIB = 1 << 20
 MAX_BYTES = args.max_bytes or (4 * MIB if args.quick else 64 * MIB)
 REPEATS = args.repeats or (5 if args.quick else 15)
-OPTIONS = {"multicolor": {"colors": args.colors},
-           "hierarchical": {} if args.group_size is None else {"group_size": args.group_size}}
 
 
 def say(*a):

@@ -2,12 +2,15 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from refimpl.parallel.collectives import ALGORITHMS, default_group_size, predicted_time
+from refimpl.parallel.allreduce import ALGORITHMS, configurations, default_group_size, predicted_time
 
 A, B, G = 1.0, 0.01, 0.001  # alpha (s), beta (s/byte), gamma (s/byte): easy hand arithmetic
 
 
-@pytest.mark.parametrize("algorithm,p,n,kw,expected", [
+# at least one hand-computed value of every registered algorithm's formula
+HAND_COMPUTED = [
+    # the cheapest of ring (21.75), recursive doubling (24) and halving-doubling (4 + 15 + 0.75)
+    ("native", 4, 1000, {}, 19.75),
     # 2(p-1)a + 2(p-1)/p n b + (p-1)/p n g = 6 + 15 + 0.75
     ("ring", 4, 1000, {}, 21.75),
     # lg p (a + n b + n g) = 2 * (1 + 10 + 1)
@@ -24,9 +27,16 @@ A, B, G = 1.0, 0.01, 0.001  # alpha (s), beta (s/byte), gamma (s/byte): easy han
     ("multicolor", 4, 1000, {"colors": 2}, 4 + (0.03 + 0.002) * 500),
     # k=1, p=3: root has 2 children (degree 2, children 2), leaves degree 1: 2a + (2b + 2g) n
     ("multicolor", 3, 100, {"colors": 1}, 2 + (0.02 + 0.002) * 100),
-])
+]
+
+
+@pytest.mark.parametrize("algorithm,p,n,kw,expected", HAND_COMPUTED)
 def test_hand_computed_values(algorithm, p, n, kw, expected):
     assert predicted_time(algorithm, n, p, A, B, G, **kw) == pytest.approx(expected, rel=1e-12)
+
+
+def test_every_algorithm_has_a_hand_computed_value():
+    assert set(ALGORITHMS) <= {case[0] for case in HAND_COMPUTED}
 
 
 def test_one_rank_costs_nothing():
@@ -55,10 +65,10 @@ def test_latency_and_bandwidth_regimes():
     assert predicted_time("ring", 10**8, 8, A, B) < predicted_time("recursive_doubling", 10**8, 8, A, B)
 
 
-@given(algorithm=st.sampled_from(sorted(ALGORITHMS)), p=st.integers(1, 64),
-       n=st.integers(0, 2**30), extra=st.integers(1, 2**20), colors=st.integers(1, 8))
-def test_monotone_in_message_size(algorithm, p, n, extra, colors):
-    kw = {"colors": colors} if algorithm == "multicolor" else {}
+@given(config=st.sampled_from(configurations()), p=st.integers(1, 64),
+       n=st.integers(0, 2**30), extra=st.integers(1, 2**20))
+def test_monotone_in_message_size(config, p, n, extra):
+    algorithm, kw = config          # every algorithm with its defaults and each example option value
     t0 = predicted_time(algorithm, n, p, 2e-6, 1e-9, 1e-10, **kw)
     t1 = predicted_time(algorithm, n + extra, p, 2e-6, 1e-9, 1e-10, **kw)
     assert t1 >= t0 >= 0.0

@@ -163,7 +163,7 @@ BAD_VALUES = {
     "warmup_steps": -1, "schedule": "cosine", "decay": {"300": 0.25}, "warmup_epochs": -2,
     "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0, "break_lock": "yes",
     "checkpoint_every": 0, "validate_every": None, "log_every": 0.5, "quiet": "false", "plot": [],
-    "allreduce": "butterfly", "bucket_mb": -1, "overlap": "on", "optimizer_sharding": "yes", "compress": "int4", "error_feedback": "maybe",
+    "allreduce": "butterfly", "allreduce_options": {"colors": 2}, "bucket_mb": -1, "overlap": "on", "optimizer_sharding": "yes", "compress": "int4", "error_feedback": "maybe",
     "priority": "output-first", "chunk_mb": -0.5, "backend": "jax", "cuda_aware": 1,
     "stall_timeout": -1.0,
 }

@@ -124,7 +124,7 @@ def check(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not (math.isfinite(args.stall_timeout) and args.stall_timeout >= 0):
         raise ValueError(f"--stall-timeout must be a number of seconds >= 0 (0: off), got {args.stall_timeout}")
-    from ..parallel.collectives import ALGORITHMS
+    from ..parallel.allreduce import ALGORITHMS
     if args.allreduce not in ALGORITHMS:
         raise ValueError(f"--allreduce must be one of {', '.join(sorted(ALGORITHMS))}, got {args.allreduce!r}")
     machine = load_machine(args.machine) if args.machine else Machine()

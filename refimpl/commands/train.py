@@ -27,6 +27,7 @@ import argparse
 def add_arguments(parser):
     from ..config import CHOICES
     from ..optim import SCHEDULES
+    from ..parallel.allreduce import option_help
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     a = parser.add_argument
@@ -75,7 +76,11 @@ def add_arguments(parser):
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
     a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
-    a("--allreduce", choices=sorted(CHOICES["allreduce"]), help="gradient allreduce algorithm (default native)")
+    a("--allreduce", choices=sorted(CHOICES["allreduce"]), help="gradient allreduce algorithm (default native; "
+      "docs/communication.md)")
+    a("--allreduce-option", dest="allreduce_options", action="append", metavar="NAME=VALUE",
+      help="an option of the --allreduce algorithm, repeatable (TOML: an [allreduce_options] table); VALUE "
+           f"reads as a TOML value (4, 0.5, true; else a string). {option_help()}")
     a("--bucket-mb", type=float, help="gradient bucket size in MiB (default 25)")
     a("--no-overlap", dest="overlap", action="store_const", const=False,
       help="reduce gradients after backward instead of during it")
@@ -111,8 +116,28 @@ def add_arguments(parser):
 FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite", "break_lock",
-             "checkpoint_every", "validate_every", "log_every", "allreduce", "bucket_mb", "overlap",
+             "checkpoint_every", "validate_every", "log_every", "allreduce", "allreduce_options", "bucket_mb", "overlap",
              "optimizer_sharding", "compress", "error_feedback", "priority", "chunk_mb", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
+
+
+def allreduce_options(texts) -> dict:
+    """{name: value} of the ``--allreduce-option NAME=VALUE`` flags (the last of a name wins):
+    NAME with '_' for '-', VALUE read as a TOML value (``4`` an int, ``0.5`` a float, ``true`` a
+    bool, anything else the string itself), as the ``[allreduce_options]`` table would give it.
+    Which names and values the algorithm takes is checked with the config (``config.validate``)."""
+    import tomllib
+    options = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--allreduce-option must be NAME=VALUE (e.g. colors=4), got {text!r}")
+        try:
+            table = tomllib.loads(f"value = {value.strip()}")
+            options[name] = table["value"] if list(table) == ["value"] else value.strip()
+        except tomllib.TOMLDecodeError:
+            options[name] = value.strip()
+    return options
 
 
 def given_settings(args) -> dict:
@@ -126,6 +151,13 @@ def given_settings(args) -> dict:
         if len(length) == 1:     # a length flag replaces the file's length
             given.pop("epochs" if length[0] == "steps" else "steps", None)
     flags = {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k) is not None}
+    if args.allreduce is not None and args.allreduce != given.get("allreduce"):
+        given.pop("allreduce_options", None)      # the file's options were for another algorithm
+    if "allreduce_options" in flags:              # over the file's, option by option
+        table = given.get("allreduce_options", {})
+        if not isinstance(table, dict):
+            raise ValueError(f"--config {args.config}: allreduce_options must be a table of options, got {table!r}")
+        flags["allreduce_options"] = {**table, **allreduce_options(flags["allreduce_options"])}
     given = {**given, **flags}
     if args.model_parallel is not None:       # a model setting: it goes into [model_config]
         given["model_config"] = {**given.get("model_config", {}), "model_parallel": args.model_parallel}

@@ -1,20 +1,17 @@
-"""Allreduce (sum) built from point-to-point messages, with alpha-beta-gamma costs.
+"""Allreduce (sum) over MPI: running the step generators of ``parallel/allreduce/``.
 
-Every algorithm is a *step generator* ``fn(flat, msgs, **options)``: a plain
-function that reduces a 1-D contiguous buffer ``flat`` in place, posts one
-round of non-blocking messages (``msgs.send`` / ``msgs.recv``: Isend / Irecv),
-``yield``-s their requests, and after the round has completed does the local
-work (add what arrived, pick the next partner).  Run to the end with
-``Waitall`` on each round it is a blocking allreduce (``allreduce``); advanced
-a round at a time with ``Testall`` it is the non-blocking form that gradient
-synchronisation overlaps with backward (``start_allreduce`` ->
-``AllreduceHandle.test()`` / ``.wait()``): Python has no progress thread, so
-the caller's ``test()`` calls are the progress engine.
+The algorithms themselves (ring, recursive doubling, halving-doubling, multi-colour,
+hierarchical, MPI's own) live one per module in ``refimpl/parallel/allreduce/``, each with its
+steps, its alpha-beta-gamma cost and its options side by side; ``ALGORITHMS`` lists them and
+``predicted_time`` prices them (both re-exported here).  This module runs them.
 
-Costs use the model of Thakur, Rabenseifner & Gropp (2005): sending a message
-of n bytes costs ``alpha + n*beta``; reducing n bytes locally costs
-``n*gamma``.  ``p`` is the number of ranks, ``lg`` the base-2 logarithm, and
-``p'`` the largest power of two <= p.  ``predicted_time`` evaluates them.
+Every algorithm is a *step generator* ``fn(flat, msgs, **options)``: it posts one round of
+non-blocking messages through ``Messages`` (Isend / Irecv), ``yield``-s their requests, and
+after the round has completed does the local work.  Run to the end with ``Waitall`` on each
+round it is a blocking allreduce (``allreduce``); advanced a round at a time with ``Testall``
+it is the non-blocking form that gradient synchronisation overlaps with backward
+(``start_allreduce`` -> ``AllreduceHandle.test()`` / ``.wait()``): Python has no progress
+thread, so the caller's ``test()`` calls are the progress engine.
 
 Exactness: integer sums are associative, so every algorithm is bit-identical
 to ``MPI_Allreduce`` on integer data; on floats the order of additions differs
@@ -29,11 +26,10 @@ communicator in the same order, as with any collective.
 """
 from __future__ import annotations
 
-import math
-
 from mpi4py import MPI
 
-from ..backend import array_module
+from .allreduce import (ALGORITHMS, Algorithm, Option, algorithm_named, check_group_size,  # noqa: F401
+                        check_options, default_group_size, predicted_time, register)
 from .buffers import finish_recv, is_device, recv_buffer, send_buffer
 from .partition import block_range
 
@@ -77,6 +73,26 @@ class Messages:
             return None
         return self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
+    def reduce_scatter_blocks(self, flat) -> None:
+        """MPI's blocking Reduce_scatter of ``flat``: this rank's block (``owned_block``) of
+        the sum lands in place; the rest of ``flat`` is left as it was."""
+        counts = _block_counts(flat.size, self.size)
+        lo, hi = block_range(flat.size, self.size, self.rank)
+        whole = send_buffer(flat)
+        mine = recv_buffer((hi - lo,), flat.dtype, like=flat)
+        self.comm.Reduce_scatter(whole, mine, counts, op=MPI.SUM)
+        flat[lo:hi] = finish_recv(mine, like=flat)
+
+    def allgather_blocks(self, flat) -> None:
+        """MPI's blocking Allgatherv: every rank's block (``owned_block``) of ``flat`` to
+        every rank, in place."""
+        counts = _block_counts(flat.size, self.size)
+        lo, hi = block_range(flat.size, self.size, self.rank)
+        mine = send_buffer(flat[lo:hi])
+        whole = recv_buffer((flat.size,), flat.dtype, like=flat)
+        self.comm.Allgatherv(mine, [whole, counts])
+        flat[...] = finish_recv(whole, like=flat)
+
     def _landing(self, target):
         if not is_device(target):
             return target
@@ -93,9 +109,9 @@ class Messages:
         self._sending.clear()
 
 
-def _offsets(n: int, parts: int) -> list[int]:
-    """Start of each balanced block of n elements over ``parts`` blocks, plus n."""
-    return [block_range(n, parts, i)[0] for i in range(parts)] + [n]
+def _block_counts(n: int, p: int) -> list[int]:
+    """Elements of each rank's block (``owned_block``), for MPI's vector collectives."""
+    return [b - a for a, b in (block_range(n, p, r) for r in range(p))]
 
 
 def _next_tag(comm) -> int:
@@ -107,247 +123,6 @@ def _next_tag(comm) -> int:
     comm.Set_attr(_seq_keyval, seq + 1)
     tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
     return _TAG_BASE + seq % (tag_ub - _TAG_BASE)
-
-
-# ---------------------------------------------------------------- the algorithms
-
-def native(flat, msgs):
-    """MPI's own ``Iallreduce`` (the library picks its algorithm by size).
-
-    Cost: at best the minimum of the algorithms below.
-    """
-    yield [msgs.allreduce(flat)]
-
-
-def _ring_reduce_scatter(flat, msgs, members):
-    """Ring reduce-scatter over ``members`` (comm ranks in ring order).
-
-    Step s: send block (i - s) to the right, receive block (i - s - 1) from the
-    left and add it in.  After q-1 steps position i owns the sum of block (i+1) % q.
-    """
-    q = len(members)
-    if q == 1:
-        return
-    i = members.index(msgs.rank)
-    right, left = members[(i + 1) % q], members[(i - 1) % q]
-    off = _offsets(flat.size, q)
-    xp = array_module(flat)
-    tmp = xp.empty(off[1] - off[0], dtype=flat.dtype)  # block 0 is the largest
-    for s in range(q - 1):
-        send, recv = (i - s) % q, (i - s - 1) % q
-        got = tmp[:off[recv + 1] - off[recv]]
-        yield [msgs.send(flat[off[send]:off[send + 1]], right),
-               msgs.recv(got, left)]
-        flat[off[recv]:off[recv + 1]] += got
-
-
-def _ring_allgather(flat, msgs, members):
-    """Ring allgather over ``members`` when position i owns block (i+1) % q."""
-    q = len(members)
-    i = members.index(msgs.rank)
-    right, left = members[(i + 1) % q], members[(i - 1) % q]
-    off = _offsets(flat.size, q)
-    for s in range(q - 1):
-        send, recv = (i + 1 - s) % q, (i - s) % q
-        yield [msgs.send(flat[off[send]:off[send + 1]], right),
-               msgs.recv(flat[off[recv]:off[recv + 1]], left)]
-
-
-def ring(flat, msgs):
-    """Ring allreduce: reduce-scatter then allgather around a ring of p ranks.
-
-    The buffer is cut into p balanced blocks; in each of p-1 steps every rank
-    sends one block to its right neighbour and adds the block it receives from
-    its left one (reduce-scatter), then p-1 more steps pass the finished blocks
-    around (allgather).  Bandwidth-optimal, latency linear in p:
-
-        T = 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
-    """
-    members = list(range(msgs.size))
-    yield from _ring_reduce_scatter(flat, msgs, members)
-    yield from _ring_allgather(flat, msgs, members)
-
-
-def _fold(msgs):
-    """Non-power-of-two fold (Thakur et al. 2005, sec. 4.4).
-
-    With p = p' + rem (p' a power of two), the first 2*rem ranks pair up: even
-    rank 2j gives its data to odd rank 2j+1 and sits out; the p' ranks left are
-    renumbered 0..p'-1.  Returns (p', my new rank or None, partner of the fold
-    or None, real rank of new rank).
-    """
-    p, rank = msgs.size, msgs.rank
-    p2 = 1 << (p.bit_length() - 1)
-    rem = p - p2
-    if rank < 2 * rem:
-        new = None if rank % 2 == 0 else rank // 2
-        partner = rank + 1 if rank % 2 == 0 else rank - 1
-    else:
-        new, partner = rank - rem, None
-    return p2, new, partner, (lambda v: 2 * v + 1 if v < rem else v + rem)
-
-
-def recursive_doubling(flat, msgs):
-    """Recursive doubling: lg p rounds, each exchanging the *whole* buffer.
-
-    In round k every rank swaps its partial sum with rank XOR 2^k and adds, so
-    after lg p rounds all ranks hold the total.  Latency-optimal; for a
-    non-power-of-two p the extra ranks fold in first and get the result last:
-
-        T = lg p' (alpha + n beta + n gamma)  [+ 2 alpha + 2 n beta + n gamma if p != p']
-    """
-    p2, new, partner, real = _fold(msgs)
-    xp = array_module(flat)
-    tmp = xp.empty_like(flat)
-    if partner is not None:  # fold: even sends its data to odd
-        if new is None:
-            yield [msgs.send(flat, partner)]
-        else:
-            yield [msgs.recv(tmp, partner)]
-            flat += tmp
-    if new is not None:
-        d = 1
-        while d < p2:
-            peer = real(new ^ d)
-            yield [msgs.send(flat, peer), msgs.recv(tmp, peer)]
-            flat += tmp
-            d *= 2
-    if partner is not None:  # unfold: odd returns the result
-        yield [msgs.recv(flat, partner) if new is None else msgs.send(flat, partner)]
-
-
-def halving_doubling(flat, msgs):
-    """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather.
-
-    The buffer is cut into p' blocks.  Halving: with distance d = p'/2, ..., 1,
-    a rank keeps the half of its current block range on its side of bit d,
-    sends the other half to rank XOR d and adds the half it receives; it ends
-    owning the sum of block ``new rank``.  Doubling runs the same exchanges in
-    reverse (d = 1, ..., p'/2), copying instead of adding.  Non-power-of-two p
-    folds like recursive doubling:
-
-        T = 2 lg p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma
-            [+ 2 alpha + 2 n beta + n gamma if p != p']
-    """
-    p2, new, partner, real = _fold(msgs)
-    xp = array_module(flat)
-    if partner is not None:  # fold: even sends its data to odd
-        if new is None:
-            yield [msgs.send(flat, partner)]
-        else:
-            got = xp.empty_like(flat)
-            yield [msgs.recv(got, partner)]
-            flat += got
-    if new is not None:
-        yield from _halving(flat, msgs, new, p2, real)     # reduce-scatter: block ``new``
-        yield from _doubling(flat, msgs, new, p2, real)    # allgather
-    if partner is not None:  # unfold: odd returns the result
-        yield [msgs.recv(flat, partner) if new is None else msgs.send(flat, partner)]
-
-
-def multicolor(flat, msgs, colors: int = 2):
-    """Multi-colour tree allreduce (Kumar et al. 2017, IBM).
-
-    The buffer is cut into k = ``colors`` parts.  Part c is reduced up and
-    broadcast down a binary tree (heap numbering: parent of v is (v-1)//2) over
-    the ranks rotated by c*p//k, so each colour has different interior nodes
-    and roots and the k trees load different links.  The colours run
-    concurrently, level by level: in reduce round t the nodes at depth H-t of
-    every tree send their partial sums to their parents (H = floor(lg p)); the
-    broadcast runs the levels back down.  Sends and receives between one pair
-    of ranks in one round are posted in colour order on both sides, so MPI's
-    non-overtaking rule matches them.  With m = n/k and D (C) the largest, over
-    ranks, sum over colours of tree degree (number of children):
-
-        T = 2 H alpha + D m beta + C m gamma
-
-    (the busiest rank's port bounds the bandwidth term; D ~ 3k/2 for k >= 2).
-    """
-    p, rank = msgs.size, msgs.rank
-    off = _offsets(flat.size, colors)
-    height = p.bit_length() - 1
-    xp = array_module(flat)
-    trees = []  # per colour: (my depth, parent or None, children) in real ranks
-    for c in range(colors):
-        shift = c * p // colors
-        v = (rank - shift) % p
-        kids = [(u + shift) % p for u in (2 * v + 1, 2 * v + 2) if u < p]
-        parent = (v - 1) // 2 if v > 0 else None
-        trees.append(((v + 1).bit_length() - 1, None if parent is None else (parent + shift) % p, kids))
-    parts = [flat[off[c]:off[c + 1]] for c in range(colors)]
-    got = [[xp.empty_like(parts[c]) for _ in trees[c][2]] for c in range(colors)]
-    for t in range(height):  # reduce: depth height-t sends up to depth height-t-1
-        requests = []
-        for c, (depth, parent, kids) in enumerate(trees):
-            if depth == height - t and parent is not None:
-                requests.append(msgs.send(parts[c], parent))
-            if depth == height - t - 1:
-                requests += [msgs.recv(g, k) for g, k in zip(got[c], kids)]
-        yield requests
-        for c, (depth, parent, kids) in enumerate(trees):
-            if depth == height - t - 1:
-                for g in got[c]:
-                    parts[c] += g
-    for t in range(height):  # broadcast: depth t sends down to depth t+1
-        requests = []
-        for c, (depth, parent, kids) in enumerate(trees):
-            if depth == t:
-                requests += [msgs.send(parts[c], k) for k in kids]
-            if depth == t + 1:
-                requests.append(msgs.recv(parts[c], parent))
-        yield requests
-
-
-def default_group_size(p: int) -> int:
-    """The largest divisor of p that is <= sqrt(p) (a near-square 2-D grid)."""
-    return max(g for g in range(1, math.isqrt(p) + 1) if p % g == 0)
-
-
-def hierarchical(flat, msgs, group_size: int | None = None):
-    """2-D allreduce: reduce-scatter in groups, allreduce across, allgather in groups.
-
-    Ranks form q = p/g groups of g consecutive ranks (e.g. the GPUs of a node).
-    Ring reduce-scatter inside the group leaves each rank 1/g of the group sum;
-    ranks with the same position in every group ring-allreduce that piece;
-    a ring allgather inside the group reassembles the total.  Only n/g bytes
-    cross groups per rank:
-
-        T = 2(g-1) alpha + 2 (g-1)/g n beta + (g-1)/g n gamma
-          + 2(q-1) alpha + 2 (q-1)/q (n/g) beta + (q-1)/q (n/g) gamma
-
-    ``group_size`` must divide p (ValueError otherwise, raised on every rank
-    before any message); None picks ``default_group_size(p)``.
-    """
-    p, rank = msgs.size, msgs.rank
-    g = check_group_size(group_size, p)
-    group, local = divmod(rank, g)
-    mine = [group * g + j for j in range(g)]
-    column = [h * g + local for h in range(p // g)]
-    yield from _ring_reduce_scatter(flat, msgs, mine)
-    lo, hi = block_range(flat.size, g, (local + 1) % g)
-    yield from _ring_reduce_scatter(flat[lo:hi], msgs, column)
-    yield from _ring_allgather(flat[lo:hi], msgs, column)
-    yield from _ring_allgather(flat, msgs, mine)
-
-
-def check_group_size(group_size, p: int) -> int:
-    if group_size is None:
-        return default_group_size(p)
-    if isinstance(group_size, bool) or int(group_size) != group_size or not 1 <= group_size <= p \
-            or p % group_size:
-        raise ValueError(f"group_size must be a divisor of the number of ranks {p}, got {group_size!r}")
-    return int(group_size)
-
-
-ALGORITHMS = {
-    "native": native,
-    "ring": ring,
-    "recursive_doubling": recursive_doubling,
-    "halving_doubling": halving_doubling,
-    "multicolor": multicolor,
-    "hierarchical": hierarchical,
-}
-_OPTIONS = {"multicolor": ("colors",), "hierarchical": ("group_size",)}
 
 
 # ---------------------------------------------------------------- running them
@@ -399,16 +174,7 @@ def _checked(buf, comm, algorithm, out, options):
     Everything checked depends only on arguments all ranks share, so a bad call
     raises ValueError on every rank before any message.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    unknown = set(options) - set(_OPTIONS.get(algorithm, ()))
-    if unknown:
-        raise ValueError(f"algorithm {algorithm!r} takes no option(s) {sorted(unknown)}")
-    if "colors" in options and (isinstance(options["colors"], bool) or int(options["colors"]) != options["colors"]
-                                or options["colors"] < 1):
-        raise ValueError(f"colors must be an int >= 1, got {options['colors']!r}")
-    if algorithm == "hierarchical":
-        check_group_size(options.get("group_size"), comm.Get_size())
+    check_options(algorithm, options, comm.Get_size())
     if buf.dtype.kind not in "iufc":
         raise ValueError(f"buf must hold numbers (int, uint, float, complex), got {buf.dtype}")
     flat = _flat_view(buf, "buf")
@@ -424,13 +190,13 @@ def start_allreduce(buf, comm, algorithm: str = "native", out=None, **options) -
     """Start a sum-allreduce of ``buf`` over ``comm``; returns its handle.
 
     In place when ``out`` is None, else ``out`` (same shape and dtype) gets the
-    sum and ``buf`` is left as it was.  ``options``: ``colors`` (multicolor),
-    ``group_size`` (hierarchical).  Every rank must start its allreduces on a
-    communicator in the same order (as with any collective).
+    sum and ``buf`` is left as it was.  ``options``: the algorithm's (``ALGORITHMS[algorithm]
+    .options``: ``colors`` of multicolor, ``group_size`` of hierarchical).  Every rank must
+    start its allreduces on a communicator in the same order (as with any collective).
     """
     flat, result = _checked(buf, comm, algorithm, out, options)
     msgs = Messages(comm, _next_tag(comm))
-    return AllreduceHandle(ALGORITHMS[algorithm](flat, msgs, **options), msgs, result)
+    return AllreduceHandle(ALGORITHMS[algorithm].steps(flat, msgs, **options), msgs, result)
 
 
 class AllreduceTraffic:
@@ -450,15 +216,16 @@ def allreduce(buf, comm, algorithm: str = "native", out=None, **options):
     """Sum ``buf`` over all ranks of ``comm`` with the named algorithm; returns the result.
 
     See ``start_allreduce`` for the arguments; ``ALGORITHMS`` lists the names.
-    "native" calls the blocking ``MPI_Allreduce`` here (MPI's tuned algorithms;
-    the non-blocking ``Iallreduce`` of the handle form is usually slower).
+    An algorithm with a ``blocking`` form runs it ("native": the blocking ``MPI_Allreduce``,
+    MPI's tuned algorithms; the non-blocking ``Iallreduce`` of the handle form is usually slower).
     """
     if comm.Get_size() > 1:
         LAYER_ALLREDUCES.bytes += int(buf.nbytes)
         LAYER_ALLREDUCES.calls += 1
-    if algorithm == "native":
+    blocking = algorithm_named(algorithm).blocking
+    if blocking is not None:
         flat, result = _checked(buf, comm, algorithm, out, options)
-        Messages(comm, tag=0).allreduce(flat, blocking=True)
+        blocking(flat, Messages(comm, tag=0))
         return result
     return start_allreduce(buf, comm, algorithm, out=out, **options).wait()
 
@@ -471,70 +238,26 @@ def owned_block(n: int, comm) -> tuple[int, int]:
     return block_range(n, comm.Get_size(), comm.Get_rank())
 
 
-def _halving(flat, msgs, new, p2, real):
-    """Reduce-scatter by recursive halving over p2 (a power of two) ranks numbered ``new``
-    (``real(v)``: the comm rank of number v): at distance d = p2/2, ..., 1 a rank keeps the
-    half of its block range on its side of bit d, sends the other half to number ``new ^ d``
-    and adds the half it receives; it ends owning the sum of block ``new``."""
-    xp = array_module(flat)
-    off = _offsets(flat.size, p2)
-    tmp = xp.empty(max(off[p2 // 2], flat.size - off[p2 // 2]), dtype=flat.dtype)  # largest half
-    lo, hi, d = 0, p2, p2 // 2
-    while d >= 1:
-        mid = (lo + hi) // 2
-        (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if new & d else ((lo, mid), (mid, hi))
-        got = tmp[:off[khi] - off[klo]]
-        peer = real(new ^ d)
-        yield [msgs.send(flat[off[slo]:off[shi]], peer), msgs.recv(got, peer)]
-        flat[off[klo]:off[khi]] += got
-        lo, hi, d = klo, khi, d // 2
-
-
-def _doubling(flat, msgs, new, p2, real):
-    """Allgather by recursive doubling (the halving's exchanges in reverse, copying): number
-    ``new`` starts with block ``new`` and ends with all p2 blocks."""
-    off = _offsets(flat.size, p2)
-    lo, hi, d = new, new + 1, 1
-    while d < p2:
-        olo, ohi = (lo - d, lo) if new & d else (hi, hi + d)
-        peer = real(new ^ d)
-        yield [msgs.send(flat[off[lo]:off[hi]], peer), msgs.recv(flat[off[olo]:off[ohi]], peer)]
-        lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
-
-
-def _identity(v):
-    return v
-
-
-def _block_counts(n: int, p: int) -> list[int]:
-    """Elements of each rank's block (``owned_block``), for MPI's vector collectives."""
-    return [b - a for a, b in (block_range(n, p, r) for r in range(p))]
-
-
 def _run(steps, msgs) -> None:
     """Drive a step generator to its end (blocking)."""
     handle = AllreduceHandle(steps, msgs, None)
     handle.wait()
 
 
-def _ring_members(p):
-    """Ring order in which position i owns block (i + 1) % p = rank (i + 1) % p: rank r owns block r."""
-    return [(i + 1) % p for i in range(p)]
+def _halves(algorithm: str, p: int):
+    """The algorithm's ``Halves`` on p ranks, or None."""
+    split = algorithm_named(algorithm).halves
+    return split(p) if split is not None else None
 
 
 def halves(algorithm: str, p: int) -> str:
-    """How ``algorithm`` splits into a reduce-scatter and an allgather on p ranks: 'ring',
-    'halving-doubling' (p a power of two), 'MPI' (native: MPI_Reduce_scatter / MPI_Allgatherv),
-    or 'allreduce' (no reduce-scatter half: the whole allreduce, each rank keeping its block,
-    and MPI's allgather; recursive doubling, multicolor, hierarchical and halving-doubling on
-    p not a power of two)."""
-    if algorithm == "ring":
-        return "ring"
-    if algorithm == "native":
-        return "MPI"
-    if algorithm == "halving_doubling" and p & (p - 1) == 0:
-        return "halving-doubling"
-    return "allreduce"
+    """How ``algorithm`` splits into a reduce-scatter and an allgather on p ranks (its
+    ``halves``): 'ring', 'halving-doubling' (p a power of two), 'MPI' (native: MPI_Reduce_scatter
+    / MPI_Allgatherv), or 'allreduce' (no reduce-scatter half: the whole allreduce, each rank
+    keeping its block, and MPI's allgather; recursive doubling, multicolor, hierarchical and
+    halving-doubling on p not a power of two)."""
+    split = _halves(algorithm, p)
+    return split.label if split is not None else "allreduce"
 
 
 def reduce_scatter(buf, comm, algorithm: str = "native", **options) -> tuple[int, int]:
@@ -547,20 +270,12 @@ def reduce_scatter(buf, comm, algorithm: str = "native", **options) -> tuple[int
     p, (lo, hi) = comm.Get_size(), owned_block(flat.size, comm)
     if p == 1:
         return lo, hi
-    kind = halves(algorithm, p)
+    split = _halves(algorithm, p)
     msgs = Messages(comm, _next_tag(comm))
-    if kind == "ring":
-        _run(_ring_reduce_scatter(flat, msgs, _ring_members(p)), msgs)
-    elif kind == "halving-doubling":
-        _run(_halving(flat, msgs, msgs.rank, p, _identity), msgs)
-    elif kind == "MPI":
-        counts = _block_counts(flat.size, p)
-        whole = send_buffer(flat)
-        mine = recv_buffer((hi - lo,), flat.dtype, like=flat)
-        comm.Reduce_scatter(whole, mine, counts, op=MPI.SUM)
-        flat[lo:hi] = finish_recv(mine, like=flat)
+    if split is not None:
+        _run(split.reduce_scatter(flat, msgs), msgs)
     else:
-        _run(ALGORITHMS[algorithm](flat, msgs, **options), msgs)
+        _run(ALGORITHMS[algorithm].steps(flat, msgs, **options), msgs)
     return lo, hi
 
 
@@ -572,22 +287,15 @@ def allgather(buf, comm, algorithm: str = "native", **options) -> None:
     p = comm.Get_size()
     if p == 1:
         return
-    kind = halves(algorithm, p)
+    split = _halves(algorithm, p)
     msgs = Messages(comm, _next_tag(comm))
-    if kind == "ring":
-        _run(_ring_allgather(flat, msgs, _ring_members(p)), msgs)
-    elif kind == "halving-doubling":
-        _run(_doubling(flat, msgs, msgs.rank, p, _identity), msgs)
+    if split is not None:
+        _run(split.allgather(flat, msgs), msgs)
     else:
-        counts = _block_counts(flat.size, p)
-        lo, hi = owned_block(flat.size, comm)
-        mine = send_buffer(flat[lo:hi])
-        whole = recv_buffer((flat.size,), flat.dtype, like=flat)
-        comm.Allgatherv(mine, [whole, counts])
-        flat[...] = finish_recv(whole, like=flat)
+        msgs.allgather_blocks(flat)
 
 
-# ---------------------------------------------------------------- cost model
+# ---------------------------------------------------------------- measuring the cost model's constants
 
 def ping_pong(comm, nbytes: int, repeats: int) -> list[float] | None:
     """One-way times (half round trips) of a native Send/Recv of ``nbytes`` between ranks 0
@@ -611,54 +319,3 @@ def ping_pong(comm, nbytes: int, repeats: int) -> list[float] | None:
             comm.Send(buf, dest=0)
         times.append((time.perf_counter() - start) / 2)
     return times[1:] if rank == 0 else None
-
-
-def _tree_load(p: int, colors: int) -> tuple[int, int]:
-    """(D, C) of the multicolor model: max over ranks of summed degree / children."""
-    degree, children = [0] * p, [0] * p
-    for c in range(colors):
-        shift = c * p // colors
-        for v in range(p):
-            r = (v + shift) % p
-            kids = sum(1 for u in (2 * v + 1, 2 * v + 2) if u < p)
-            degree[r] += kids + (v > 0)
-            children[r] += kids
-    return max(degree), max(children)
-
-
-def predicted_time(algorithm: str, n_bytes: float, p: int, alpha: float, beta: float,
-                   gamma: float = 0.0, **kw) -> float:
-    """Alpha-beta-gamma prediction (seconds) of one allreduce of ``n_bytes`` on ``p`` ranks.
-
-    ``alpha``: seconds per message, ``beta``: seconds per byte sent, ``gamma``:
-    seconds per byte reduced.  ``kw``: ``colors`` (multicolor, default 2),
-    ``group_size`` (hierarchical).  "native" is modelled as the best of ring,
-    recursive doubling and halving-doubling (MPI libraries switch by size).
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    if p < 1:
-        raise ValueError(f"p must be >= 1, got {p}")
-    n, a, b, c = float(n_bytes), alpha, beta, gamma
-    if p == 1:
-        return 0.0
-    p2 = 1 << (p.bit_length() - 1)
-    lg = p2.bit_length() - 1
-    fold = (2 * a + 2 * n * b + n * c) if p != p2 else 0.0
-    if algorithm == "native":
-        return min(predicted_time(name, n_bytes, p, alpha, beta, gamma)
-                   for name in ("ring", "recursive_doubling", "halving_doubling"))
-    if algorithm == "ring":
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * c
-    if algorithm == "recursive_doubling":
-        return lg * (a + n * b + n * c) + fold
-    if algorithm == "halving_doubling":
-        return 2 * lg * a + 2 * (p2 - 1) / p2 * n * b + (p2 - 1) / p2 * n * c + fold
-    if algorithm == "multicolor":
-        k = kw.get("colors", 2)
-        degree, children = _tree_load(p, k)
-        return 2 * (p.bit_length() - 1) * a + (degree * b + children * c) * n / k
-    g = check_group_size(kw.get("group_size"), p)  # hierarchical
-    q = p // g
-    return (2 * (g - 1) * a + 2 * (g - 1) / g * n * b + (g - 1) / g * n * c
-            + 2 * (q - 1) * a + 2 * (q - 1) / q * (n / g) * b + (q - 1) / q * (n / g) * c)

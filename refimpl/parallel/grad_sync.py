@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from ..backend import array_module
-from .collectives import ALGORITHMS, reduce_scatter, start_allreduce
+from .allreduce import check_options
+from .collectives import reduce_scatter, start_allreduce
 from .partition import chunk_ranges, pack_buckets
 
 MIB = 1 << 20
@@ -142,7 +143,8 @@ class GradientSynchronizer:
     ``params``: the model's Parameters in registration (forward) order.
     ``reduce_comm``: the product group, if the caller already has it (e.g.
     from a process grid); otherwise built by ``product_comm``.
-    ``algorithm`` and ``algorithm_options``: see refimpl.parallel.collectives.
+    ``algorithm`` and ``algorithm_options``: a name of ``parallel.allreduce.ALGORITHMS`` and its
+    options (e.g. ``colors=4`` for multicolor), checked before any message.
     ``priority`` ("none" | "input-first") and ``chunk_bytes``: see the module docstring.
     ``trace``: keep one record per chunk and step in ``self.trace`` (bucket, chunk, bytes,
     priority, start and finish times) for a timeline.
@@ -158,8 +160,7 @@ class GradientSynchronizer:
         if priority != "none" and (shard or compressor is not None or not overlap):
             raise ValueError("priority input-first needs the overlapped allreduce: it does not combine with "
                              "the distributed update, a compressed exchange or overlap=False")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        check_options(algorithm, algorithm_options)     # the name, and the options it declares
         for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes),
                             ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or int(value) != value or value < 0:
@@ -168,6 +169,7 @@ class GradientSynchronizer:
             raise ValueError("params must not repeat a Parameter")
         self.data_size = data_comm.Get_size()
         self.reduce_comm = reduce_comm if reduce_comm is not None else product_comm(data_comm, spatial_comm)
+        check_options(algorithm, algorithm_options, self.reduce_comm.Get_size())   # e.g. group_size divides p
         self.algorithm, self.algorithm_options = algorithm, algorithm_options
         self.overlap = overlap
         # shard: reduce-scatter instead of allreduce, for parallel/sharded_update.ShardedOptimizer

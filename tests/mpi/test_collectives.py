@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from mpi4py import MPI
 
+from refimpl.parallel.allreduce import configurations
 from refimpl.parallel.collectives import ALGORITHMS, allreduce, start_allreduce
 
-# (algorithm, options): every algorithm, multicolor with several k, hierarchical with every divisor
-CONFIGS = [("native", {}), ("ring", {}), ("recursive_doubling", {}), ("halving_doubling", {}),
-           ("multicolor", {"colors": 1}), ("multicolor", {"colors": 2}), ("multicolor", {"colors": 3}),
-           ("multicolor", {"colors": 7}), ("hierarchical", {})]
+# (algorithm, options) from the registry: every algorithm with its defaults, then each example value of
+# each option (multicolor with several k); hierarchical with every divisor below
+CONFIGS = configurations()
 SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 97, 1000]
 
 
@@ -185,7 +185,8 @@ def test_bad_arguments_raise(comm, all_ranks_agree):
         (lambda: allreduce(x.copy(), comm, "ring", out=np.zeros(12, np.float32)), "out"),
         (lambda: allreduce(x.copy(), comm, "multicolor", colors=0), "colors"),
         (lambda: allreduce(x.copy(), comm, "ring", colors=2), "colors"),
-    ]
+    ] + [(lambda name=name: allreduce(x.copy(), comm, name, no_such_option=1), "no_such_option")
+         for name in ALGORITHMS]
     failures = []
     for call, word in cases:
         try:

@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from refimpl.nn.parameter import Parameter
+from refimpl.parallel.allreduce import ALGORITHMS, configurations
 from refimpl.parallel.grad_sync import GradientSynchronizer, make_buckets
 
 SHAPES = [(4, 3, 3, 3, 3), (4,), (8, 4, 3, 3, 3), (8,), (8,), (16, 8), (16,), (1,), (5, 7)]
@@ -55,7 +56,7 @@ def same_on_all_ranks(comm, params):
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("sizes", list(BUCKET_SIZES), ids=str)
-@pytest.mark.parametrize("algorithm", ["native", "ring", "halving_doubling", "multicolor"])
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_average_over_data_comm(comm, all_ranks_agree, algorithm, sizes, overlap):
     bucket_bytes, first = BUCKET_SIZES[sizes]
     params = make_params()
@@ -200,7 +201,10 @@ def test_gradient_after_its_bucket_left_raises(comm, all_ranks_agree):
 def test_bad_arguments(comm, all_ranks_agree):
     failures = []
     for kwargs, word in [({"algorithm": "butterfly"}, "algorithm"), ({"bucket_bytes": -1}, "bucket_bytes"),
-                         ({"first_bucket_bytes": 1.5}, "first_bucket_bytes")]:
+                         ({"first_bucket_bytes": 1.5}, "first_bucket_bytes"),
+                         ({"algorithm": "ring", "colors": 2}, "colors"),
+                         ({"algorithm": "multicolor", "colors": 0}, "colors"),
+                         ({"algorithm": "hierarchical", "group_size": comm.Get_size() + 1}, "group_size")]:
         try:
             GradientSynchronizer(make_params(), comm, **kwargs)
             failures.append(f"{kwargs}: no error")
@@ -208,3 +212,44 @@ def test_bad_arguments(comm, all_ranks_agree):
             if word not in str(err):
                 failures.append(f"{kwargs}: {err}")
     all_ranks_agree(not failures, "; ".join(failures))
+
+
+@pytest.mark.parametrize("algorithm,options", [c for c in configurations() if c[1]], ids=str)
+def test_algorithm_options_reach_the_allreduce(comm, all_ranks_agree, monkeypatch, algorithm, options):
+    """Every option value the registry tests (``--allreduce-option``) is handed to each allreduce of the
+    synchroniser, and the average is still right."""
+    from refimpl.parallel import grad_sync
+    seen = []
+
+    def recording(buf, reduce_comm, name, **kw):
+        seen.append((name, kw))
+        return start(buf, reduce_comm, name, **kw)
+    start = grad_sync.start_allreduce
+    monkeypatch.setattr(grad_sync, "start_allreduce", recording)
+    params = make_params()
+    sync = GradientSynchronizer(params, comm, bucket_bytes=700, first_bucket_bytes=300, algorithm=algorithm,
+                                **options)
+    grads = random_grads(comm.Get_rank(), 3)
+    backward(params, grads)
+    sync.finish()
+    worst = errors(params, expected(comm, grads, comm.Get_size()))
+    all_ranks_agree(worst < 1e-13 and seen and all(s == (algorithm, options) for s in seen),
+                    f"err={worst:.3e} calls={seen[:3]}")
+
+
+def test_bad_option_raises_before_any_message(comm, all_ranks_agree):
+    """hierarchical's group_size must divide the ranks of the reduce group: ValueError on every rank,
+    naming it, before any message."""
+    p = comm.Get_size()
+    problems = []
+    for g in [0, p + 1] + [g for g in range(2, p) if p % g]:
+        try:
+            GradientSynchronizer(make_params(), comm, algorithm="hierarchical", group_size=g)
+            problems.append(f"group_size={g}: no error")
+        except ValueError as err:
+            if "group_size" not in str(err):
+                problems.append(f"group_size={g}: {err}")
+    comm.Barrier()
+    if comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+        problems.append("a message was sent")
+    all_ranks_agree(not problems, "; ".join(problems))
