@@ -3,9 +3,10 @@
 #
 #     mpiexec -n 4 python tutorials/07_allreduce.py     (any number of ranks; 1 works too)
 #
-# Data-parallel training sums gradients over ranks. `refimpl.parallel.collectives` builds the
-# classic algorithms from `Isend`/`Irecv` (each a short generator in
-# `refimpl/parallel/collectives.py`: read it next to this tutorial); "native" is MPI's own
+# Data-parallel training sums gradients over ranks. `refimpl.parallel.collectives` runs the
+# classic algorithms built from `Isend`/`Irecv` (each a short generator in its own module of
+# `refimpl/parallel/allreduce/`, with its cost formula and its options beside it: read one next
+# to this tutorial); "native" is MPI's own
 # `MPI_Allreduce`. Costs use the alpha-beta(-gamma) model: a message of n bytes takes
 # alpha + beta n (alpha: latency, beta: seconds per byte), adding n bytes takes gamma n. With more
 # ranks than cores (mpiexec --oversubscribe) the measured times exceed the predictions: the ranks

@@ -4,7 +4,8 @@
 - ``grid``: ``ProcessGrid`` over (sample, depth, height, width) Cartesian communicators
 - ``halo``: ``HaloExchange.forward`` (fill ghosts) / ``.adjoint`` (add ghosts back, clear)
 - ``redistribute``: scatter/gather, allgather/reduce-scatter, broadcast/sum-reduce
-- ``collectives``: allreduce algorithms from point-to-point messages + alpha-beta costs
+- ``allreduce``: the allreduce algorithms, one module each (steps, alpha-beta cost, options), one registry
+- ``collectives``: runs them from point-to-point messages, blocking or overlapped
 - ``grad_sync``: bucketed gradient allreduce overlapped with backward
 - ``buffers``: device buffers to MPI, CUDA-aware or staged through host memory
 
