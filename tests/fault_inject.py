@@ -11,8 +11,9 @@ The fault comes from the environment, so that every rank parses the same command
   stops answering), ``kill`` (SIGKILL itself there), ``plot`` (the loss plot's
   write fails with ENOSPC), ``sigterm`` (SIGTERM to itself: a scheduler's cancel of
   one rank), ``ctrl-c`` (SIGINT to the launcher's process group, as a terminal's
-  Ctrl-C sends it), ``slow`` (every conv forward sleeps 0.2 s from that step on:
-  a run that lasts), and STEP the training step (1-based) it happens at;
+  Ctrl-C sends it), ``sigterm-launcher`` (SIGTERM to mpiexec), ``slow`` (every conv
+  forward sleeps 0.2 s from that step on: a run that lasts), and STEP the training
+  step (1-based) it happens at;
 - ``FAULT=stop-calibrating:N``: SIGSTOP itself before timing the N-th conv shape of
   ``refimpl plan --calibrate`` (tests/test_plan_faults.py);
 - ``FAULT_BLIND``: a path; on the faulty rank ``os.path.exists``, ``glob.glob`` and
@@ -71,7 +72,7 @@ if rank == fault_rank:
         limit = int(os.environ["FAULT_FSIZE"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     if what:
-        from refimpl import failstop, train
+        from refimpl import failstop, train_report
         from refimpl.nn import spatial
 
         def due():
@@ -111,6 +112,12 @@ if rank == fault_rank:
                 os.killpg(os.getpgid(os.getppid()), signal.SIGINT)     # the launcher's group
                 time.sleep(2.0)              # a step still running when the launcher passes it on
 
+        def cancel_launcher():
+            if not sent:
+                sent.append(mark_fault())
+                os.kill(os.getppid(), signal.SIGTERM)                  # a scheduler's cancel of mpiexec
+                time.sleep(2.0)
+
         if what == "slow":
             original_forward = spatial.SpatialConv3d.forward
 
@@ -123,6 +130,8 @@ if rank == fault_rank:
             wrap("forward", signal_self)
         elif what == "ctrl-c":
             wrap("forward", ctrl_c)
+        elif what == "sigterm-launcher":
+            wrap("forward", cancel_launcher)
         elif what in ("forward", "backward"):
             wrap(what, fail)
         elif what == "stop":
@@ -130,14 +139,14 @@ if rank == fault_rank:
         elif what == "kill":
             wrap("forward", kill)
         elif what == "plot":
-            original_plot = train.plot_metrics
+            original_plot = train_report.plot_metrics
 
             def plot(metrics_path, png_path, metric_name):
                 if due():
                     mark_fault()
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), png_path)
                 return original_plot(metrics_path, png_path, metric_name)
-            train.plot_metrics = plot
+            train_report.plot_metrics = plot
         elif what == "stop-calibrating":
             from refimpl import plan
             original_time_conv, timed = plan._time_conv, []

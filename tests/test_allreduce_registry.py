@@ -205,3 +205,27 @@ def test_docs_table_names_every_algorithm_and_its_options():
     for algorithm in ALGORITHMS.values():
         cells = rows[algorithm.name].split(" | ")
         assert all(f"`{o.name}`" in cells[2] for o in algorithm.options), (algorithm.name, cells[2])
+
+
+def test_train_passes_the_options_to_the_gradient_allreduce(tmp_path):
+    """``--allreduce-option`` reaches the synchroniser: a group size that does not divide the ranks is
+    refused there (exit 2, one line), a valid one trains and is recorded in config.json."""
+    import json
+    import os
+    import shutil
+    root = Path(__file__).resolve().parent.parent
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("REFIMPL_")},
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"}
+    base = [shutil.which("mpiexec"), "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl", "train",
+            "--preset", "tiny", "--gen-samples", "4", "--gen-val-samples", "0", "--grid", "2,1,1,1",
+            "--global-batch", "2", "--steps", "1", "--quiet", "--no-plot"]
+    bad = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--allreduce", "hierarchical",
+                                 "--allreduce-option", "group_size=3"], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("refimpl")]
+    assert bad.returncode == 2 and len(lines) == 1 and "group_size" in lines[0], bad.stderr
+    good = subprocess.run(base + ["--out", str(tmp_path / "good"), "--allreduce", "multicolor",
+                                  "--allreduce-option", "colors=2"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stderr
+    assert json.loads((tmp_path / "good" / "config.json").read_text())["allreduce_options"] == {"colors": 2}

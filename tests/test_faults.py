@@ -514,8 +514,10 @@ def test_sigterm_to_one_rank_ends_the_job_and_resumes(tmp_path, tmp_path_factory
     assert_resumes_bit_identical(tmp_path_factory, data_dir, 2, "1,2,1,1", out)
 
 
-def test_ctrl_c_at_the_terminal_ends_every_rank_and_resumes(tmp_path, tmp_path_factory, data_dir):
-    """SIGINT to mpiexec's process group, as a terminal sends it.  Open MPI's mpiexec answers by sending the
+@pytest.mark.parametrize("fault", ["ctrl-c", "sigterm-launcher"])
+def test_ctrl_c_at_the_terminal_ends_every_rank_and_resumes(tmp_path, tmp_path_factory, data_dir, fault):
+    """SIGINT to mpiexec's process group, as a terminal sends it, or SIGTERM to mpiexec (a scheduler's
+    cancel of the launcher).  Open MPI's mpiexec answers by sending the
     ranks SIGCONT, SIGTERM 0.25 s later and SIGKILL 0.25 s after that, stops forwarding their output and
     exits 1 (docs/training.md, "Signals"): so no refimpl line reaches the terminal here; what must hold is
     that every rank is gone at once, nothing is left half-written (no temporary, no lock) and the run
@@ -525,7 +527,7 @@ def test_ctrl_c_at_the_terminal_ends_every_rank_and_resumes(tmp_path, tmp_path_f
     log.mkdir()
     cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", "3", sys.executable, str(INJECT), "train",
            *map(str, common(data_dir, "1,3,1,1", out) + ["--steps", STEPS]), "--quiet"]
-    proc = run_launched(cmd, cwd=ROOT, env=mpi_env(FAULT="ctrl-c:5", FAULT_RANK=2, FAULT_LOG=log),
+    proc = run_launched(cmd, cwd=ROOT, env=mpi_env(FAULT=f"{fault}:5", FAULT_RANK=2, FAULT_LOG=log),
                         timeout=TIMEOUT_S, start_new_session=True)
     ended = time.time()
     assert proc.returncode != 0
