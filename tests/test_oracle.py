@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from refimpl import layers
 from refimpl.oracle import compare, load_case, load_results, load_suite, parse_suite, write_case, write_results
 from refimpl.oracle.casefile import UnusableInput
 from refimpl.oracle.compare import root_cause
@@ -368,3 +369,52 @@ def test_dataset_where_a_group_belongs(good):
         del h5["float64/global"]
         h5["float64/global"] = np.ones(3)
     assert "/float64/global must be a group of datasets" in spoil_and_check(good, spoil)
+
+
+# ---------------------------------------------------------------- a kind added by a test
+
+class ChannelAffineKind(layers.LayerKind):
+    """y = w_c * x + b_c: what the oracle needs of a pointwise kind with parameters (its
+    reference, parameters, tolerances and PyTorch twin); the base class supplies the rest."""
+
+    name = "channel_affine"
+    model_modes = ("none", "channel")
+
+    def parameter_shapes(self, spec):
+        return (spec.input[1],), (spec.input[1],)
+
+    def draw_parameters(self, rng, spec):
+        return {"w": rng.uniform(0.5, 1.5, spec.input[1]), "b": rng.standard_normal(spec.input[1])}
+
+    def forward(self, spec, x, w, b):
+        return x * w.reshape(1, -1, 1, 1, 1) + b.reshape(1, -1, 1, 1, 1), (x, w)
+
+    def backward(self, spec, dy, saved):
+        x, w = saved
+        return dy * w.reshape(1, -1, 1, 1, 1), (dy * x).sum(axis=(0, 2, 3, 4)), dy.sum(axis=(0, 2, 3, 4))
+
+    def reduction_length(self, spec, tensor, out_shape):
+        if tensor.startswith(("dw", "db")):
+            return int(np.prod(out_shape)) // out_shape[1], "N·D·H·W terms per channel"
+        return 1, "one product per element"
+
+    def torch_forward(self, spec, tf, x, w, b):
+        return x * w.reshape(1, -1, 1, 1, 1) + b.reshape(1, -1, 1, 1, 1)
+
+
+def test_a_kind_added_by_a_test_gets_cases_checks_and_diagnoses(monkeypatch, tmp_path):
+    """Registered in the test, the kind runs through generate, run-torch and check, split over
+    space and channels, and a missing reduction of dw is diagnosed as for the built-in kinds."""
+    monkeypatch.setitem(layers.REGISTRY, ChannelAffineKind.name, ChannelAffineKind())
+    spec, = parse_suite({"case": [{"name": "affine", "layer": "channel_affine", "input": [2, 3, 5, 4, 3],
+                                   "model_parallel": "channel", "grids": [[1, 2, 1, 1, 3]]}]}, "t")
+    case = load_case(write_case(spec, str(tmp_path)))
+    assert {"x_needed", "dx_needed", "dw_partial"} <= set(case.ranks["float64"][0])
+    for plant in (None, "dw-unsummed"):
+        glob, ranks = torch_adapter.run_case(case, torch_adapter.parse_plant(plant, case), "gathered")
+        path = str(tmp_path / f"{plant}.h5")
+        write_results(path, case, glob, ranks)
+        report = compare(case, load_results(path, case))
+        assert report.ok == (plant is None), [f.as_dict() for f in report.findings if not f.ok][:2]
+    dws = failing(report, tensor="dw")
+    assert dws and all("not summed over the spatial shards" in f.diagnosis for f in dws)

@@ -8,6 +8,9 @@ diagnosis of another implementation's results (``refimpl oracle``; docs/oracle.m
     diagnose.py       known mistakes recognised from the error pattern
     torch_adapter.py  PyTorch as the implementation under test (run-torch; --plant)
 
+What each kind of layer contributes (its reference, halo plan, tolerances, known mistakes,
+PyTorch twin) comes from the layer registry, refimpl/layers.
+
 Python API::
 
     from refimpl.oracle import load_case, load_results, compare

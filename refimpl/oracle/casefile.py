@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from .. import __version__
+from .. import __version__, layers
 from ..data.reader import check_stored
 from . import expect
-from .suite import DTYPES, LAYERS, CaseSpec
+from .suite import DTYPES, CaseSpec
 
 FORMAT = "refimpl-oracle-case"
 FORMAT_VERSION = 1
@@ -147,13 +147,9 @@ def _read(h5, name, path, what, dtype, shape):
 
 def case_shapes(spec: CaseSpec, layouts) -> dict:
     """The shape of every dataset of a case file (its path below ``/<dtype>/``), from its spec."""
-    c, out = spec.input[1], expect.output_shape(spec)
+    out = expect.output_shape(spec)
     shapes = {"inputs/x": spec.input, "inputs/dy": out, "global/y": out, "global/dx": spec.input}
-    w = b = None
-    if spec.layer in expect.CONV_LAYERS:
-        w, b = ((out[1], c) if spec.layer == "conv3d" else (c, out[1])) + tuple(spec.kernel), (out[1],)
-    elif spec.layer == "batch_norm3d":
-        w = b = (c,)
+    w, b = layers.lookup(spec.layer).parameter_shapes(spec) or (None, None)
     if w is not None:
         shapes.update({"inputs/w": w, "inputs/b": b, "global/dw": w, "global/db": b})
 
@@ -203,9 +199,9 @@ def _load_case(path: str) -> Case:
         if attrs.get("digest") != digest(spec):
             raise UnusableInput(f"case file {path}: its digest does not match its description (edited?)")
         try:                         # the digest vouches for no one: check-layer's rules, and a group per rank
-            if spec.layer not in LAYERS or not set(spec.dtypes) <= set(DTYPES):
+            if spec.layer not in layers.names() or not set(spec.dtypes) <= set(DTYPES):
                 raise ValueError(f"layer {spec.layer!r}, dtypes {spec.dtypes!r}")
-            spec.layer_spec()
+            spec.layer_check()
         except (KeyError, TypeError, ValueError) as err:
             raise UnusableInput(f"case file {path} is damaged: its case description is invalid ({err})") from None
         for dtype in spec.dtypes:

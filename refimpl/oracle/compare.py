@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy
 
+from .. import layers
 from . import diagnose
 from .casefile import Case, Results
 
@@ -36,30 +37,11 @@ EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23}
 
 
 def reduction_length(case: Case, tensor: str) -> tuple[int, str]:
-    """(K, what K counts) for one tensor of the case's layer."""
-    s = case.spec
-    n, c = s.input[:2]
-    out = case.expected[s.dtypes[0]]["y"].shape
-    kvol = math.prod(s.kernel)
-    in_vol, out_vol = math.prod(s.input[2:]), math.prod(out[2:])
-    overlap = math.prod(-(-(s.dilation[a] * (s.kernel[a] - 1) + 1) // s.stride[a]) for a in range(3))
+    """(K, what K counts) for one tensor of the case's layer (refimpl/layers: ``reduction_length``)."""
     if tensor in ("x_needed",):
         return 1, "an exact copy"
-    if s.layer == "batch_norm3d":
-        return n * in_vol, "N·D·H·W values per channel statistic"
-    if s.layer == "max_pool3d":
-        return (1, "a maximum: exact") if tensor == "y" else (overlap, "overlapping windows per input")
-    if s.layer == "avg_pool3d":
-        return (kvol, "kd·kh·kw window terms") if tensor == "y" else (overlap, "overlapping windows per input")
-    f = out[1]
-    if tensor in ("y", "y_partial"):
-        return c * kvol, "C·kd·kh·kw terms per output"
-    if tensor in ("dx", "dx_needed"):
-        return f * kvol, "F·kd·kh·kw terms per input"
-    if tensor in ("dw", "dw_partial"):
-        vol = out_vol if s.layer == "conv3d" else in_vol
-        return n * vol, "N·(conv output volume) terms per weight"
-    return n * out_vol, "N·Do·Ho·Wo terms per bias"
+    out = case.expected[case.spec.dtypes[0]]["y"].shape
+    return layers.lookup(case.spec.layer).reduction_length(case.spec, tensor, out)
 
 
 def tolerance(case: Case, dtype: str, tensor: str, factor: float = 1.0) -> tuple[float, str]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy
 
-from .. import functional as F
-from ..parallel.partition import grid_rank, needed_input_range, transposed_needed_input_range
+from .. import layers
+from ..parallel.partition import grid_rank
 from . import expect
 
 AXES = "DHW"
@@ -67,31 +67,21 @@ def shift(got, want, bad, atol) -> str | None:
 
 # ---------------------------------------------------------------- halo patterns
 
-def _window(spec, a, o):
-    """Input range [lo, hi) (clipped) output ``o`` reads along axis ``a``."""
-    n = spec.input[2 + a]
-    args = (spec.kernel[a], spec.stride[a], spec.padding[a], spec.dilation[a], n)
-    if spec.layer == "conv_transpose3d":
-        return transposed_needed_input_range(o, o + 1, *args, spec.output_padding[a])
-    if spec.layer == "batch_norm3d":
-        return o, o + 1
-    return needed_input_range(o, o + 1, *args)[0]
-
-
 def ghost_reading_outputs(case, lo):
     """Per axis, (low, high) boolean vectors over rank ``lo``'s output block: the outputs
     whose window reads inputs below / above the rank's own input block."""
+    kind = layers.lookup(case.spec.layer)
     sides = []
     for a in range(3):
         (o0, o1), (b0, b1) = lo.outputs[a], lo.owned[a]
-        ranges = [_window(case.spec, a, o) for o in range(o0, o1)]
+        ranges = [kind.input_window(case.spec, a, o) for o in range(o0, o1)]
         sides.append((numpy.array([r[0] < b0 for r in ranges], bool), numpy.array([r[1] > b1 for r in ranges], bool)))
     return sides
 
 
 def halo_forward(case, lo, bad) -> str | None:
     """Every mismatch of rank lo's y lies in an output whose window reads ghost cells."""
-    if not bad.any() or case.spec.layer == "batch_norm3d":
+    if not bad.any() or not layers.lookup(case.spec.layer).has_halo:
         return None
     sides = ghost_reading_outputs(case, lo)
     shape = bad.shape[2:]
@@ -143,7 +133,7 @@ def _ghost_gradients(case, dtype, lo):
 
 
 def halo_adjoint(case, dtype, lo, got, want, bad, atol) -> str | None:
-    if case.spec.layer == "batch_norm3d" or case.spec.model_parallel == "filter" or not bad.any():
+    if not layers.lookup(case.spec.layer).has_halo or case.spec.model_parallel == "filter" or not bad.any():
         return None
     own, received = _ghost_gradients(case, dtype, lo)
     err = numpy.asarray(got, numpy.float64) - numpy.asarray(want, numpy.float64)
@@ -179,46 +169,22 @@ def ghost_cells(case, lo, bad) -> str | None:
             f"the forward halo exchange")
 
 
-# ---------------------------------------------------------------- batch norm statistics
+# ---------------------------------------------------------------- mistakes of one layer kind
 
-def _bn_candidate(case, dtype, groups):
-    """Global (y, dx) of batch norm computed separately over each (samples, spatial) group."""
-    a = {k: numpy.asarray(v, numpy.float64) for k, v in case.inputs[dtype].items()}
-    y = numpy.zeros_like(a["x"])
-    dx = numpy.zeros_like(a["x"])
-    for index in groups:
-        xs, dys = a["x"][index], a["dy"][index]
-        if xs.size == 0 or xs.shape[0] * numpy.prod(xs.shape[2:]) < 2:
-            return None
-        ch = index[1]
-        ys, cache = F.batch_norm3d(xs, a["w"][ch], a["b"][ch], training=True)
-        y[index] = ys
-        dx[index] = F.batch_norm3d_backward(dys, cache)[0]
-    return y, dx
-
-
-def bn_statistics(case, dtype, tensor, got, want, index, atol) -> str | None:
-    """Batch norm whose statistics were reduced over too few ranks."""
-    if case.spec.layer != "batch_norm3d" or tensor not in ("y", "dx"):
+def known_mistake(case, dtype, tensor, got, want, index, atol) -> str | None:
+    """y or dx equal to what a known mistake of the case's layer kind produces
+    (refimpl/layers: ``known_mistakes``, ``affine_mistake``; batch norm's statistics)."""
+    if tensor not in ("y", "dx"):
         return None
-    part = 0 if tensor == "y" else 1
-    blocks = list({_key(lo.index("x")): lo.index("x") for lo in case.layouts}.values())
-    groups = [(slice(*s), slice(*c)) + (slice(None),) * 3
-              for s, c in dict.fromkeys((lo.samples, lo.in_channels) for lo in case.layouts)]
-    dims = expect.grid5(case.spec.grid)
-    candidates = [("batch-norm statistics computed over each rank's own block: not reduced over the "
-                   "spatial group (every rank holds a different part of the same samples)", blocks)]
-    if dims[0] > 1:
-        candidates.append((f"batch-norm statistics reduced over the spatial group but not over the {dims[0]} "
-                           f"sample groups (the case uses statistics of the whole batch)", groups))
-    for message, where in candidates:
-        cand = _bn_candidate(case, dtype, where)
-        if cand is not None and _matches(got, cand[part][index], atol):
+    kind = layers.lookup(case.spec.layer)
+    part = ("y", "dx").index(tensor)
+    for message, candidate in kind.known_mistakes(case, dtype):
+        if candidate is not None and _matches(got, candidate[part][index], atol):
             return message
-    return _affine(got, want, atol)
+    return kind.affine_mistake and _affine(got, want, atol, kind.affine_mistake)
 
 
-def _affine(got, want, atol) -> str | None:
+def _affine(got, want, atol, message) -> str | None:
     """got == a_c * want + b_c per channel (least squares), with some a_c != 1 or b_c != 0."""
     got = numpy.asarray(got, numpy.float64)
     want = numpy.asarray(want, numpy.float64)
@@ -229,8 +195,7 @@ def _affine(got, want, atol) -> str | None:
         coef = numpy.linalg.lstsq(numpy.stack([w, numpy.ones_like(w)], 1), g, rcond=None)[0]
         if float(numpy.abs(coef[0] * w + coef[1] - g).max()) > atol:
             return None
-    return ("a per-channel scale and shift error: batch-norm statistics (mean, variance; biased vs. "
-            "unbiased; eps) or gamma/beta differ from the case's (global statistics, biased variance, eps 1e-5)")
+    return message
 
 
 # ---------------------------------------------------------------- gradient reductions
@@ -298,7 +263,7 @@ def global_tensor(case, dtype, tensor, got, want, bad, atol) -> str | None:
     everything = (slice(None),) * want.ndim
     if tensor in ("dw", "db"):
         return reduction(case, dtype, tensor, got, everything, atol)
-    found = bn_statistics(case, dtype, tensor, got, want, everything, atol) or shift(got, want, bad, atol)
+    found = known_mistake(case, dtype, tensor, got, want, everything, atol) or shift(got, want, bad, atol)
     if found:
         return found
     # split into the ranks' blocks (one copy per block) and test each rank's pattern
@@ -338,7 +303,7 @@ def rank_tensor(case, dtype, tensor, r, got, want, bad, atol) -> str | None:
         return ghost_cells(case, lo, bad)
     if tensor in ("y", "dx"):
         index = lo.index("y" if tensor == "y" else "x")
-        found = bn_statistics(case, dtype, tensor, got, want, index, atol) or shift(got, want, bad, atol)
+        found = known_mistake(case, dtype, tensor, got, want, index, atol) or shift(got, want, bad, atol)
         if found:
             return found
         found = halo_forward(case, lo, bad) if tensor == "y" else \

@@ -1,10 +1,11 @@
 """Expected arrays of one oracle case: global, and every rank's local blocks.
 
-Pure math on one process (no MPI): the global forward/backward comes from
-``refimpl.functional`` on the whole tensor; each rank's view comes from the *same
-plan objects the partitioned layers execute* (``partition.conv_halo_plan`` and
-``transposed_conv_halo_plan``: owned input block, output block, needed input range)
-and ``channels.channel_range`` for the model axis.
+Pure math on one process (no MPI), through the case's kind of the layer registry
+(refimpl/layers): the global forward/backward is the kind's reference (``refimpl.functional``
+on the whole tensor, convs with the reference algorithm); each rank's view comes from the
+*same plan objects the partitioned layers execute* (the kind's ``halo_plan``:
+``partition.conv_halo_plan`` or ``transposed_conv_halo_plan``: owned input block, output
+block, needed input range) and ``channels.channel_range`` for the model axis.
 
 A rank's partial quantities (before any exchange or reduction) are derived without
 local padding arithmetic, by linearity: the loss is L = sum(y * dy), so the part of
@@ -17,7 +18,8 @@ before the adjoint halo exchange) is that backward's dx sliced to the needed ran
 ``dw_partial``/``db_partial`` its dw/db, sliced to r's parameter shard.  Two checks
 make the derivation fail loudly instead of writing wrong expectations: dx of dy_r is
 zero outside r's needed range (the plan's ranges are large enough), and the ranks'
-partials add up to the global gradient (they are a partition of it).
+partials add up to the global gradient (they are a partition of it).  A kind whose outputs
+depend on whole-tensor statistics (batch norm) derives its partials itself (``rank_partials``).
 
 Tensors of rank r (``offset``: the global index of the block's first element):
 
@@ -45,15 +47,8 @@ from dataclasses import dataclass
 
 import numpy
 
-from .. import functional as F
-from ..parallel.partition import (block_range, channel_range, conv_halo_plan, grid_coords,
-                                  transposed_conv_halo_plan, window_output_extent, transposed_output_extent)
-
-CONV_LAYERS = ("conv3d", "conv_transpose3d")
-#: expectations are computed by the reference math (refimpl/functional/conv3d.py: pad, one slice
-#: per tap, one GEMM), never by a kernel of refimpl/kernels/: the oracle's trust rests on code
-#: anyone can read
-ALGORITHM = "reference"
+from .. import layers
+from ..parallel.partition import block_range, channel_range, grid_coords
 
 
 @dataclass(frozen=True)
@@ -99,16 +94,8 @@ def grid5(grid) -> tuple:
 
 def output_shape(spec) -> tuple:
     """(N, F, Do, Ho, Wo) of the case's layer."""
-    n, c, *dhw = spec.input
-    if spec.layer == "conv_transpose3d":
-        out = [transposed_output_extent(dhw[a], spec.kernel[a], spec.stride[a], spec.padding[a],
-                                        spec.dilation[a], spec.output_padding[a]) for a in range(3)]
-    elif spec.layer == "batch_norm3d":
-        out = dhw
-    else:
-        out = [window_output_extent(dhw[a], spec.kernel[a], spec.stride[a], spec.padding[a], spec.dilation[a])
-               for a in range(3)]
-    return (n, spec.out_channels if spec.layer in CONV_LAYERS else c) + tuple(out)
+    kind = layers.lookup(spec.layer)
+    return (spec.input[0], kind.output_channels(spec)) + tuple(kind.output_extent(spec))
 
 
 def rank_layouts(spec) -> list[RankLayout]:
@@ -116,13 +103,7 @@ def rank_layouts(spec) -> list[RankLayout]:
     dims = grid5(spec.grid)
     n, c = spec.input[:2]
     f = output_shape(spec)[1]
-    if spec.layer == "conv_transpose3d":
-        plan = transposed_conv_halo_plan(spec.input[2:], dims[1:4], spec.kernel, spec.stride, spec.padding,
-                                         spec.dilation, spec.output_padding)
-    elif spec.layer == "batch_norm3d":
-        plan = None
-    else:
-        plan = conv_halo_plan(spec.input[2:], dims[1:4], spec.kernel, spec.stride, spec.padding, spec.dilation)
+    plan = layers.lookup(spec.layer).halo_plan(spec, dims[1:4])
     layouts = []
     for rank in range(spec.ranks):
         coords = grid_coords(rank, dims)
@@ -145,56 +126,26 @@ def rank_layouts(spec) -> list[RankLayout]:
 def draw_inputs(spec) -> dict:
     """Global float64 inputs of the case (x, dy, and w, b where the layer has them)."""
     rng = numpy.random.default_rng([spec.seed, 11])
-    n, c = spec.input[:2]
-    shape_out = output_shape(spec)
     if spec.values == "ties":   # small integers: many windows hold equal maxima
         x = rng.integers(-3, 4, spec.input).astype(numpy.float64)
     else:
         x = rng.standard_normal(spec.input)
     arrays = {"x": x}
-    if spec.layer in CONV_LAYERS:
-        f, kvol = shape_out[1], int(numpy.prod(spec.kernel))
-        wshape = (f, c) if spec.layer == "conv3d" else (c, f)
-        arrays["w"] = rng.standard_normal(wshape + tuple(spec.kernel)) / numpy.sqrt(c * kvol)
-        arrays["b"] = rng.standard_normal(f)
-    elif spec.layer == "batch_norm3d":
-        arrays["w"] = rng.uniform(0.5, 1.5, c)
-        arrays["b"] = rng.standard_normal(c)
+    arrays.update(layers.lookup(spec.layer).draw_parameters(rng, spec))
     # dy has mean 1: dw and db sum dy over the whole batch; a sum that cancels to near zero
     # would make a relative error measure luck
-    arrays["dy"] = 1.0 + rng.standard_normal(shape_out)
+    arrays["dy"] = 1.0 + rng.standard_normal(output_shape(spec))
     return arrays
-
-
-def forward_backward(spec, a, dy) -> tuple:
-    """(y, dx, dw, db) of the whole layer in float64 (dw, db None where it has none)."""
-    k, s, p, d = spec.kernel, spec.stride, spec.padding, spec.dilation
-    if spec.layer == "conv3d":
-        y = F.conv3d(a["x"], a["w"], a["b"], s, p, d, algorithm=ALGORITHM)
-        return (y,) + tuple(F.conv3d_backward(dy, a["x"], a["w"], s, p, d, algorithm=ALGORITHM))
-    if spec.layer == "conv_transpose3d":
-        op = spec.output_padding
-        y = F.conv_transpose3d(a["x"], a["w"], a["b"], s, p, op, d, algorithm=ALGORITHM)
-        return (y,) + tuple(F.conv_transpose3d_backward(dy, a["x"], a["w"], s, p, op, d, algorithm=ALGORITHM))
-    if spec.layer == "max_pool3d":
-        return F.max_pool3d(a["x"], k, s, p, d), F.max_pool3d_backward(dy, a["x"], k, s, p, d), None, None
-    if spec.layer == "avg_pool3d":
-        return F.avg_pool3d(a["x"], k, s, p), F.avg_pool3d_backward(dy, a["x"], k, s, p), None, None
-    y, cache = F.batch_norm3d(a["x"], a["w"], a["b"], training=True)
-    return (y,) + tuple(F.batch_norm3d_backward(dy, cache))
 
 
 def weight_shard(spec, layout) -> tuple | None:
     """(axis, start, stop) of the weight slice rank ``layout`` holds; None: the whole weight."""
-    mode = spec.model_parallel
-    if mode == "none":
+    if spec.model_parallel == "none":
         return None
-    if spec.layer == "batch_norm3d":
-        return (0,) + layout.in_channels
-    out_axis = 0 if spec.layer == "conv3d" else 1
-    if mode == "filter":
+    out_axis, in_axis = layers.lookup(spec.layer).weight_axes
+    if spec.model_parallel == "filter":
         return (out_axis,) + layout.out_channels
-    return (1 - out_axis,) + layout.in_channels
+    return (in_axis,) + layout.in_channels
 
 
 def take(array, shard):
@@ -210,12 +161,13 @@ def take(array, shard):
 
 
 def bias_shard(spec, layout):
-    return None if spec.model_parallel == "none" else (0,) + (
-        layout.in_channels if spec.layer == "batch_norm3d" else layout.out_channels)
+    """The bias follows the output channels (batch norm's too: they are its input channels)."""
+    return None if spec.model_parallel == "none" else (0,) + layout.out_channels
 
 
 def rank_arrays(spec, a, expected, layout) -> dict:
     """{name: (array, offset)} of one rank, float64 (see the module docstring)."""
+    kind = layers.lookup(spec.layer)
     x, dy = a["x"], a["dy"]
     y, dx, dw, db = expected
     lo = layout
@@ -227,27 +179,18 @@ def rank_arrays(spec, a, expected, layout) -> dict:
     if dw is not None:
         out["dw"] = take(dw, weight_shard(spec, lo))
         out["db"] = take(db, bias_shard(spec, lo))
-    if spec.layer == "batch_norm3d":
-        xs, dys = x[lo.index("x")], dy[lo.index("x")]
-        axes = (0, 2, 3, 4)
-        count = x.shape[0] * numpy.prod(x.shape[2:])
-        mean = x.mean(axis=axes, keepdims=True)
-        var = x.var(axis=axes, keepdims=True)
-        xhat = (xs - mean[:, slice(*lo.in_channels)]) / numpy.sqrt(var[:, slice(*lo.in_channels)] + 1e-5)
-        offset = [lo.in_channels[0]]
-        out["sum_partial"] = (xs.sum(axis=axes), offset)
-        out["sumsq_partial"] = ((xs * xs).sum(axis=axes), offset)
-        out["dw_partial"] = ((dys * xhat).sum(axis=axes), offset)
-        out["db_partial"] = (dys.sum(axis=axes), offset)
-        assert count > 1
+    partials = kind.rank_partials(spec, a, lo)
+    if partials is not None:
+        out.update(partials)
         return out
     # the part of the backward that flows from this rank's outputs (see the docstring)
+    partial_sums = spec.model_parallel == "channel" and kind.mixes_channels
     dy_r = numpy.zeros_like(dy)
     masked = list(lo.index("y"))
-    if spec.model_parallel == "channel" and spec.layer in CONV_LAYERS:
+    if partial_sums:
         masked[1] = slice(None)          # dy allgathered over the model group: every filter
     dy_r[tuple(masked)] = dy[tuple(masked)]
-    _, dx_r, dw_r, db_r = forward_backward(spec, a, dy_r)
+    _, dx_r, dw_r, db_r = kind.reference(spec, x, a.get("w"), a.get("b"), dy_r)
     needed = lo.index("needed")
     outside = dx_r.copy()
     outside[(slice(None), slice(None)) + needed[2:]] = 0
@@ -259,13 +202,9 @@ def rank_arrays(spec, a, expected, layout) -> dict:
     if dw_r is not None:
         out["dw_partial"] = take(dw_r, weight_shard(spec, lo))
         out["db_partial"] = take(db_r, bias_shard(spec, lo))
-    if spec.model_parallel == "channel" and spec.layer in CONV_LAYERS:
+    if partial_sums:                     # over this rank's input channels, no bias, before the reduce-scatter
         w_c, _ = take(a["w"], weight_shard(spec, lo))
-        x_c = x[:, slice(*lo.in_channels)]
-        args = (spec.stride, spec.padding, spec.output_padding, spec.dilation) \
-            if spec.layer == "conv_transpose3d" else (spec.stride, spec.padding, spec.dilation)
-        fn = F.conv3d if spec.layer == "conv3d" else F.conv_transpose3d
-        y_part = fn(x_c, w_c, None, *args, algorithm=ALGORITHM)
+        y_part, _ = kind.forward(spec, x[:, slice(*lo.in_channels)], w_c, None)
         index = (slice(*lo.samples), slice(0, y.shape[1])) + lo.index("y")[2:]
         out["y_partial"] = (y_part[index], start(index))
     return out
@@ -283,11 +222,8 @@ def self_check(spec, expected, ranks) -> None:
     """The rank partials must add up to the global gradients (they partition them)."""
     y, dx, dw, db = expected
     copies = grid5(spec.grid)[4] if spec.model_parallel == "none" else 1
-    checks = [("dx_needed", dx), ("dw_partial", dw), ("db_partial", db)]
-    if spec.layer == "batch_norm3d":
-        checks = [("dw_partial", dw), ("db_partial", db)]
-    for name, whole in checks:
-        if whole is None:
+    for name, whole in (("dx_needed", dx), ("dw_partial", dw), ("db_partial", db)):
+        if whole is None or name not in ranks[0]:
             continue
         total = embed(whole.shape, [r[name] for r in ranks]) / copies
         scale = max(float(numpy.abs(whole).max()), 1e-300)
@@ -305,7 +241,8 @@ def expectations(spec, dtype: str) -> tuple[dict, dict, list[dict]]:
     inputs = draw_inputs(spec)
     if dtype == "float32":
         inputs = {k: v.astype(numpy.float32).astype(numpy.float64) for k, v in inputs.items()}
-    expected = forward_backward(spec, inputs, inputs["dy"])
+    expected = layers.lookup(spec.layer).reference(spec, inputs["x"], inputs.get("w"), inputs.get("b"),
+                                                   inputs["dy"])
     ranks = [rank_arrays(spec, inputs, expected, layout) for layout in rank_layouts(spec)]
     self_check(spec, expected, ranks)
     cast = numpy.dtype(dtype)

@@ -3,36 +3,32 @@
 A suite lists ``[[case]]`` tables; every case names a layer and its arguments exactly as
 ``refimpl check-layer`` takes them, and ``grids``, the process grids it is partitioned
 over.  One *case file* is written per (case, grid) pair, named ``NAME.G.h5`` with the grid
-written ``Pn-Pd-Ph-Pw[-Pm]``.  Example::
+written ``Pn-Pd-Ph-Pw[-Pm]``.  Top-level keys (all optional): ``description``, ``seed``
+(the default seed of every case), ``dtypes`` (default ``["float64", "float32"]``).  Keys of
+a case::
 
-    description = "what the suite is for"     # optional
-    seed = 0                      # optional: default seed of every case
-    dtypes = ["float64", "float32"]   # optional: default dtypes of every case
+    name            letters, digits, '_' and '-'
+    layer           a layer kind of refimpl/layers (``refimpl check-layer --help`` lists them)
+    input           [N, C, D, H, W] (global)
+    out_channels    conv layers (default C)
+    kernel          int or [kd, kh, kw]; likewise stride, padding, dilation, output_padding
+    grids           [[Pn, Pd, Ph, Pw], ...], or 5 entries with the model axis Pm
+    model_parallel  none | filter | channel (as check-layer --model-parallel)
+    values          normal | ties (small integers: many equal maxima)
+    seed, dtypes    as the top-level defaults
 
-    [[case]]
-    name = "conv_even_kernel"     # letters, digits, '_' and '-'
-    layer = "conv3d"              # conv3d | conv_transpose3d | max_pool3d | avg_pool3d | batch_norm3d
-    input = [2, 3, 9, 8, 7]       # N, C, D, H, W (global)
-    out_channels = 4              # conv layers (default C)
-    kernel = [2, 4, 2]            # int or [kd, kh, kw]; likewise stride, padding, dilation,
-    padding = [0, 1, 1]           #   output_padding (conv_transpose3d)
-    grids = [[1, 2, 2, 1], [2, 1, 3, 1]]   # 4 entries, or 5 with the model axis Pm
-    model_parallel = "none"       # none | filter | channel (as check-layer --model-parallel)
-    values = "normal"             # normal | ties (small integers: many equal maxima)
-    seed = 3                      # optional
-
-Every case is validated by the same code as ``check-layer`` (``LayerSpec``), so a suite
-case that loads is one check-layer would run; any unknown key or bad value is a
-``ValueError`` naming the case and the key.
+docs/oracle.md shows a whole suite.  Every case is validated by the same code as
+``check-layer`` (``refimpl.check.LayerCheck``), so a suite case that loads is one
+check-layer would run; any unknown key or bad value is a ``ValueError`` naming the case and
+the key.
 """
 from __future__ import annotations
 
 import re
-from argparse import Namespace
 from dataclasses import dataclass
 from importlib import resources
 
-from ..commands.check_layer import LAYERS
+from ..check import LayerCheck
 from ..parallel.grid import format_grid
 
 #: keys a case may set, with their defaults (None: check-layer's default)
@@ -75,18 +71,12 @@ class CaseSpec:
             size *= p
         return size
 
-    def layer_spec(self):
-        """check-layer's validated ``LayerSpec`` of this case (the single source of its rules)."""
-        from ..commands.check_layer import LayerSpec
-
-        def text(v):
-            return None if v is None else ",".join(str(i) for i in (v if isinstance(v, (list, tuple)) else [v]))
-        args = Namespace(layer=self.layer, input=text(self.input), out_channels=self.out_channels,
-                         kernel=text(self.kernel), stride=text(self.stride), padding=text(self.padding),
-                         dilation=text(self.dilation), output_padding=text(self.output_padding),
-                         grid=format_grid(self.grid), model_parallel=self.model_parallel,
-                         dtype="float64", seed=self.seed, save=None, algorithm=None)
-        return LayerSpec(args, self.ranks)
+    def layer_check(self) -> LayerCheck:
+        """check-layer's validated ``LayerCheck`` of this case (the single source of its rules)."""
+        return LayerCheck(layer=self.layer, input=self.input, grid=self.grid, out_channels=self.out_channels,
+                          kernel=self.kernel, stride=self.stride, padding=self.padding, dilation=self.dilation,
+                          output_padding=self.output_padding, model_parallel=self.model_parallel,
+                          seed=self.seed)
 
 
 def _int_list(value, where, key):
@@ -147,16 +137,13 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
                             grid=tuple(g), model_parallel=case.get("model_parallel", "none"),
                             values=values, seed=seed, dtypes=tuple(dtypes))
             try:
-                if spec.layer not in LAYERS:
-                    raise ValueError(f"layer must be one of {', '.join(LAYERS)}, got {spec.layer!r}")
-                layer = spec.layer_spec()          # check-layer's rules, e.g. pooling padding
+                check = spec.layer_check()         # check-layer's rules, e.g. pooling padding
             except ValueError as err:
                 raise ValueError(f"{label}, grid {list(g)}: {err}".replace("--", "")) from None
-            specs.append(CaseSpec(**{**spec.__dict__, "out_channels": layer.out_channels,
-                                     "kernel": layer.kernel, "stride": layer.stride,
-                                     "padding": layer.padding, "dilation": layer.dilation,
-                                     "output_padding": layer.output_padding,
-                                     "grid": tuple(layer.grid_dims)}))
+            specs.append(CaseSpec(**{**spec.__dict__, "out_channels": check.out_channels,
+                                     "kernel": check.kernel, "stride": check.stride,
+                                     "padding": check.padding, "dilation": check.dilation,
+                                     "output_padding": check.output_padding, "grid": check.grid}))
     return specs
 
 

@@ -14,6 +14,10 @@ does with a case file:
    allreducing dw/db and batch-norm sums — are done by summing the ranks' tensors in
    this one process.
 
+What is particular to one kind of layer — its ``torch.nn.functional`` call, the block of a
+transposed conv, batch norm's per-rank statistics — is the kind's PyTorch twin in the layer
+registry (refimpl/layers: ``torch_forward``, ``torch_block``, ``torch_ranks``).
+
 ``--plant`` injects a known mistake, to see what ``oracle check`` says about it:
 
     halo:R          rank R receives zeros instead of its ghost cells
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import numpy
 
+from .. import layers
 from . import expect
 
 PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "bn-local-stats", "dw-unsummed")
@@ -62,25 +67,11 @@ def _torch():
     return torch
 
 
-def _layer_fn(spec, torch):
-    """fn(x, w, b) of the whole layer, with torch.nn.functional."""
-    tf = torch.nn.functional
-    k, s, p, d = spec.kernel, spec.stride, spec.padding, spec.dilation
-    if spec.layer == "conv3d":
-        return lambda x, w, b: tf.conv3d(x, w, b, s, p, d)
-    if spec.layer == "conv_transpose3d":
-        return lambda x, w, b: tf.conv_transpose3d(x, w, b, s, p, spec.output_padding, 1, d)
-    if spec.layer == "max_pool3d":
-        return lambda x, w, b: tf.max_pool3d(x, k, s, p, d)
-    if spec.layer == "avg_pool3d":
-        return lambda x, w, b: tf.avg_pool3d(x, k, s, p)
-    return lambda x, w, b: tf.batch_norm(x, None, None, w, b, training=True, eps=1e-5)
-
-
 def run_global(case, dtype, torch):
     """The unpartitioned layer: y and the gradients of L = sum(y * dy)."""
     a = {k: torch.tensor(v, requires_grad=k in ("x", "w", "b")) for k, v in case.inputs[dtype].items()}
-    y = _layer_fn(case.spec, torch)(a["x"], a.get("w"), a.get("b"))
+    kind = layers.lookup(case.spec.layer)
+    y = kind.torch_forward(case.spec, torch.nn.functional, a["x"], a.get("w"), a.get("b"))
     y.backward(a["dy"])
     out = {"y": y.detach().numpy(), "dx": a["x"].grad.numpy()}
     if "w" in a:
@@ -88,50 +79,18 @@ def run_global(case, dtype, torch):
     return out
 
 
-def _local_conv(spec, lo, x_needed, w, b, torch, plant):
-    """Rank lo's outputs from its needed input block (conv, pooling, transposed conv)."""
-    tf = torch.nn.functional
-    k, s, p, d = spec.kernel, spec.stride, spec.padding, spec.dilation
-    if spec.layer == "conv_transpose3d":
-        # full local transposed conv, then the window of it that is lo's output block
-        y = tf.conv_transpose3d(x_needed, w, None, s, 0, 0, 1, d) if all(x_needed.shape[2:]) else None
-        pads = []
-        for a in reversed(range(3)):
-            (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]
-            start = i0 * s[a] - p[a]
-            length = y.shape[2 + a] if y is not None else 0
-            pads += [start - o0, (o1 - o0) - (start - o0) - length]   # negative pad = crop
-        if y is None:
-            y = torch.zeros(x_needed.shape[:2][:1] + (w.shape[1],) + tuple(o1 - o0 for o0, o1 in lo.outputs),
-                            dtype=x_needed.dtype)
-        else:
-            y = tf.pad(y, pads)
-        return y if b is None else y + b.reshape(1, -1, 1, 1, 1)
-    pads = []
-    for a in reversed(range(3)):
-        (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]
-        low = i0 - (s[a] * o0 - p[a])
-        high = (s[a] * (o1 - 1) - p[a] + d[a] * (k[a] - 1) + 1) - i1
-        if plant and plant[0] == "padding" and plant[1] == a:
-            low, high = low + 1, high - 1
-        pads += [low, high]
-    value = -numpy.inf if spec.layer == "max_pool3d" else 0.0
-    xp = tf.pad(x_needed, pads, value=value) if any(pads) else x_needed
-    if spec.layer == "conv3d":
-        return tf.conv3d(xp, w, b, s, 0, d)
-    if spec.layer == "max_pool3d":
-        return tf.max_pool3d(xp, k, s, 0, d)
-    return tf.avg_pool3d(xp, k, s, 0)
-
-
 def run_ranks(case, dtype, torch, plant=None):
     """Every rank's blocks, computed from its own slice of the inputs."""
     spec = case.spec
+    kind = layers.lookup(spec.layer)
     g = {k: torch.tensor(v) for k, v in case.inputs[dtype].items()}
-    mode = spec.model_parallel
+    results = kind.torch_ranks(case, g, torch, plant)
+    if results is not None:
+        return results
+    tf = torch.nn.functional
+    shift_axis = plant[1] if plant and plant[0] == "padding" else None
+    partial_sums = spec.model_parallel == "channel" and kind.mixes_channels
     out = {lo.rank: {} for lo in case.layouts}
-    if spec.layer == "batch_norm3d":
-        return _run_bn(case, g, torch, plant, out)
     leaves = {}
     for lo in case.layouts:
         xn = g["x"][lo.index("needed")].clone()
@@ -151,12 +110,11 @@ def run_ranks(case, dtype, torch, plant=None):
         leaves[lo.rank] = (xn, w, b)
         if any(o0 == o1 for o0, o1 in lo.outputs) or lo.samples[0] == lo.samples[1]:
             continue
-        if mode == "channel" and spec.layer in expect.CONV_LAYERS:     # partial sums, no bias
-            part = _local_conv(spec, lo, xn, w, None, torch, plant)
-            out[lo.rank]["y_partial"] = part
+        if partial_sums:                                             # partial sums, no bias
+            out[lo.rank]["y_partial"] = kind.torch_block(spec, tf, lo, xn, w, None, shift_axis)
         else:
-            out[lo.rank]["y"] = _local_conv(spec, lo, xn, w, b, torch, plant)
-    if mode == "channel" and spec.layer in expect.CONV_LAYERS:           # the reduce-scatter
+            out[lo.rank]["y"] = kind.torch_block(spec, tf, lo, xn, w, b, shift_axis)
+    if partial_sums:                                                 # the reduce-scatter
         for lo in case.layouts:
             if "y_partial" not in out[lo.rank]:
                 continue
@@ -221,48 +179,6 @@ def _allreduce_params(case, result, plant):
             if plant and plant[0] == "dw-unsummed":         # over the sample groups only
                 same = [q for q in same if q.coords[1:4] == lo.coords[1:4]]
             result[lo.rank][name] = sum(result[q.rank][f"{name}_partial"] for q in same)
-
-
-def _run_bn(case, g, torch, plant, out):
-    """Batch norm per rank: local sums, allreduced (summed here) over every rank holding
-    the same channels, then normalise; autograd carries the backward through the sums."""
-    eps = 1e-5
-    xs = {lo.rank: g["x"][lo.index("x")].clone().requires_grad_(True) for lo in case.layouts}
-    gamma = {lo.rank: g["w"][slice(*lo.in_channels)].clone().requires_grad_(True) for lo in case.layouts}
-    beta = {lo.rank: g["b"][slice(*lo.in_channels)].clone().requires_grad_(True) for lo in case.layouts}
-    axes = (0, 2, 3, 4)
-    loss = 0
-    ys = {}
-    for lo in case.layouts:
-        group = [lo] if plant and plant[0] == "bn-local-stats" else \
-            [q for q in case.layouts if q.in_channels == lo.in_channels]
-        count = sum(xs[q.rank].shape[0] * numpy.prod(xs[q.rank].shape[2:]) for q in group)
-        s1 = sum(xs[q.rank].sum(dim=axes) for q in group)
-        s2 = sum((xs[q.rank] ** 2).sum(dim=axes) for q in group)
-        mean = s1 / count
-        var = s2 / count - mean ** 2
-        shape = (1, -1, 1, 1, 1)
-        y = (xs[lo.rank] - mean.reshape(shape)) / torch.sqrt(var.reshape(shape) + eps) * \
-            gamma[lo.rank].reshape(shape) + beta[lo.rank].reshape(shape)
-        ys[lo.rank] = (y, mean.detach(), var.detach())
-        loss = loss + (y * g["dy"][lo.index("x")]).sum()
-    loss.backward()
-    result = {}
-    for lo in case.layouts:
-        y, mean, var = ys[lo.rank]
-        x = xs[lo.rank].detach()
-        dy = g["dy"][lo.index("x")]
-        xhat = (x - mean.reshape(1, -1, 1, 1, 1)) / torch.sqrt(var.reshape(1, -1, 1, 1, 1) + eps)
-        result[lo.rank] = {"y": y.detach().numpy(), "dx": xs[lo.rank].grad.numpy(),
-                           "sum_partial": x.sum(dim=axes).numpy(), "sumsq_partial": (x * x).sum(dim=axes).numpy(),
-                           "dw_partial": (dy * xhat).sum(dim=axes).numpy(), "db_partial": dy.sum(dim=axes).numpy()}
-    for name in ("dw", "db"):
-        for lo in case.layouts:
-            same = [q for q in case.layouts if q.in_channels == lo.in_channels]
-            if plant and plant[0] == "dw-unsummed":
-                same = [q for q in same if q.coords[1:4] == lo.coords[1:4]]
-            result[lo.rank][name] = sum(result[q.rank][f"{name}_partial"] for q in same)
-    return result
 
 
 def gathered(case, dtype, ranks) -> dict:

@@ -9,6 +9,7 @@ refimpl actually computes, on every grid of the world size.
 import numpy as np
 import pytest
 
+from refimpl import layers
 from refimpl.oracle import load_suite, parse_suite
 from refimpl.oracle.expect import expectations
 from refimpl.parallel.collectives import allreduce
@@ -29,9 +30,10 @@ def cases_for(size):
         table = {"name": base.name, "layer": base.layer, "input": list(base.input), "kernel": list(base.kernel),
                  "stride": list(base.stride), "padding": list(base.padding), "dilation": list(base.dilation),
                  "values": base.values, "model_parallel": base.model_parallel, "dtypes": ["float64"]}
-        if base.layer.startswith("conv"):
+        taken = layers.lookup(base.layer).hyper_parameters
+        if "out_channels" in taken:
             table["out_channels"] = base.out_channels
-        if base.layer == "conv_transpose3d":
+        if "output_padding" in taken:
             table["output_padding"] = list(base.output_padding)
         for grid in all_grids(size, model=base.model_parallel != "none"):
             try:
@@ -57,7 +59,7 @@ def test_refimpl_layers_match_the_per_rank_expectations(comm, all_ranks_agree):
         inputs, _, ranks = expectations(spec, "float64")
         mine = ranks[rank]
         grid = ProcessGrid(comm, spec.grid)
-        layer = spec.layer_spec().make_layer(grid, np.random.default_rng(0))
+        layer = layers.lookup(spec.layer).partitioned(spec, grid=grid, rng=np.random.default_rng(0), dtype=np.float64)
         layer.setup(spec.input[2:])
         params = [p for p in (getattr(layer, "weight", None), getattr(layer, "bias", None)) if p is not None]
         for p, name in zip(params, ("w", "b")):          # the case's parameters, this rank's slice

@@ -1,0 +1,56 @@
+"""The layer registry: per kind of layer, everything refimpl knows about it, in one entry.
+
+A kind (``conv3d``, ``max_pool3d``, ...) is a ``LayerKind``: its hyper-parameters and their
+rules, its reference forward and backward (refimpl/functional, convs with the reference
+algorithm), its local, spatially partitioned and model-parallel constructors (refimpl/nn),
+its PyTorch twin, and what the oracle needs to derive and diagnose every rank's blocks.
+check-layer (refimpl/check.py) and the oracle (refimpl/oracle/) look a kind up by the name a
+user types and never branch on the name, so a new layer is its functional op, one entry here
+and its test (docs/contributing.md, "Adding a layer").
+
+    base.py        LayerKind (pointwise in space, no parameters) and WindowKind (a halo'd window op)
+    conv.py        conv3d, conv_transpose3d
+    pool.py        max_pool3d, avg_pool3d
+    batch_norm.py  batch_norm3d
+"""
+from __future__ import annotations
+
+from .base import LayerKind, WindowKind
+from .batch_norm import BatchNorm3dKind
+from .conv import Conv3dKind, ConvTranspose3dKind
+from .pool import AvgPool3dKind, MaxPool3dKind
+
+#: name -> kind, in the order check-layer lists them
+REGISTRY: dict[str, LayerKind] = {}
+
+
+def register(kind: LayerKind) -> LayerKind:
+    """Add ``kind`` under its name (a test may add its own: pytest's monkeypatch.setitem)."""
+    if not kind.name or kind.name in REGISTRY:
+        raise ValueError(f"layer kind {kind.name!r}: needs a name no other kind has")
+    REGISTRY[kind.name] = kind
+    return kind
+
+
+def lookup(name: str) -> LayerKind:
+    """The kind called ``name``; ValueError listing the registered ones."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"layer must be one of {', '.join(REGISTRY)}, got {name!r}") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def names_taking(argument: str) -> list[str]:
+    """The kinds that read ``argument`` (check-layer's --help and its 'applies to' errors)."""
+    return [name for name, kind in REGISTRY.items() if argument in kind.hyper_parameters]
+
+
+for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind()):
+    register(kind)
+del kind
+
+__all__ = ["LayerKind", "WindowKind", "REGISTRY", "register", "lookup", "names", "names_taking"]

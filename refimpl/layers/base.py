@@ -1,0 +1,191 @@
+"""``LayerKind``: what refimpl knows about one kind of layer; ``WindowKind``: a halo'd window op.
+
+The base class describes a layer that is pointwise in space (output voxel v reads input voxel
+v only: no halo, the output keeps the input's extent) and has no parameters; a kind overrides
+what differs.  ``spec`` below is anything that carries a layer's arguments by check-layer's
+names (``refimpl.check.LayerCheck``, ``refimpl.oracle.suite.CaseSpec``): ``input`` (N, C, D,
+H, W), ``out_channels``, ``kernel``, ``stride``, ``padding``, ``dilation``,
+``output_padding`` (normalised 3-tuples) and ``model_parallel``.
+
+Constructors import refimpl.nn inside the method: the oracle imports this registry in one
+process without MPI, and the partitioned layers import mpi4py.
+"""
+from __future__ import annotations
+
+from ..parallel.partition import conv_halo_plan, needed_input_range, window_output_extent
+
+
+class LayerKind:
+    """A layer pointwise in space, without parameters (subclasses say what differs)."""
+
+    #: the name users type (``refimpl check-layer NAME``, a suite's ``layer = ...``)
+    name = ""
+    #: the arguments this kind reads besides the input shape; the others are accepted and
+    #: ignored, as check-layer always has (they also word check-layer's --help)
+    hyper_parameters: tuple = ()
+    #: --model-parallel modes: 'filter' splits the output channels over the model axis,
+    #: 'channel' the input channels; 'none': every model rank computes the whole layer
+    model_modes: tuple = ("none",)
+    #: every output channel reads every input channel (a conv): split by input channel, a rank
+    #: computes partial sums of every output channel (reduce-scattered), and its backward needs
+    #: dy of every output channel; a channel-wise layer (pooling, batch norm) needs neither
+    mixes_channels = False
+    #: whether outputs read inputs of other ranks' blocks (a halo exchange, and its adjoint)
+    has_halo = False
+    #: weight axes of the (output, input) channels: where a model-parallel weight is cut
+    weight_axes = (0, 0)
+
+    # ------------------------------------------------------------ hyper-parameters
+
+    def default_stride(self, kernel) -> tuple:
+        return (1, 1, 1)
+
+    def validate(self, spec) -> None:
+        """This kind's rules beyond the generic ones: ValueError, raised on every rank alike
+        before any message (refimpl/check.py calls it on normalised arguments)."""
+        if "output_padding" not in self.hyper_parameters and spec.output_padding != (0, 0, 0):
+            from . import names_taking
+            raise ValueError(f"--output-padding applies to {' / '.join(names_taking('output_padding'))} only")
+
+    def output_channels(self, spec) -> int:
+        return spec.input[1]
+
+    def output_extent(self, spec) -> tuple:
+        """(Do, Ho, Wo) of the whole layer's output."""
+        return tuple(spec.input[2:])
+
+    def may_use_winograd(self, spec, algorithm: str) -> bool:
+        """Whether the partitioned layer may run Winograd (float32 checks then allow its rounding)."""
+        return False
+
+    # ------------------------------------------------------------ parameters
+
+    def parameter_shapes(self, spec):
+        """(weight shape, bias shape) of the whole layer, or None for a layer without parameters."""
+        return None
+
+    def draw_parameters(self, rng, spec) -> dict:
+        """The oracle's random {'w', 'b'} (float64), drawn right after x and before dy."""
+        return {}
+
+    def check_init(self, rng, shape):
+        """Values check-layer draws for a parameter of ``shape`` in place of the layer's own
+        initialisation, or None to keep it (an identity init would hide a wrong scale)."""
+        return None
+
+    # ------------------------------------------------------------ reference math (refimpl.functional)
+
+    def forward(self, spec, x, w, b) -> tuple:
+        """(y, saved): the whole layer's output and what ``backward`` needs."""
+        raise NotImplementedError(f"layer kind {self.name} has no reference forward")
+
+    def backward(self, spec, dy, saved) -> tuple:
+        """(dx, dw, db) of ``forward`` (dw, db None without parameters)."""
+        raise NotImplementedError(f"layer kind {self.name} has no reference backward")
+
+    def reference(self, spec, x, w, b, dy) -> tuple:
+        """(y, dx, dw, db) of the unpartitioned layer: the oracle of check-layer and of the cases."""
+        y, saved = self.forward(spec, x, w, b)
+        return (y,) + tuple(self.backward(spec, dy, saved))
+
+    # ------------------------------------------------------------ constructors (refimpl.nn)
+
+    def local(self, spec, *, rng, dtype):
+        """The unpartitioned layer of one process."""
+        raise NotImplementedError(f"layer kind {self.name} has no local layer")
+
+    def partitioned(self, spec, *, grid, rng, dtype):
+        """The layer on ``grid``: spatially partitioned, and split over the model axis as
+        ``spec.model_parallel`` asks."""
+        raise NotImplementedError(f"layer kind {self.name} has no partitioned layer")
+
+    # ------------------------------------------------------------ partitioning (pure index math)
+
+    def halo_plan(self, spec, spatial_dims):
+        """The halo plan the partitioned layer executes (None: no halo, each rank reads its own block)."""
+        return None
+
+    def input_window(self, spec, axis: int, o: int) -> tuple:
+        """Input range [lo, hi) (clipped to the domain) that output ``o`` reads along ``axis``."""
+        return o, o + 1
+
+    # ------------------------------------------------------------ oracle
+
+    def rank_partials(self, spec, inputs, layout):
+        """A rank's partial quantities where masking dy cannot derive them (a layer whose
+        outputs depend on whole-tensor statistics): {name: (array, offset)}; None: the oracle
+        derives them by linearity (refimpl/oracle/expect.py)."""
+        return None
+
+    def reduction_length(self, spec, tensor: str, out_shape) -> tuple:
+        """(K, what K counts): the terms summed into one element of ``tensor``; the oracle's
+        tolerance grows as sqrt(K) (refimpl/oracle/compare.py)."""
+        raise NotImplementedError(f"layer kind {self.name} has no reduction lengths")
+
+    def known_mistakes(self, case, dtype):
+        """(message, (y, dx)) pairs: the global y and dx a known mistake of a partitioned
+        implementation produces (refimpl/oracle/diagnose.py names the one that matches)."""
+        return ()
+
+    #: the cause of a per-channel affine error (got == a_c * want + b_c), where this kind can
+    #: make one; None: no such diagnosis
+    affine_mistake = None
+
+    # ------------------------------------------------------------ PyTorch twin (torch passed in:
+    # refimpl imports torch only in refimpl/oracle/torch_adapter.py)
+
+    def torch_forward(self, spec, tf, x, w, b):
+        """The whole layer with ``tf`` = torch.nn.functional."""
+        raise NotImplementedError(f"layer kind {self.name} has no PyTorch twin")
+
+    def torch_block(self, spec, tf, lo, x_needed, w, b, shift_axis=None):
+        """Rank ``lo``'s output block from its needed input block, with ``tf``.  ``shift_axis``:
+        pad one more at the low end of that axis, one less at the high end (a planted bug)."""
+        return self.torch_forward(spec, tf, x_needed, w, b)
+
+    def torch_ranks(self, case, inputs, torch, plant):
+        """Every rank's results where a rank's outputs are not a function of its needed block
+        alone ({rank: {name: array}}); None: the adapter runs ``torch_block`` per rank."""
+        return None
+
+
+class WindowKind(LayerKind):
+    """A window op (conv, pooling): outputs partitioned in blocks, each reading a window of
+    the input through a halo; the padding holds ``pad_value``."""
+
+    has_halo = True
+    #: what the padding holds (max pooling: -inf, so that padding never wins)
+    pad_value = 0.0
+
+    def output_extent(self, spec) -> tuple:
+        return tuple(window_output_extent(spec.input[2 + a], spec.kernel[a], spec.stride[a], spec.padding[a],
+                                          spec.dilation[a]) for a in range(3))
+
+    def halo_plan(self, spec, spatial_dims):
+        return conv_halo_plan(spec.input[2:], spatial_dims, spec.kernel, spec.stride, spec.padding, spec.dilation)
+
+    def input_window(self, spec, axis, o):
+        return needed_input_range(o, o + 1, spec.kernel[axis], spec.stride[axis], spec.padding[axis],
+                                  spec.dilation[axis], spec.input[2 + axis])[0]
+
+    def torch_window(self, spec, tf, x, w, b, padding):
+        """The op with ``tf`` and an explicit padding (the global run's, or 0 on a padded block)."""
+        raise NotImplementedError(f"layer kind {self.name} has no PyTorch twin")
+
+    def torch_forward(self, spec, tf, x, w, b):
+        return self.torch_window(spec, tf, x, w, b, spec.padding)
+
+    def torch_block(self, spec, tf, lo, x_needed, w, b, shift_axis=None):
+        """Pad the part of rank lo's windows that the clip to the domain removed, then run the
+        op unpadded."""
+        k, s, p, d = spec.kernel, spec.stride, spec.padding, spec.dilation
+        pads = []
+        for a in reversed(range(3)):             # torch's pad lists the last axis first
+            (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]
+            low = i0 - (s[a] * o0 - p[a])
+            high = (s[a] * (o1 - 1) - p[a] + d[a] * (k[a] - 1) + 1) - i1
+            if shift_axis == a:
+                low, high = low + 1, high - 1
+            pads += [low, high]
+        xp = tf.pad(x_needed, pads, value=self.pad_value) if any(pads) else x_needed
+        return self.torch_window(spec, tf, xp, w, b, 0)
