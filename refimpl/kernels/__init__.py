@@ -1,0 +1,19 @@
+"""The fast routes: the same sums as ``refimpl/functional/``, computed faster.
+
+``refimpl/functional/`` is the reference, each op written as the math reads;
+a learner never needs this package to understand a result.  Here live the
+routes that make training fast on CPUs and GPUs, each tested against the
+reference (tests/test_reference.py and the ops' own tests):
+
+- ``conv``: the one place that picks a conv route per layer and pass
+  (``resolve_algorithm``: the thresholds, stated in docs/benchmarks.md with the
+  measurements behind them), and the routes' entry points;
+- ``_im2col``: bounded column tiles, one GEMM per tile, no padded copy (host);
+- ``_im2col_device``: one padded copy and batched GEMMs (CuPy, where every array
+  operation is a kernel launch);
+- ``_phase_grid``: strided convs as stride-1 problems, one per input phase;
+- ``winograd``: F(4x4x4, 3x3x3), exact in float64, within ``FLOAT32_BOUND`` in float32;
+- ``_threads``: the worker threads (NumPy runs a pass on one core) and BLAS holding.
+
+Submodules are imported explicitly (``from refimpl.kernels import conv``).
+"""
