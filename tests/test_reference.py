@@ -82,31 +82,48 @@ def test_reference_transposed_conv_equals_torch(case, data):
 
 # ---------------------------------------------------------------- every kernel route vs the reference
 
-ROUTES = [   # (name, algorithm, REFIMPL_CONV_SCHEDULE, kernel, stride, channels (C, F))
-    ("im2col, host schedule", "im2col", "host", (3, 2, 3), (1, 1, 1), (3, 5)),
-    ("im2col, device schedule", "im2col", "device", (3, 2, 3), (1, 2, 1), (3, 5)),
-    ("phase grids (stride 2)", "im2col", "host", (3, 3, 3), (2, 2, 2), (4, 4)),
-    ("Winograd, adjoint dx (F > C)", "winograd", "host", (3, 3, 3), (1, 1, 1), (4, 12)),
-    ("Winograd, flipped-kernel dx (F <= C)", "winograd", "host", (3, 3, 3), (1, 1, 1), (12, 4)),
+ROUTES = [   # (name, algorithm, REFIMPL_CONV_SCHEDULE, kernel, stride, padding, (C, F), spatial, budget, the
+             #  kernels function that must run: (module, name), to prove the route was taken)
+    ("im2col, depth taps", "im2col", "host", (3, 2, 3), 1, 1, (3, 5), (9, 10, 11), None,
+     ("_im2col", "_forward_depth_taps")),
+    ("im2col, bounded tiles", "im2col", "host", (3, 2, 3), 1, 1, (3, 5), (9, 10, 11), 4096, ("_im2col", "col2im")),
+    ("im2col, device schedule", "im2col", "device", (3, 2, 3), (1, 2, 1), 1, (3, 5), (9, 10, 11), None,
+     ("_im2col_device", "forward")),
+    ("im2col, k2 s2 without col2im", "im2col", "host", (2, 2, 2), 2, 0, (4, 6), (8, 8, 8), None,
+     ("_im2col", "input_grad_without_overlap")),
+    ("im2col, flipped-kernel dx (F <= C)", "im2col", "host", (3, 3, 3), 1, 1, (12, 4), (9, 10, 11), None,
+     ("_im2col", "input_grad_by_flipped_kernel")),
+    ("phase grids (stride 2)", "im2col", "host", (3, 3, 3), 2, 1, (4, 4), (9, 10, 11), None, ("_phase_grid", "forward")),
+    ("Winograd, tile chunks", "winograd", "host", (3, 3, 3), 1, 1, (4, 12), (9, 10, 11), None, ("winograd", "chunks")),
+    ("Winograd, channel blocks (few tiles)", "winograd", "host", (3, 3, 3), 1, 1, (32, 32), (4, 4, 4), None,
+     ("winograd", "_backward_by_channel_blocks")),
+    ("Winograd, flipped-kernel dx (F <= C)", "winograd", "host", (3, 3, 3), 1, 1, (12, 4), (9, 10, 11), None,
+     ("winograd", "dx_by_flipped_kernel")),
 ]
 
 
-@pytest.mark.parametrize("name, algorithm, schedule, k, s, cf", ROUTES, ids=[r[0] for r in ROUTES])
-def test_every_conv_route_equals_the_reference(monkeypatch, name, algorithm, schedule, k, s, cf):
+@pytest.mark.parametrize("name, algorithm, schedule, k, s, p, cf, spatial, budget, probe", ROUTES,
+                         ids=[r[0] for r in ROUTES])
+def test_every_conv_route_equals_the_reference(monkeypatch, name, algorithm, schedule, k, s, p, cf, spatial,
+                                               budget, probe):
+    import importlib
     monkeypatch.setenv("REFIMPL_CONV_SCHEDULE", schedule)
+    module = importlib.import_module(f"refimpl.kernels.{probe[0]}")
+    ran, original = [], getattr(module, probe[1])
+    monkeypatch.setattr(module, probe[1], lambda *a, **kw: ran.append(1) or original(*a, **kw))
     rng = np.random.default_rng(7)
     c, f = cf
-    x, w, b = rng.standard_normal((2, c, 9, 10, 11)), rng.standard_normal((f, c) + k), rng.standard_normal(f)
-    p = 1
+    x, w, b = rng.standard_normal((2, c) + spatial), rng.standard_normal((f, c) + k), rng.standard_normal(f)
     want = conv3d(x, w, b, s, p, algorithm="reference")
-    assert rel(conv3d(x, w, b, s, p, algorithm=algorithm), want) <= 1e-10
+    assert rel(conv3d(x, w, b, s, p, algorithm=algorithm, max_temp_bytes=budget), want) <= 1e-10
     dy = rng.standard_normal(want.shape)
     ref = conv3d_backward(dy, x, w, s, p, algorithm="reference")
-    got = conv3d_backward(dy, x, w, s, p, algorithm=algorithm)
+    got = conv3d_backward(dy, x, w, s, p, algorithm=algorithm, max_temp_bytes=budget)
     for a, r in zip(got, ref):
         assert rel(a, r) <= 1e-10
-    assert rel(conv3d_input_grad(dy, w, x.shape, s, p, algorithm=algorithm), ref[0]) <= 1e-10
-    assert rel(conv3d_weight_grad(dy, x, w.shape, s, p, algorithm=algorithm), ref[1]) <= 1e-10
+    assert rel(conv3d_input_grad(dy, w, x.shape, s, p, algorithm=algorithm, max_temp_bytes=budget), ref[0]) <= 1e-10
+    assert rel(conv3d_weight_grad(dy, x, w.shape, s, p, algorithm=algorithm, max_temp_bytes=budget), ref[1]) <= 1e-10
+    assert ran, f"the route {name} did not run ({probe[0]}.{probe[1]} was not called)"
 
 
 @pytest.mark.parametrize("algorithm", ["im2col", "winograd"])
