@@ -53,24 +53,6 @@ def check_settings() -> dict:
     return values
 
 
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when not under one), without starting MPI."""
-    import os
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-def launcher_size() -> int:
-    """How many processes the launcher started (1 when not under one), without starting MPI."""
-    import os
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
-
-
 def main(argv=None) -> int:
     """Parse, check the settings, run the command.
 
@@ -92,7 +74,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         values, error = None, str(err)
     failstop.note_settings(error, values)
-    if error is not None and launcher_size() == 1:
+    if error is not None and failstop.launcher_size() == 1:
         print(f"refimpl: error: {error}", file=sys.stderr)
         return failstop.EXIT_BAD_INPUT
     failstop.DEBUG = bool(args.debug or (error is None and env_setting("REFIMPL_DEBUG")))

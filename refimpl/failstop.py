@@ -690,6 +690,14 @@ def _leave() -> None:
     sys.stderr.flush()
 
 
+def launcher_size() -> int:
+    """How many processes the launcher started (1 when not under one), without starting MPI."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
 def _mpi_running() -> bool:
     """Whether this process started MPI (one-process commands never import mpi4py.MPI)."""
     MPI = sys.modules.get("mpi4py.MPI")
@@ -706,7 +714,6 @@ def _world() -> tuple[int, int]:
 
 def _abort(code: int) -> None:
     _leave()
-    from .cli import launcher_size
     if not _mpi_running() or _world()[1] == 1 and launcher_size() == 1:    # no launcher to tell
         os._exit(code)
     from mpi4py import MPI
@@ -894,6 +901,7 @@ def install_excepthook(command: str = "") -> None:
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
            "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "note_settings",
+           "launcher_size",
            "agree_settings",
            "Diverged", "WriteError", "InternalError", "agree", "on_root", "decide", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",

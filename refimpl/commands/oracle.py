@@ -212,7 +212,7 @@ def check(args) -> int:
 
 
 def run(args) -> int:
-    from ..cli import launcher_size
+    from ..failstop import launcher_size
     from ..failstop import InputError, run_command
 
     def body():

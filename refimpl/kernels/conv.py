@@ -18,11 +18,12 @@ timings behind them are in docs/benchmarks.md.
 """
 from __future__ import annotations
 
+from .. import settings
 from ..backend import array_module
-from ..functional.conv3d import ENV_ALGORITHM, REFERENCE, algorithm_setting
 from . import _im2col, _threads, winograd
 
-ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "reference" is functional's
+ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
+ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "reference" is functional's own
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
@@ -41,8 +42,8 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     """
     source = "algorithm"
     if algorithm is None:
-        algorithm, source = algorithm_setting(), ENV_ALGORITHM
-    if algorithm == REFERENCE:
+        algorithm, source = settings.env_setting(ENV_ALGORITHM), ENV_ALGORITHM
+    if algorithm == "reference":
         raise ValueError("the reference conv is refimpl.functional.conv3d's own; the kernels compute "
                          f"{', '.join(ALGORITHMS)}")
     if algorithm not in ALGORITHMS:
