@@ -22,6 +22,11 @@ Pure math (no messages): for CosmoFlow or the 3D U-Net (any preset or config) on
   transient (halo work array + the output being produced), weights, gradients, the
   gradient buckets (one more copy) and the optimizer state (SGD momentum: 1 copy; Adam: 2).
 
+The layers are the model class's own list (``Model.describe``: registry kinds, channels,
+extents, splits) and each layer's share is charged by its kind's hooks in the layer registry
+(``LayerKind.plan_cost`` and the other ``plan_*``, refimpl/layers): this module names no layer
+kind; it adds the parameters, the gradient allreduce and the memory, and searches the grids.
+
 Time of the step = compute (a conv's FLOPs at the rate measured for its shape and block
 size, dense layers at the GEMM rate, batch norm / activations / pooling per element:
 ``Machine``) + every message's ``alpha + bytes * beta`` (intra- or inter-node constants by
@@ -44,8 +49,7 @@ import re
 from dataclasses import dataclass, field
 
 from .failstop import phase
-from .parallel.partition import (block_range, conv_halo_plan, grid_coords, grid_rank, moved_bytes, pack_buckets,
-                                 transposed_conv_halo_plan, transposed_output_extent, window_output_extent)
+from .parallel.partition import block_range, grid_coords, grid_rank, moved_bytes, pack_buckets
 
 GRAD_BUCKET_BYTES = 25 * 2 ** 20          # GradientSynchronizer's defaults
 FIRST_BUCKET_BYTES = 1 * 2 ** 20
@@ -142,7 +146,18 @@ class Machine:
 
 
 MACHINE_KEYS = {f for f in Machine.__dataclass_fields__}
-CONV_KEY = re.compile(r"^(conv|conv_transpose) (\d+)->(\d+) (k\d+x\d+x\d+ s\d+x\d+x\d+)( no-dx)?"
+
+
+def _calibrated_labels() -> tuple:
+    """The ``plan_label`` of every kind whose rate ``--calibrate`` measures per shape: what a
+    ``conv_key`` starts with."""
+    from . import layers
+    kinds = (*layers.REGISTRY.values(), *layers.PLAN_ONLY.values())
+    return tuple(dict.fromkeys(k.plan_label for k in kinds if k.plan_calibrated))
+
+
+def _conv_key_pattern(labels):
+    return re.compile(rf"^({'|'.join(map(re.escape, labels))}) (\d+)->(\d+) (k\d+x\d+x\d+ s\d+x\d+x\d+)( no-dx)?"
                       r" @(\d+)x(\d+)x(\d+)$")
 
 
@@ -172,10 +187,11 @@ def _rate_table(conv_gflops) -> dict:
 def _parse_conv_key(key):
     """(kind, (C, F), 'kAxBxC sAxBxC[ no-dx]', input voxels) of a measured ``conv_key``;
     ValueError if malformed."""
-    m = CONV_KEY.match(key)
+    labels = _calibrated_labels()
+    m = _conv_key_pattern(labels).match(key)
     if not m:
-        raise ValueError(f"conv rate key {key!r} is not like 'conv 16->32 k3x3x3 s1x1x1 @32x32x32' "
-                         f"(kind conv or conv_transpose, ' no-dx' before the @ for a layer without dX)")
+        raise ValueError(f"conv rate key {key!r} is not like '{labels[0]} 16->32 k3x3x3 s1x1x1 @32x32x32' "
+                         f"(kind {' or '.join(labels)}, ' no-dx' before the @ for a layer without dX)")
     return (m.group(1), (int(m.group(2)), int(m.group(3))), m.group(4) + (m.group(5) or ""),
             int(m.group(6)) * int(m.group(7)) * int(m.group(8)))
 
@@ -220,9 +236,10 @@ def load_machine(path: str) -> Machine:
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer as the planner sees it (global extents; the grid is applied later)."""
+    """One layer as the planner sees it (global extents; the grid is applied later): an entry
+    of the model's ``describe()`` (refimpl/models), priced by its kind's hooks (refimpl/layers)."""
     name: str
-    kind: str               # conv | conv_transpose | pool | bn | act | flatten_linear | linear | gather
+    kind: str               # the kind's plan_label: conv | conv_transpose | pool | bn | act | linear | ...
     c_in: int
     c_out: int
     in_dhw: tuple
@@ -235,95 +252,32 @@ class Layer:
     split: str = "none"     # model axis: none | filter | filter-replicated | channel | row | row-split
     split_in: bool = False  # its input is channel-split over the model group
     input_grad: bool = True
+    op: str = ""            # the registry kind (conv3d, max_pool3d, ...); '' : the first one labelled ``kind``
 
 
-def _conv_out(n, k, p):
-    return tuple(n_ + 2 * p_ - k_ + 1 for n_, k_, p_ in zip(n, k, p))
+def _kind_named(name):
+    from .layers import plan_kind
+    return plan_kind(name)
+
+
+def layer_kind(layer: Layer):
+    """The registry descriptor (``refimpl.layers.LayerKind``) whose ``plan_*`` hooks price ``layer``."""
+    return _kind_named(layer.op or layer.kind)
+
+
+def layer_of(entry: dict) -> Layer:
+    """The planner's record of one entry of a model's ``describe()``."""
+    fields = dict(entry)
+    op = fields.pop("kind")
+    return Layer(kind=_kind_named(op).plan_label, op=op, **fields)
 
 
 def model_layers(model: str, config) -> list[Layer]:
-    """The layer list of CosmoFlow or the U-Net (the same architecture refimpl.models builds;
-    tests/test_plan.py compares the two)."""
-    from .models import CHECK_CONFIG, resolve_config
+    """The layer list of CosmoFlow or the U-Net: the model class's own ``describe()`` of the
+    layers it builds (tests/test_plan.py compares it with the built model)."""
+    from .models import MODELS, resolve_config
     config = resolve_config(model, config)            # ValueError for an unknown model or preset
-    config = CHECK_CONFIG[model](config)
-    return _cosmoflow(config) if model == "cosmoflow" else _unet(config)
-
-
-def _cosmoflow(cfg) -> list[Layer]:
-    n_layers, width, k = cfg["n_conv_layers"], cfg["conv_size"], cfg["kernel_size"]
-    mode = cfg["model_parallel"]
-    split_from = n_layers - cfg["model_parallel_blocks"] if mode != "none" else n_layers
-    c_in, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
-    kk, pad = (k,) * 3, (k // 2,) * 3
-    layers, split_in = [], False
-    for i in range(n_layers):
-        c_out = width * 2 ** i
-        split = "none" if i < split_from else ("filter-replicated" if i == split_from else
-                                               "channel" if mode == "channel" else "filter")
-        layers.append(Layer(f"features.{3 * i}", "conv", c_in, c_out, dhw, dhw, kk, (1, 1, 1), pad,
-                            weights=c_out * c_in * k ** 3 + c_out, split=split, split_in=split_in,
-                            input_grad=i > 0))
-        split_in = split != "none"
-        layers.append(Layer(f"features.{3 * i + 1}", "act", c_out, c_out, dhw, dhw, split_in=split_in))
-        half = tuple(n // 2 for n in dhw)
-        layers.append(Layer(f"features.{3 * i + 2}", "pool", c_out, c_out, dhw, half, (2, 2, 2), (2, 2, 2),
-                            split_in=split_in))
-        c_in, dhw = c_out, half
-    if mode != "none":
-        layers.append(Layer(f"features.{3 * n_layers}", "gather", c_in, c_in, dhw, dhw, split_in=True))
-    flat = c_in * math.prod(dhw)
-    fc1, fc2, out = cfg["fc1_size"], cfg["fc2_size"], cfg["num_outputs"]
-    row = mode != "none"
-    head = [Layer("head.0", "flatten_linear", flat, fc1, dhw, (), weights=fc1 * flat + fc1,
-                  split="row" if row else "none"),
-            Layer("head.3", "linear", fc1, fc2, (), (), weights=fc2 * fc1 + fc2, split="row-split" if row else "none",
-                  split_in=row)]
-    if row:
-        head.append(Layer("head.6", "gather", fc2, fc2, (), (), split_in=True))
-    head.append(Layer(f"head.{7 if row else 6}", "linear", fc2, out, (), (), weights=out * fc2 + out))
-    return layers + head
-
-
-def _unet(cfg) -> list[Layer]:
-    levels, base, classes = cfg["levels"], cfg["base_width"], cfg["num_classes"]
-    c, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
-    mode = cfg["model_parallel"]
-    layers = []
-
-    def block(prefix, c_in, c_out, dhw, first_grad, split=("none", "none")):
-        out = []
-        for j, (ci, sp) in enumerate(zip((c_in, c_out), split)):
-            split_in = j == 1 and split[0] != "none"
-            out.append(Layer(f"{prefix}.{3 * j}", "conv", ci, c_out, dhw, dhw, (3, 3, 3), (1, 1, 1), (1, 1, 1),
-                             weights=c_out * ci * 27, split=sp, split_in=split_in,
-                             input_grad=first_grad or j > 0))
-            bn_split = sp != "none"
-            out.append(Layer(f"{prefix}.{3 * j + 1}", "bn", c_out, c_out, dhw, dhw, weights=2 * c_out, split_in=bn_split,
-                             split="channel" if bn_split else "none"))
-            out.append(Layer(f"{prefix}.{3 * j + 2}", "act", c_out, c_out, dhw, dhw, split_in=bn_split))
-        return out
-
-    widths = [base * 2 ** i for i in range(levels + 1)]
-    shapes = [tuple(n // 2 ** i for n in dhw) for i in range(levels + 1)]
-    c_in = c
-    for i in range(levels):
-        layers += block(f"enc{i}", c_in, widths[i], shapes[i], first_grad=i > 0)
-        layers.append(Layer(f"pool{i}", "pool", widths[i], widths[i], shapes[i], shapes[i + 1], (2, 2, 2), (2, 2, 2)))
-        c_in = widths[i]
-    split = ("none", "none") if mode == "none" else ("filter-replicated", "channel" if mode == "channel" else "filter")
-    layers += block("bottleneck", c_in, widths[levels], shapes[levels], True, split)
-    if mode != "none":
-        layers.append(Layer("bottleneck.6", "gather", widths[levels], widths[levels], shapes[levels],
-                            shapes[levels], split_in=True))
-    c_in = widths[levels]
-    for i in reversed(range(levels)):
-        layers.append(Layer(f"up{i}", "conv_transpose", c_in, widths[i], shapes[i + 1], shapes[i], (2, 2, 2),
-                            (2, 2, 2), weights=c_in * widths[i] * 8 + widths[i]))
-        layers += block(f"dec{i}", 2 * widths[i], widths[i], shapes[i], True)
-        c_in = widths[i]
-    layers.append(Layer("out", "conv", c_in, classes, shapes[0], shapes[0], weights=classes * c_in + classes))
-    return layers
+    return [layer_of(entry) for entry in MODELS[model].describe(config)]
 
 
 # ---------------------------------------------------------------- per-rank costs
@@ -406,25 +360,9 @@ def _halo_copies_s(plan, coords3, channels, samples, itemsize, adjoint, machine)
 
 
 def param_sizes(layer: Layer, pm: int = 1, m: int = 0) -> list[int]:
-    """Elements of each parameter (weight, then bias if any) model rank ``m`` of ``pm`` holds:
-    the slices ``nn/model_parallel.py`` keeps (filter / row splits: the output rows; channel
-    splits: the input columns of the weight and the output slice of the bias)."""
-    kvol = math.prod(layer.kernel) if layer.kind in ("conv", "conv_transpose") else 1
-    if layer.kind == "bn":
-        c = layer.c_out if layer.split == "none" or pm == 1 else _width(layer.c_out, pm, m)
-        return [c, c]
-    weight = layer.c_out * layer.c_in * kvol
-    has_bias = layer.weights > weight
-    f, c = layer.c_out, layer.c_in
-    if layer.split != "none" and pm > 1:
-        if layer.split == "channel":
-            c = _width(layer.c_in, pm, m)
-        f_bias = _width(layer.c_out, pm, m)
-        if layer.split != "channel":
-            f = f_bias
-    else:
-        f_bias = f
-    return [f * c * kvol] + ([f_bias] if has_bias else [])
+    """Elements of each parameter (weight, then bias if any) model rank ``m`` of ``pm`` holds
+    (the kind's ``plan_param_sizes``: the slices ``nn/model_parallel.py`` keeps)."""
+    return layer_kind(layer).plan_param_sizes(layer, pm, m, lambda channels: _width(channels, pm, m))
 
 
 def _width(channels, pm, m):
@@ -444,112 +382,82 @@ def gradient_buckets(costs, bucket_bytes=GRAD_BUCKET_BYTES, first_bucket_bytes=F
 @functools.lru_cache(maxsize=4096)
 def halo_plan_of(layer: Layer, spatial_dims: tuple):
     """The halo plan the layer builds on a (Pd, Ph, Pw) grid (the same function the layer calls)."""
-    if layer.kind == "conv_transpose":
-        return transposed_conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1,
-                                         layer.output_padding)
-    return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
+    return layer_kind(layer).plan_halo(layer, spatial_dims)
+
+
+class RankView:
+    """One rank of a grid as the kinds' ``plan_cost`` hooks see it: its samples ``n_r``, the
+    grid ``dims`` / ``coords`` (5 entries; ``sdims`` / ``scoords`` the spatial ones, ``pm`` /
+    ``m`` the model axis), its model and spatial groups, and the prices of its messages."""
+
+    def __init__(self, dims, coords, batch, itemsize, machine):
+        self.dims, self.coords, self.itemsize, self.machine = dims, coords, itemsize, machine
+        self.pm, self.m = dims[4], coords[4]
+        self.sdims, self.scoords = dims[1:4], coords[1:4]
+        lo, hi = block_range(batch, dims[0], coords[0])
+        self.n_r = hi - lo
+        self.model_group = _group(dims, coords, (4,))
+        self.spatial_group = _group(dims, coords, (1, 2, 3))
+
+    volume = staticmethod(_volume)
+
+    def group(self, axes):
+        """(size, lowest rank, highest rank) of the ranks that differ from this one only on ``axes``."""
+        return _group(self.dims, self.coords, axes)
+
+    def width(self, channels):
+        """This rank's share of ``channels`` split over the model axis."""
+        return _width(channels, self.pm, self.m)
+
+    def c_local(self, layer):
+        """Input channels the rank holds."""
+        return self.width(layer.c_in) if layer.split_in else layer.c_in
+
+    def f_local(self, layer):
+        """Output channels the rank computes: its slice when the layer is split, or when a
+        channel-wise layer keeps its channel-split input."""
+        if layer.split != "none" or (layer_kind(layer).plan_channelwise and layer.split_in):
+            return self.width(layer.c_out)
+        return layer.c_out
+
+    def block_voxels(self, layer):
+        """Voxels of the rank's block of the layer's input (1 for the dense head)."""
+        return _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, self.sdims, self.scoords)]) \
+            if layer.in_dhw else 1
+
+    def halo_plan(self, layer):
+        return halo_plan_of(layer, self.sdims)
+
+    def halo(self, plan, channels, adjoint):
+        """(bytes, messages, seconds) this rank sends in one halo exchange of ``plan``."""
+        return _halo(plan, self.scoords, self.dims, self.coords, channels, self.n_r, self.itemsize, adjoint,
+                     self.machine)
+
+    def halo_copies_s(self, plan, channels, adjoint):
+        """Seconds one halo exchange spends copying on this rank (``_halo_copies_s``)."""
+        return _halo_copies_s(plan, self.scoords, channels, self.n_r, self.itemsize, adjoint, self.machine)
+
+    def moved_bytes(self, channels, per_channel):
+        """Bytes this rank sends in a channel allgather / reduce-scatter over the model axis."""
+        return moved_bytes(channels, self.pm, self.m, per_channel, self.itemsize)
+
+    def allreduce_s(self, n_bytes, group):
+        return _allreduce_s(n_bytes, group, self.machine)
 
 
 def rank_costs(layers, dims, coords, batch, itemsize, machine) -> list[LayerCost]:
-    """Every layer's cost on the rank at ``coords`` (5 entries) of grid ``dims``."""
+    """Every layer's cost on the rank at ``coords`` (5 entries) of grid ``dims``: what its
+    kind's ``plan_cost`` charges, plus the parameter slices it holds."""
     dims, coords = grid5(dims), tuple(coords) + (0,) * (5 - len(coords))
-    pm, m = dims[4], coords[4]
-    sdims, scoords = dims[1:4], coords[1:4]
-    n_r = block_range(batch, dims[0], coords[0])
-    n_r = n_r[1] - n_r[0]
-    model_group = _group(dims, coords, (4,))
-    spatial_group = _group(dims, coords, (1, 2, 3))
+    rank = RankView(dims, coords, batch, itemsize, machine)
     costs = []
     for layer in layers:
         cost = LayerCost(layer.name, layer.kind)
-        compute_s = 0.0
-        c_local = _width(layer.c_in, pm, m) if layer.split_in else layer.c_in
-        f_local = layer.c_out
-        if layer.split in ("filter", "filter-replicated", "channel", "row", "row-split") or \
-                (layer.kind in ("bn", "act", "pool") and layer.split_in):
-            f_local = _width(layer.c_out, pm, m)
-        # voxels of the rank's block of the layer's input (1 for the dense head)
-        v_block = _volume([block_range(n, p, c) for n, p, c in zip(layer.in_dhw, sdims, scoords)]) \
-            if layer.in_dhw else 1
-        if layer.kind in ("conv", "conv_transpose", "pool"):
-            plan = halo_plan_of(layer, sdims)
-            v_in, v_out = _volume(plan.owned(scoords)), _volume(plan.outputs(scoords))
-            v_need = _volume([(min(a, c), max(b, d)) for (a, b), (c, d) in
-                              zip(plan.owned(scoords), plan.needed(scoords))])
-            # channels the halo carries: the whole input after a filter-parallel conv's allgather
-            c_halo = layer.c_in if layer.split in ("filter", "filter-replicated") else c_local
-            for adjoint in (False, True) if layer.input_grad else (False,):
-                b, msgs, s = _halo(plan, scoords, dims, coords, c_halo, n_r, itemsize, adjoint, machine)
-                cost.halo_bytes += b
-                cost.halo_messages += msgs
-                cost.halo_s += s + _halo_copies_s(plan, scoords, c_halo, n_r, itemsize, adjoint, machine)
-            if layer.kind == "pool":
-                cost.flops = 2.0 * n_r * f_local * v_out * math.prod(layer.kernel)
-                compute_s = n_r * f_local * v_need / machine.pool_rate
-            else:
-                c_mac = c_local if layer.split == "channel" else layer.c_in
-                f_mac = layer.c_out if layer.split == "channel" else f_local
-                macs = n_r * f_mac * c_mac * math.prod(layer.kernel) * (v_out if layer.kind == "conv" else v_in)
-                passes = 3 if layer.input_grad else 2          # forward, dW (, dX)
-                cost.flops = 2.0 * macs * passes
-                compute_s = cost.flops / (machine.conv_rate(layer, n_r * v_in) * 1e9)
-            cost.saved_bytes = n_r * c_halo * v_need * itemsize
-            cost.transient_bytes = n_r * (c_halo * v_need + f_local * v_out) * itemsize
-            # model-axis collectives
-            if layer.split == "filter" and pm > 1:            # allgather x, reduce-scatter dx
-                b = 2 * moved_bytes(layer.c_in, pm, m, n_r * v_in, itemsize)
-                cost.model_bytes, cost.model_messages = b, 2 * (pm - 1)
-            elif layer.split == "filter-replicated" and pm > 1 and layer.input_grad:   # dx allreduced
-                n_bytes = n_r * layer.c_in * v_in * itemsize
-                cost.model_allreduce_bytes = n_bytes
-                cost.comm_s += _allreduce_s(n_bytes, model_group, machine)
-            elif layer.split == "channel" and pm > 1:         # reduce-scatter y, allgather dy
-                b = 2 * moved_bytes(layer.c_out, pm, m, n_r * v_out, itemsize)
-                cost.model_bytes, cost.model_messages = b, 2 * (pm - 1)
-            if layer.split in ("filter", "channel") and pm > 1:
-                alpha, beta = machine.group_link(model_group)
-                cost.comm_s += cost.model_messages * alpha + cost.model_bytes * beta
-        elif layer.kind == "bn":
-            cost.flops = 10.0 * n_r * f_local * v_block
-            compute_s = n_r * f_local * v_block / machine.bn_rate
-            cost.saved_bytes = n_r * f_local * v_block * itemsize
-            everyone = _group(dims, coords, (0, 1, 2, 3))     # statistics of the whole batch
-            # forward: the element count and the (2, C) float64 sums; backward: the (2, C) gradient sums
-            cost.comm_s = _allreduce_s(8, everyone, machine) + 2 * _allreduce_s(16 * f_local, everyone, machine)
-            cost.allreduce_bytes = 2 * 16 * f_local if everyone[0] > 1 else 0
-        elif layer.kind == "act":
-            cost.flops = 2.0 * n_r * f_local * v_block
-            compute_s = n_r * f_local * v_block / machine.act_rate
-            cost.saved_bytes = n_r * f_local * v_block * itemsize
-        elif layer.kind == "gather":
-            per_channel = n_r * v_block
-            if pm > 1:
-                cost.model_bytes = moved_bytes(layer.c_in, pm, m, per_channel, itemsize)
-                cost.model_messages = pm - 1
-                alpha, beta = machine.group_link(model_group)
-                cost.comm_s = cost.model_messages * alpha + cost.model_bytes * beta
-        elif layer.kind in ("flatten_linear", "linear"):
-            d_in = layer.c_in if layer.kind == "linear" else layer.c_in // math.prod(layer.in_dhw) * v_block
-            cost.flops = 2.0 * n_r * f_local * d_in * 3
-            compute_s = cost.flops / (machine.gemm_gflops * 1e9)
-            cost.saved_bytes = n_r * d_in * itemsize
-            if layer.kind == "flatten_linear" and math.prod(sdims) > 1:
-                n_bytes = n_r * f_local * itemsize
-                cost.spatial_bytes = n_bytes
-                cost.comm_s += _allreduce_s(n_bytes, spatial_group, machine)
-            if layer.split == "row-split" and pm > 1:
-                b = 2 * moved_bytes(layer.c_in, pm, m, n_r, itemsize)
-                cost.model_bytes, cost.model_messages = b, 2 * (pm - 1)
-                alpha, beta = machine.group_link(model_group)
-                cost.comm_s += cost.model_messages * alpha + b * beta
-            elif layer.split == "row" and pm > 1:              # dx of the replicated input allreduced
-                n_bytes = n_r * d_in * itemsize
-                cost.model_allreduce_bytes = n_bytes
-                cost.comm_s += _allreduce_s(n_bytes, model_group, machine)
+        compute_s = layer_kind(layer).plan_cost(layer, rank, cost)
         if layer.weights:
             # (the flatten layer keeps its whole weight on every spatial rank, and allreduces the
             # whole gradient, zero outside its columns: nn/spatial.py SpatialFlattenLinear)
-            cost.param_bytes = [n * itemsize for n in param_sizes(layer, pm, m)]
+            cost.param_bytes = [n * itemsize for n in param_sizes(layer, rank.pm, rank.m)]
             cost.weight_bytes = sum(cost.param_bytes)
         cost.allreduce_bytes += cost.spatial_bytes + cost.model_allreduce_bytes
         cost.compute_s = compute_s
@@ -662,12 +570,11 @@ def feasibility(layers, dims, batch) -> str:
         if p > n:
             return f"P{axis.lower()} = {p} ranks on an extent of {n}"
     if pm > 1:
-        split = [lay for lay in layers if lay.split != "none" or lay.kind == "gather"]
+        split = [lay for lay in layers if layer_kind(lay).plan_splits(lay)]
         if not split:
             return f"Pm = {pm} but the model splits no layer (set model_parallel = 'filter' or 'channel')"
         # a filter / row split divides the outputs, a channel split or a gather the inputs
-        narrow = min(lay.c_in if lay.split == "channel" and lay.kind != "bn" or lay.kind == "gather" else lay.c_out
-                     for lay in split)
+        narrow = min(layer_kind(lay).plan_split_channels(lay) for lay in split)
         if pm > narrow:
             return f"Pm = {pm} exceeds the {narrow} channels of the narrowest split layer"
     return ""
@@ -802,43 +709,22 @@ def calibration_layers(layers):
     from dataclasses import replace
     out, seen = [], set()
     for layer in layers:
-        if layer.kind not in ("conv", "conv_transpose") or conv_key(layer) in seen:
+        kind = layer_kind(layer)
+        if not kind.plan_calibrated or conv_key(layer) in seen:
             continue
         seen.add(conv_key(layer))
         per_voxel = 2.0 * layer.c_in * layer.c_out * math.prod(layer.kernel) * (3 if layer.input_grad else 2)
         size = max(4, min(32, int((CALIBRATION_FLOPS / per_voxel) ** (1 / 3)), max(layer.in_dhw)))
         for in_dhw in ((size,) * 3, (max(1, size // 2), size, size)):
-            if layer.kind == "conv":
-                out_dhw = tuple(window_output_extent(n, k, st, p, 1) for n, k, p, st in
-                                zip(in_dhw, layer.kernel, layer.padding, layer.stride))
-            else:
-                out_dhw = tuple(transposed_output_extent(n, k, st, p, 1, op) for n, k, p, st, op in
-                                zip(in_dhw, layer.kernel, layer.padding, layer.stride, layer.output_padding))
+            out_dhw = kind.plan_output_extent(layer, in_dhw)
             out.append(replace(layer, in_dhw=in_dhw, out_dhw=out_dhw, split="none", split_in=False))
     return out
 
 
 def _time_conv(layer, repeats, rng):
-    """Seconds of one forward + backward of ``layer`` (one sample, float32) by refimpl's functions."""
-    import numpy
-
-    from .functional import (conv3d, conv3d_backward, conv3d_weight_grad, conv_transpose3d,
-                             conv_transpose3d_backward)
-    x = rng.standard_normal((1, layer.c_in) + layer.in_dhw, dtype=numpy.float32)
-    dy = rng.standard_normal((1, layer.c_out) + layer.out_dhw, dtype=numpy.float32)
-    s, p = layer.stride, layer.padding
-    if layer.kind == "conv_transpose":
-        w = rng.standard_normal((layer.c_in, layer.c_out) + layer.kernel, dtype=numpy.float32)
-        op = layer.output_padding
-        return _best_time(lambda: (conv_transpose3d(x, w, stride=s, padding=p, output_padding=op),
-                                   conv_transpose3d_backward(dy, x, w, stride=s, padding=p, output_padding=op)),
-                          repeats)
-    w = rng.standard_normal((layer.c_out, layer.c_in) + layer.kernel, dtype=numpy.float32)
-    if layer.input_grad:
-        return _best_time(lambda: (conv3d(x, w, stride=s, padding=p), conv3d_backward(dy, x, w, stride=s, padding=p)),
-                          repeats)
-    return _best_time(lambda: (conv3d(x, w, stride=s, padding=p),
-                               conv3d_weight_grad(dy, x, w.shape, stride=s, padding=p)), repeats)
+    """Seconds of one forward + backward of ``layer`` (one sample, float32) by refimpl's functions
+    (its kind's ``plan_time``)."""
+    return layer_kind(layer).plan_time(layer, repeats, rng, _best_time)
 
 
 def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=None, comm=None) -> Machine | None:
@@ -930,6 +816,7 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
     return Machine(**values)
 
 
-__all__ = ["Machine", "load_machine", "Layer", "model_layers", "rank_costs", "plan_grid", "search",
-           "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility", "calibrate", "calibration_layers",
-           "conv_key", "save_machine", "MAX_RANKS", "MAX_PRICED", "divisors", "cut_faces", "GridSearch"]
+__all__ = ["Machine", "load_machine", "Layer", "layer_kind", "layer_of", "RankView", "model_layers", "rank_costs",
+           "plan_grid", "search", "GridPlan", "parse_bytes", "format_bytes", "factorizations", "feasibility",
+           "calibrate", "calibration_layers", "conv_key", "save_machine", "MAX_RANKS", "MAX_PRICED", "divisors",
+           "cut_faces", "GridSearch"]

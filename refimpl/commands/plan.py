@@ -104,7 +104,7 @@ def check(args):
     Returns (machine, layers, layers_mp, dims): the machine of --machine and --mem-per-rank,
     the model's layers, and when a plan follows (--batch and --ranks given) its layers with
     the model axis (None for --model-parallel off) and the 5 dims of --grid (None: search)."""
-    from ..cli import launcher_size
+    from ..failstop import launcher_size
     from ..parallel.grid import parse_grid
     from ..plan import MAX_RANKS, Machine, feasibility, load_machine, parse_bytes
     if launcher_size() > 1 and not args.calibrate:
@@ -154,7 +154,7 @@ def check(args):
 
 
 def run(args) -> int:
-    from ..cli import launcher_size
+    from ..failstop import launcher_size
     from ..failstop import run_command
     comm = None
     if launcher_size() > 1:              # mpiexec -n 2 refimpl plan --calibrate: every rank measures

@@ -12,12 +12,20 @@ and its test (docs/contributing.md, "Adding a layer").
     conv.py        conv3d, conv_transpose3d
     pool.py        max_pool3d, avg_pool3d
     batch_norm.py  batch_norm3d
+    plan_only.py   relu, leaky_relu, gather, linear, flatten_linear: kinds only the planner prices
+
+Every kind also carries the planner's hooks (``LayerKind.plan_*``: its label in the plan's
+tables, its halo plan, FLOPs, saved memory, halo and model-axis messages); refimpl/plan.py
+prices a model's layers (``Model.describe``) through ``plan_kind`` and never by name.  The
+kinds of plan_only.py lack check-layer's hooks, so they sit in ``PLAN_ONLY``, not in
+``REGISTRY``: ``names``, ``names_taking`` and ``lookup`` (check-layer, the oracle) never see them.
 """
 from __future__ import annotations
 
 from .base import LayerKind, WindowKind
 from .batch_norm import BatchNorm3dKind
 from .conv import Conv3dKind, ConvTranspose3dKind
+from .plan_only import KINDS as _PLAN_ONLY_KINDS
 from .pool import AvgPool3dKind, MaxPool3dKind
 
 #: name -> kind, in the order check-layer lists them
@@ -49,8 +57,31 @@ def names_taking(argument: str) -> list[str]:
     return [name for name, kind in REGISTRY.items() if argument in kind.hyper_parameters]
 
 
+#: name -> kind, for the kinds only the planner prices (no check-layer hooks: plan_only.py)
+PLAN_ONLY: dict[str, LayerKind] = {}
+
+
+def plan_kind(name: str) -> LayerKind:
+    """The kind the planner prices a layer with: ``name`` is a registry name (``conv3d``, a
+    ``Model.describe`` entry's kind) or a planner label (``conv``, ``pool``: ``plan_label``,
+    the first kind registered with it); ValueError listing the priced kinds."""
+    kind = REGISTRY.get(name) or PLAN_ONLY.get(name)
+    if kind is None:
+        kind = next((k for k in (*REGISTRY.values(), *PLAN_ONLY.values()) if k.plan_label and k.plan_label == name),
+                    None)
+    if kind is None or not kind.plan_label:
+        priced = [n for n, k in (*REGISTRY.items(), *PLAN_ONLY.items()) if k.plan_label]
+        raise ValueError(f"the planner prices layers of kinds {', '.join(priced)}, not {name!r}")
+    return kind
+
+
 for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind()):
     register(kind)
+for kind in _PLAN_ONLY_KINDS:
+    if kind.name in REGISTRY or kind.name in PLAN_ONLY:
+        raise ValueError(f"layer kind {kind.name!r}: needs a name no other kind has")
+    PLAN_ONLY[kind.name] = kind
 del kind
 
-__all__ = ["LayerKind", "WindowKind", "REGISTRY", "register", "lookup", "names", "names_taking"]
+__all__ = ["LayerKind", "WindowKind", "REGISTRY", "PLAN_ONLY", "register", "lookup", "names", "names_taking",
+           "plan_kind"]

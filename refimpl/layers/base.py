@@ -149,6 +149,90 @@ class LayerKind:
         return None
 
 
+    # ------------------------------------------------------------ planner (refimpl/plan.py)
+    # ``layer`` below is the planner's record of one layer of a model (``refimpl.plan.Layer``:
+    # name, channels c_in / c_out, global in_dhw / out_dhw, kernel, stride, padding, weights,
+    # model-axis ``split`` / ``split_in``, input_grad); ``rank`` is one rank of a grid
+    # (``refimpl.plan.RankView``: its samples n_r, grid dims / coords, helpers pricing messages).
+
+    #: the name of this kind in the planner's tables, JSON and machine files (several registry
+    #: kinds may share one: max_pool3d and avg_pool3d cost the same); '' if it is not priced
+    plan_label = ""
+    #: its output channels follow a channel-split input (a channel-wise layer keeps the split)
+    plan_channelwise = True
+    #: ``refimpl plan --calibrate`` measures this kind's rate per shape (``Machine.conv_gflops``)
+    plan_calibrated = False
+
+    def plan_halo(self, layer, spatial_dims):
+        """The halo plan the layer executes on a (Pd, Ph, Pw) grid (None: no halo)."""
+        return None
+
+    def plan_splits(self, layer) -> bool:
+        """Whether the layer uses the model axis (a grid with Pm > 1 needs one such layer)."""
+        return layer.split != "none"
+
+    def plan_split_channels(self, layer) -> int:
+        """The channels the model axis divides (Pm may not exceed them)."""
+        return layer.c_in if layer.split == "channel" else layer.c_out
+
+    def plan_weight_taps(self, layer) -> int:
+        """Weight entries per (output, input) channel pair."""
+        return 1
+
+    def plan_param_sizes(self, layer, pm, m, width) -> list:
+        """Elements of each parameter (weight, then bias if any) model rank ``m`` of ``pm``
+        holds: the slices ``nn/model_parallel.py`` keeps (filter / row splits: the output rows;
+        channel splits: the input columns of the weight and the output slice of the bias).
+        ``width(channels)``: rank m's share of ``channels``."""
+        kvol = self.plan_weight_taps(layer)
+        weight = layer.c_out * layer.c_in * kvol
+        has_bias = layer.weights > weight
+        f, c = layer.c_out, layer.c_in
+        if layer.split != "none" and pm > 1:
+            if layer.split == "channel":
+                c = width(layer.c_in)
+            f_bias = width(layer.c_out)
+            if layer.split != "channel":
+                f = f_bias
+        else:
+            f_bias = f
+        return [f * c * kvol] + ([f_bias] if has_bias else [])
+
+    def plan_cost(self, layer, rank, cost) -> float:
+        """Fill ``cost`` (``refimpl.plan.LayerCost``: flops, halo, model-axis messages, saved
+        and transient bytes, comm_s) with one step of ``layer`` on ``rank``; return its compute
+        seconds.  Default: nothing to pay."""
+        return 0.0
+
+    def plan_output_extent(self, layer, in_dhw) -> tuple:
+        """(D, H, W) of the output for the input extent ``in_dhw`` (calibration inputs)."""
+        return tuple(in_dhw)
+
+    def plan_time(self, layer, repeats, rng, best_time) -> float:
+        """Seconds of one forward + backward of ``layer`` (one sample, float32) by refimpl's
+        functions, ``best_time(fn, repeats)`` timing it (``plan_calibrated`` kinds only)."""
+        raise NotImplementedError(f"layer kind {self.name} is not calibrated")
+
+
+def plan_window_cost(layer, rank, cost, plan):
+    """What every halo'd layer pays on ``rank`` for its halo ``plan`` (forward exchange, and
+    the adjoint when the layer computes dX): bytes, messages, seconds (messages + copies).
+    Returns (v_in, v_out, v_need, c_halo): the rank's owned input, output and work-array
+    voxels and the channels the halo carries (the whole input after a filter-parallel
+    conv's allgather)."""
+    scoords = rank.scoords
+    owned, needed = plan.owned(scoords), plan.needed(scoords)
+    v_in, v_out = rank.volume(owned), rank.volume(plan.outputs(scoords))
+    v_need = rank.volume([(min(a, c), max(b, d)) for (a, b), (c, d) in zip(owned, needed)])
+    c_halo = layer.c_in if layer.split in ("filter", "filter-replicated") else rank.c_local(layer)
+    for adjoint in (False, True) if layer.input_grad else (False,):
+        b, msgs, s = rank.halo(plan, c_halo, adjoint)
+        cost.halo_bytes += b
+        cost.halo_messages += msgs
+        cost.halo_s += s + rank.halo_copies_s(plan, c_halo, adjoint)
+    return v_in, v_out, v_need, c_halo
+
+
 class WindowKind(LayerKind):
     """A window op (conv, pooling): outputs partitioned in blocks, each reading a window of
     the input through a halo; the padding holds ``pad_value``."""

@@ -47,6 +47,30 @@ class BatchNorm3dKind(LayerKind):
     def backward(self, spec, dy, cache):
         return F.batch_norm3d_backward(dy, cache)
 
+    # ------------------------------------------------------------ planner
+
+    plan_label = "bn"
+
+    def plan_split_channels(self, layer):
+        return layer.c_out
+
+    def plan_param_sizes(self, layer, pm, m, width):
+        """gamma and beta: the rank's channel slice when the activation is channel-split."""
+        c = layer.c_out if layer.split == "none" or pm == 1 else width(layer.c_out)
+        return [c, c]
+
+    def plan_cost(self, layer, rank, cost):
+        """Memory-bound at ``Machine.bn_rate``; the statistics of the whole batch allreduced:
+        forward the element count and the (2, C) float64 sums, backward the (2, C) gradient sums."""
+        n_r, f_local, v_block = rank.n_r, rank.f_local(layer), rank.block_voxels(layer)
+        cost.flops = 10.0 * n_r * f_local * v_block
+        compute_s = n_r * f_local * v_block / rank.machine.bn_rate
+        cost.saved_bytes = n_r * f_local * v_block * rank.itemsize
+        everyone = rank.group((0, 1, 2, 3))     # statistics of the whole batch
+        cost.comm_s = rank.allreduce_s(8, everyone) + 2 * rank.allreduce_s(16 * f_local, everyone)
+        cost.allreduce_bytes = 2 * 16 * f_local if everyone[0] > 1 else 0
+        return compute_s
+
     def local(self, spec, *, rng, dtype):
         from ..nn import BatchNorm3d
         return BatchNorm3d(spec.input[1], dtype=dtype)

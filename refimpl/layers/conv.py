@@ -12,8 +12,9 @@ import numpy
 
 from .. import functional as F
 from ..functional.conv3d import REFERENCE
-from ..parallel.partition import transposed_conv_halo_plan, transposed_needed_input_range, transposed_output_extent
-from .base import LayerKind, WindowKind
+from ..parallel.partition import (conv_halo_plan, transposed_conv_halo_plan, transposed_needed_input_range,
+                                 transposed_output_extent, window_output_extent)
+from .base import LayerKind, WindowKind, plan_window_cost
 
 
 class _Conv(LayerKind):
@@ -49,6 +50,51 @@ class _Conv(LayerKind):
     def weight_grad_volume(self, spec, out_shape) -> int:
         """Voxels summed into one weight gradient: the output volume of the underlying conv."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------ planner
+
+    plan_channelwise = False
+    plan_calibrated = True
+
+    def plan_weight_taps(self, layer):
+        return math.prod(layer.kernel)
+
+    def plan_mac_voxels(self, v_in, v_out) -> int:
+        """Voxels each (output, input) channel pair multiplies the kernel over: a conv's outputs."""
+        return v_out
+
+    def plan_cost(self, layer, rank, cost):
+        """2 N_r F C k^3 V FLOPs per pass, forward, dW (and dX unless the first layer) at the
+        rate measured for the shape; its halo; the model-axis collectives of its split
+        (filter: allgather x, reduce-scatter dx; filter-replicated: dx allreduced; channel:
+        reduce-scatter y, allgather dy)."""
+        pm, m, n_r, itemsize, machine = rank.pm, rank.m, rank.n_r, rank.itemsize, rank.machine
+        plan = rank.halo_plan(layer)
+        v_in, v_out, v_need, c_halo = plan_window_cost(layer, rank, cost, plan)
+        c_local, f_local = rank.c_local(layer), rank.f_local(layer)
+        c_mac = c_local if layer.split == "channel" else layer.c_in
+        f_mac = layer.c_out if layer.split == "channel" else f_local
+        macs = n_r * f_mac * c_mac * math.prod(layer.kernel) * self.plan_mac_voxels(v_in, v_out)
+        passes = 3 if layer.input_grad else 2          # forward, dW (, dX)
+        cost.flops = 2.0 * macs * passes
+        compute_s = cost.flops / (machine.conv_rate(layer, n_r * v_in) * 1e9)
+        cost.saved_bytes = n_r * c_halo * v_need * itemsize
+        cost.transient_bytes = n_r * (c_halo * v_need + f_local * v_out) * itemsize
+        # model-axis collectives
+        if layer.split == "filter" and pm > 1:            # allgather x, reduce-scatter dx
+            b = 2 * rank.moved_bytes(layer.c_in, n_r * v_in)
+            cost.model_bytes, cost.model_messages = b, 2 * (pm - 1)
+        elif layer.split == "filter-replicated" and pm > 1 and layer.input_grad:   # dx allreduced
+            n_bytes = n_r * layer.c_in * v_in * itemsize
+            cost.model_allreduce_bytes = n_bytes
+            cost.comm_s += rank.allreduce_s(n_bytes, rank.model_group)
+        elif layer.split == "channel" and pm > 1:         # reduce-scatter y, allgather dy
+            b = 2 * rank.moved_bytes(layer.c_out, n_r * v_out)
+            cost.model_bytes, cost.model_messages = b, 2 * (pm - 1)
+        if layer.split in ("filter", "channel") and pm > 1:
+            alpha, beta = machine.group_link(rank.model_group)
+            cost.comm_s += cost.model_messages * alpha + cost.model_bytes * beta
+        return compute_s
 
     def reduction_length(self, spec, tensor, out_shape):
         n, c = spec.input[:2]
@@ -90,6 +136,25 @@ class Conv3dKind(_Conv, WindowKind):
 
     def torch_window(self, spec, tf, x, w, b, padding):
         return tf.conv3d(x, w, b, spec.stride, padding, spec.dilation)
+
+    plan_label = "conv"
+
+    def plan_halo(self, layer, spatial_dims):
+        return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
+
+    def plan_output_extent(self, layer, in_dhw):
+        return tuple(window_output_extent(n, k, st, p, 1) for n, k, p, st in
+                     zip(in_dhw, layer.kernel, layer.padding, layer.stride))
+
+    def plan_time(self, layer, repeats, rng, best_time):
+        x, dy = _plan_inputs(layer, rng)
+        w = rng.standard_normal((layer.c_out, layer.c_in) + layer.kernel, dtype=numpy.float32)
+        s, p = layer.stride, layer.padding
+        if layer.input_grad:
+            return best_time(lambda: (F.conv3d(x, w, stride=s, padding=p),
+                                      F.conv3d_backward(dy, x, w, stride=s, padding=p)), repeats)
+        return best_time(lambda: (F.conv3d(x, w, stride=s, padding=p),
+                                  F.conv3d_weight_grad(dy, x, w.shape, stride=s, padding=p)), repeats)
 
 
 class ConvTranspose3dKind(_Conv):
@@ -137,6 +202,28 @@ class ConvTranspose3dKind(_Conv):
         return transposed_needed_input_range(o, o + 1, spec.kernel[axis], spec.stride[axis], spec.padding[axis],
                                              spec.dilation[axis], spec.input[2 + axis], spec.output_padding[axis])
 
+    plan_label = "conv_transpose"
+
+    def plan_mac_voxels(self, v_in, v_out):
+        """A transposed conv multiplies every input voxel by the whole kernel."""
+        return v_in
+
+    def plan_halo(self, layer, spatial_dims):
+        return transposed_conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1,
+                                         layer.output_padding)
+
+    def plan_output_extent(self, layer, in_dhw):
+        return tuple(transposed_output_extent(n, k, st, p, 1, op) for n, k, p, st, op in
+                     zip(in_dhw, layer.kernel, layer.padding, layer.stride, layer.output_padding))
+
+    def plan_time(self, layer, repeats, rng, best_time):
+        x, dy = _plan_inputs(layer, rng)
+        w = rng.standard_normal((layer.c_in, layer.c_out) + layer.kernel, dtype=numpy.float32)
+        s, p, op = layer.stride, layer.padding, layer.output_padding
+        return best_time(lambda: (F.conv_transpose3d(x, w, stride=s, padding=p, output_padding=op),
+                                  F.conv_transpose3d_backward(dy, x, w, stride=s, padding=p, output_padding=op)),
+                         repeats)
+
     def torch_forward(self, spec, tf, x, w, b):
         return tf.conv_transpose3d(x, w, b, spec.stride, spec.padding, spec.output_padding, 1, spec.dilation)
 
@@ -156,3 +243,10 @@ class ConvTranspose3dKind(_Conv):
         else:
             y = tf.pad(y, pads)
         return y if b is None else y + b.reshape(1, -1, 1, 1, 1)
+
+
+def _plan_inputs(layer, rng):
+    """x and dy of one float32 sample for timing ``layer`` (refimpl plan --calibrate)."""
+    x = rng.standard_normal((1, layer.c_in) + tuple(layer.in_dhw), dtype=numpy.float32)
+    dy = rng.standard_normal((1, layer.c_out) + tuple(layer.out_dhw), dtype=numpy.float32)
+    return x, dy

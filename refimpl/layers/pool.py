@@ -6,7 +6,8 @@ import math
 import numpy
 
 from .. import functional as F
-from .base import WindowKind
+from ..parallel.partition import conv_halo_plan
+from .base import WindowKind, plan_window_cost
 
 
 class _Pool(WindowKind):
@@ -23,6 +24,24 @@ class _Pool(WindowKind):
         if any(2 * p > k for p, k in zip(spec.padding, spec.kernel)):
             raise ValueError(f"--padding {spec.padding} must be at most half the kernel {spec.kernel} "
                              "for pooling (as in PyTorch)")
+
+    # ------------------------------------------------------------ planner
+
+    plan_label = "pool"
+
+    def plan_halo(self, layer, spatial_dims):
+        return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
+
+    def plan_cost(self, layer, rank, cost):
+        """Memory-bound: the rank's work-array elements at ``Machine.pool_rate``; its halo."""
+        n_r, itemsize = rank.n_r, rank.itemsize
+        v_in, v_out, v_need, c_halo = plan_window_cost(layer, rank, cost, rank.halo_plan(layer))
+        f_local = rank.f_local(layer)
+        cost.flops = 2.0 * n_r * f_local * v_out * math.prod(layer.kernel)
+        compute_s = n_r * f_local * v_need / rank.machine.pool_rate
+        cost.saved_bytes = n_r * c_halo * v_need * itemsize
+        cost.transient_bytes = n_r * (c_halo * v_need + f_local * v_out) * itemsize
+        return compute_s
 
     def overlap(self, spec) -> int:
         """How many windows one input can fall in: the terms of one element of dx."""

@@ -128,6 +128,49 @@ class CosmoFlow(Model):
             param.spatial_replicated = param is not flatten_dense.weight
         self.setup_layers([self.features, self.head])
 
+    @classmethod
+    def describe(cls, config) -> list[dict]:
+        """The layers this class builds for ``config``, in forward order, without building them
+        (a 512^3 model's flatten weight alone is a GiB): per layer its module name, its kind in
+        the layer registry (refimpl/layers), channels, global input / output extents (D, H, W),
+        kernel / stride / padding, parameter count (weight + bias), how the model axis splits
+        it (``split``: none | filter | filter-replicated | channel | row | row-split; ``split_in``:
+        its input is channel-split) and whether it computes an input gradient.  ``refimpl plan``
+        prices this list; tests/test_plan.py checks it against the built model's modules."""
+        cfg = check_config(config)
+        n_layers, width, k = cfg["n_conv_layers"], cfg["conv_size"], cfg["kernel_size"]
+        mode = cfg["model_parallel"]
+        split_from = n_layers - cfg["model_parallel_blocks"] if mode != "none" else n_layers
+        c_in, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
+        kk, pad = (k,) * 3, (k // 2,) * 3
+        out, split_in = [], False
+        for i in range(n_layers):
+            c_out = width * 2 ** i
+            split = "none" if i < split_from else ("filter-replicated" if i == split_from else
+                                                   "channel" if mode == "channel" else "filter")
+            out.append(_layer(f"features.{3 * i}", "conv3d", c_in, c_out, dhw, dhw, kk, (1, 1, 1), pad,
+                              weights=c_out * c_in * k ** 3 + c_out, split=split, split_in=split_in,
+                              input_grad=i > 0))
+            split_in = split != "none"
+            out.append(_layer(f"features.{3 * i + 1}", "leaky_relu", c_out, c_out, dhw, dhw, split_in=split_in))
+            half = tuple(n // 2 for n in dhw)
+            out.append(_layer(f"features.{3 * i + 2}", "max_pool3d", c_out, c_out, dhw, half, (2, 2, 2),
+                              (2, 2, 2), split_in=split_in))
+            c_in, dhw = c_out, half
+        if mode != "none":
+            out.append(_layer(f"features.{3 * n_layers}", "gather", c_in, c_in, dhw, dhw, split_in=True))
+        flat = c_in * dhw[0] * dhw[1] * dhw[2]
+        fc1, fc2, n_out = cfg["fc1_size"], cfg["fc2_size"], cfg["num_outputs"]
+        row = mode != "none"
+        out += [_layer("head.0", "flatten_linear", flat, fc1, dhw, (), weights=fc1 * flat + fc1,
+                       split="row" if row else "none"),
+                _layer("head.3", "linear", fc1, fc2, (), (), weights=fc2 * fc1 + fc2,
+                       split="row-split" if row else "none", split_in=row)]
+        if row:
+            out.append(_layer("head.6", "gather", fc2, fc2, (), (), split_in=True))
+        out.append(_layer(f"head.{7 if row else 6}", "linear", fc2, n_out, (), (), weights=n_out * fc2 + n_out))
+        return out
+
     def local_target(self, target_global):
         """(B, num_outputs) -> this sample group's (B/Pn, num_outputs), the same on each spatial rank."""
         return target_global[self.local_samples(target_global.shape[0])]
@@ -161,6 +204,15 @@ class CosmoFlow(Model):
                                 over="data")
         dout = mse_loss_backward(out_local, target_local, sums[:2], dloss=float(self.data_parallel))
         return mean_finish(sums[:2]), dout, {"mae": mean_finish(sums[2:])}
+
+
+def _layer(name, kind, c_in, c_out, in_dhw, out_dhw, kernel=(1, 1, 1), stride=(1, 1, 1), padding=(0, 0, 0),
+           *, weights=0, split="none", split_in=False, input_grad=True) -> dict:
+    """One entry of ``describe()``: a layer of the registry kind ``kind`` (refimpl/layers)."""
+    return {"name": name, "kind": kind, "c_in": c_in, "c_out": c_out, "in_dhw": tuple(in_dhw),
+            "out_dhw": tuple(out_dhw), "kernel": tuple(kernel), "stride": tuple(stride),
+            "padding": tuple(padding), "weights": weights, "split": split, "split_in": split_in,
+            "input_grad": input_grad}
 
 
 __all__ = ["CosmoFlow", "DEFAULTS", "check_config"]

@@ -131,6 +131,52 @@ class UNet3D(Model):
         self.out = self.add_module("out", make.conv(self.widths[0], self.num_classes, 1))
         self.setup_layers(self.children())   # extents: S -> S/2^L -> S (pure index math)
 
+    @classmethod
+    def describe(cls, config) -> list[dict]:
+        """The layers this class builds for ``config``, in forward order, without building them:
+        entries as ``CosmoFlow.describe`` (refimpl/models/cosmoflow.py) gives them."""
+        from .cosmoflow import _layer
+        cfg = check_config(config)
+        levels, base, classes = cfg["levels"], cfg["base_width"], cfg["num_classes"]
+        c, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
+        mode = cfg["model_parallel"]
+        out = []
+
+        def block(prefix, c_in, c_out, dhw, first_grad, split=("none", "none")):
+            for j, (ci, sp) in enumerate(zip((c_in, c_out), split)):
+                split_in = j == 1 and split[0] != "none"
+                out.append(_layer(f"{prefix}.{3 * j}", "conv3d", ci, c_out, dhw, dhw, (3, 3, 3), (1, 1, 1),
+                                  (1, 1, 1), weights=c_out * ci * 27, split=sp, split_in=split_in,
+                                  input_grad=first_grad or j > 0))
+                bn_split = sp != "none"
+                out.append(_layer(f"{prefix}.{3 * j + 1}", "batch_norm3d", c_out, c_out, dhw, dhw,
+                                  weights=2 * c_out, split_in=bn_split, split="channel" if bn_split else "none"))
+                out.append(_layer(f"{prefix}.{3 * j + 2}", "relu", c_out, c_out, dhw, dhw, split_in=bn_split))
+
+        widths = [base * 2 ** i for i in range(levels + 1)]
+        shapes = [tuple(n // 2 ** i for n in dhw) for i in range(levels + 1)]
+        c_in = c
+        for i in range(levels):
+            block(f"enc{i}", c_in, widths[i], shapes[i], first_grad=i > 0)
+            out.append(_layer(f"pool{i}", "max_pool3d", widths[i], widths[i], shapes[i], shapes[i + 1], (2, 2, 2),
+                              (2, 2, 2)))
+            c_in = widths[i]
+        split = ("none", "none") if mode == "none" else \
+            ("filter-replicated", "channel" if mode == "channel" else "filter")
+        block("bottleneck", c_in, widths[levels], shapes[levels], True, split)
+        if mode != "none":
+            out.append(_layer("bottleneck.6", "gather", widths[levels], widths[levels], shapes[levels],
+                              shapes[levels], split_in=True))
+        c_in = widths[levels]
+        for i in reversed(range(levels)):
+            out.append(_layer(f"up{i}", "conv_transpose3d", c_in, widths[i], shapes[i + 1], shapes[i], (2, 2, 2),
+                              (2, 2, 2), weights=c_in * widths[i] * 8 + widths[i]))
+            block(f"dec{i}", 2 * widths[i], widths[i], shapes[i], True)
+            c_in = widths[i]
+        out.append(_layer("out", "conv3d", c_in, classes, shapes[0], shapes[0],
+                          weights=classes * c_in + classes))
+        return out
+
     def local_target(self, target_global):
         """(B, D, H, W) labels -> this rank's (B/Pn, local block)."""
         return target_global[(self.local_samples(target_global.shape[0]),)

@@ -1,0 +1,124 @@
+"""The planner prices a model's layers through the layer registry (refimpl/layers), never by name.
+
+``Model.describe(config)`` lists the layers a model class builds (registry kinds, channels,
+extents, splits); ``refimpl.plan`` turns each into a ``Layer`` and charges it what its kind's
+``plan_cost`` hook says.  The kinds only the planner prices (activations, dense layers, the
+gather) stay out of check-layer's registry.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from refimpl import layers, plan
+from refimpl.layers.base import LayerKind
+from refimpl.models import MODELS, PRESETS, build_model
+from refimpl.plan import Layer, Machine, layer_of, model_layers, plan_grid, rank_costs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the nn class names each registry kind is built as (unpartitioned: build_model without a grid)
+BUILT_AS = {"conv3d": ("Conv3d",), "conv_transpose3d": ("ConvTranspose3d",), "max_pool3d": ("MaxPool3d",),
+            "batch_norm3d": ("BatchNorm3d",), "relu": ("ReLU",), "leaky_relu": ("LeakyReLU",),
+            "linear": ("Linear",), "flatten_linear": ("FlattenLinear",), "gather": ("Sequential",)}
+
+CONFIGS = [("cosmoflow", "tiny"), ("cosmoflow", "small"), ("unet3d", "tiny"),
+           ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="channel", model_parallel_blocks=2)),
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="filter"))]
+
+
+def _config(model, config):
+    return dict(PRESETS[model][config]) if isinstance(config, str) else config
+
+
+@pytest.mark.parametrize("model, config", CONFIGS)
+def test_describe_lists_the_built_modules(model, config):
+    """Each described layer is the built model's module of that name, of the class its kind
+    builds, with as many parameters."""
+    config = _config(model, config)
+    modules = dict(build_model(model, config, None).named_modules())
+    for entry in MODELS[model].describe(config):
+        module = modules[entry["name"]]
+        assert type(module).__name__ in BUILT_AS[entry["kind"]], entry
+        assert sum(p.data.size for p in module.parameters()) == entry["weights"], entry
+
+
+@pytest.mark.parametrize("model, config", CONFIGS)
+def test_planned_layers_carry_their_registry_kind(model, config):
+    described = MODELS[model].describe(_config(model, config))
+    planned = model_layers(model, _config(model, config))
+    assert [lay.op for lay in planned] == [entry["kind"] for entry in described]
+    assert all(lay.kind == layers.plan_kind(lay.op).plan_label for lay in planned)
+    # a hand-made record of a planner label prices as the kind first registered with that label
+    assert plan.layer_kind(Layer("c", "pool", 4, 4, (8,) * 3, (4,) * 3, (2,) * 3, (2,) * 3)).name == "max_pool3d"
+
+
+def test_every_described_kind_has_planner_hooks():
+    kinds = {entry["kind"] for model in MODELS for preset in PRESETS[model]
+             for mode in ("none", "filter") for entry in MODELS[model].describe(
+                 dict(PRESETS[model][preset], model_parallel=mode))}
+    assert kinds == set(BUILT_AS)
+    for name in kinds:
+        kind = layers.plan_kind(name)
+        assert kind.plan_label and type(kind).plan_cost is not LayerKind.plan_cost, name
+    with pytest.raises(ValueError, match="the planner prices layers of kinds conv3d, .*not 'softmax'"):
+        layers.plan_kind("softmax")
+
+
+def test_planner_only_kinds_stay_out_of_check_layer():
+    """relu, linear, ... lack the check hooks: check-layer, the oracle and case files never see them."""
+    for name in layers.PLAN_ONLY:
+        assert name not in layers.names() and name not in layers.REGISTRY
+        with pytest.raises(ValueError, match="layer must be one of"):
+            layers.lookup(name)
+    assert not set(layers.PLAN_ONLY) & {n for arg in ("out_channels", "kernel", "dilation", "output_padding")
+                                        for n in layers.names_taking(arg)}
+
+
+def test_plan_dispatches_no_layer_by_name():
+    """refimpl/plan.py holds no chain of layer names: every kind-specific cost is a hook."""
+    source = (ROOT / "refimpl" / "plan.py").read_text()
+    names = set(layers.REGISTRY) | set(layers.PLAN_ONLY) | {k.plan_label for k in (
+        *layers.REGISTRY.values(), *layers.PLAN_ONLY.values())}
+    quoted = {m for m in re.findall(r"""["']([a-z_0-9]+)["']""", source) if m in names}
+    assert not quoted, f"refimpl/plan.py names layer kinds {sorted(quoted)}"
+
+
+class _ScaleKind(LayerKind):
+    """A planner-only kind of a test: a pointwise layer that costs one FLOP per element."""
+    name = "test_scale"
+    plan_label = "scale"
+
+    def plan_cost(self, layer, rank, cost):
+        cost.flops = 1.0 * rank.n_r * rank.f_local(layer) * rank.block_voxels(layer)
+        cost.saved_bytes = int(cost.flops) * rank.itemsize
+        return cost.flops / 1e9
+
+
+def test_a_new_kind_is_priced_by_its_hook_alone(monkeypatch):
+    """Registering a kind with a plan_cost hook is all the planner needs (no edit of plan.py)."""
+    monkeypatch.setitem(layers.PLAN_ONLY, _ScaleKind.name, _ScaleKind())
+    lay = layer_of({"name": "s", "kind": "test_scale", "c_in": 4, "c_out": 4, "in_dhw": (8, 8, 8),
+                    "out_dhw": (8, 8, 8)})
+    assert lay.kind == "scale" and lay.op == "test_scale"
+    (cost,) = rank_costs([lay], (2, 2, 1, 1, 1), (1, 1, 0, 0, 0), 4, 4, Machine())
+    assert cost.kind == "scale" and cost.flops == 2 * 4 * 4 * 8 * 8 and cost.compute_s == cost.flops / 1e9
+    conv = model_layers("cosmoflow", "tiny")[:1]
+    assert plan_grid(conv + [lay], (1,) * 5, 2).memory_bytes > plan_grid(conv, (1,) * 5, 2).memory_bytes
+
+
+@pytest.mark.parametrize("model, mode, dims, batch, step_s, memory, grad, halo, model_bytes", [
+    ("cosmoflow", "filter", (2, 2, 2, 1, 2), 8, 0.13765152728000002, 84638016, 2841424, 1232896, 18944),
+    ("cosmoflow", "channel", (2, 2, 1, 1, 4), 8, 0.2660193313599999, 151483456, 1563152, 1179648, 52992),
+    ("unet3d", "none", (4, 2, 2, 1, 1), 4, 13.823459711562501, 1563860016, 22404748, 32260608, 0)])
+def test_predictions_are_those_of_the_name_dispatching_planner(model, mode, dims, batch, step_s, memory, grad, halo,
+                                                               model_bytes):
+    """The numbers `refimpl plan` printed before the layers were priced by their registry hooks
+    (--preset small / default, default Machine; the slowest rank's layers)."""
+    preset = "small" if model == "cosmoflow" else "default"
+    layers_ = model_layers(model, dict(PRESETS[model][preset], model_parallel=mode))
+    got = plan_grid(layers_, dims, batch, Machine())
+    assert (got.step_s, got.memory_bytes, got.grad_bytes) == (pytest.approx(step_s, rel=1e-12), memory, grad)
+    assert sum(c.halo_bytes for c in got.layers) == halo and sum(c.model_bytes for c in got.layers) == model_bytes
