@@ -200,3 +200,30 @@ def test_oracle_expectations_run_no_kernel():
         files, _ = traced(lambda: expect.expectations(spec, "float64"))
         assert "oracle/expect.py" in files
         assert not [f for f in files if f.startswith("kernels")], (spec.layer, files)
+
+
+def test_the_reference_runs_on_the_device_stand_in():
+    """xp-generic: on the strict stand-in of a CuPy array (refimpl/strict.py) the reference conv and
+    transposed conv compute the same bits as on NumPy, with no hidden device -> host sync."""
+    from refimpl import backend, strict
+    backend.set_backend("strict")
+    try:
+        xp = backend.get_xp()
+        rng = np.random.default_rng(2)
+        host = [rng.standard_normal(s) for s in ((2, 3, 6, 5, 4), (4, 3, 3, 2, 3), (4,), (3, 4, 3, 3, 2))]
+        x, w, b, wt = (xp.asarray(a) for a in host)
+        before = dict(strict.SYNCS)
+        y = conv3d(x, w, b, (2, 1, 1), 1, algorithm="reference")
+        grads = conv3d_backward(xp.ones_like(y), x, w, (2, 1, 1), 1, algorithm="reference")
+        yt = conv_transpose3d(x, wt, None, 2, 1, 1, algorithm="reference")
+        grads_t = conv_transpose3d_backward(xp.ones_like(yt), x, wt, 2, 1, 1, algorithm="reference")
+        assert strict.SYNCS == before
+        y_host = conv3d(*host[:3], (2, 1, 1), 1, algorithm="reference")
+        assert np.array_equal(backend.to_host(y), y_host)
+        for got, want in zip(grads + grads_t, conv3d_backward(np.ones_like(y_host), *host[:2], (2, 1, 1), 1,
+                                                              algorithm="reference")
+                             + conv_transpose3d_backward(np.ones(yt.shape), host[0], host[3], 2, 1, 1,
+                                                         algorithm="reference")):
+            assert np.array_equal(backend.to_host(got), want)
+    finally:
+        backend.set_backend("numpy")
