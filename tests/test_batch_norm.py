@@ -146,14 +146,14 @@ def test_blocks_of_channels_and_voxels_cover_once_and_agree(shape, block, monkey
     """The passes run over blocks of channels x voxels (long rows); every element lies in
     exactly one block, and the sums, y and dx equal the unblocked ones (float64, to 1e-13),
     bit for bit across 1, 2 and 3 worker threads."""
-    from refimpl.functional import batch_norm as bn
+    from refimpl.kernels import batch_norm as bn
     rng = np.random.default_rng(sum(shape))
     x = rng.standard_normal(shape) * 3 + 1.5
     dy = rng.standard_normal(shape)
     gamma, beta = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])
     whole = (batch_norm3d(x, gamma, beta)[0],) + batch_norm3d_backward(dy, batch_norm3d(x, gamma, beta)[1])
     monkeypatch.setattr(bn, "BLOCK_ELEMENTS", block)
-    blocks = bn._channel_blocks(x)
+    blocks = bn.channel_blocks(x)
     assert len(blocks) > shape[0]
     hit = np.zeros(shape, int)
     for channels, (view,) in blocks:

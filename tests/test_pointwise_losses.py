@@ -147,7 +147,7 @@ def test_regression_losses_match_torch(shape, seed):
         assert directional_fd_err(lambda z: mine(z, target)[0], pred, dpred) < 1e-6
 
 
-# class counts on both sides of losses.MASKED_PICK_CLASSES (masks vs take_along_axis)
+# class counts on both sides of kernels.losses.MASKED_PICK_CLASSES (the kernel vs take_along_axis)
 classification = st.tuples(st.integers(1, 2), st.sampled_from([2, 3, 4, 8, 9, 12]), st.integers(1, 3), st.integers(1, 3),
                            st.integers(1, 3), st.booleans(), st.integers(0, 2**31))
 
@@ -196,18 +196,19 @@ def test_shared_softmax_gives_the_same_loss(case):
 def test_blocked_class_passes_equal_the_whole_array_passes(k, weighted, monkeypatch):
     """On the host with few classes the softmax, the cross-entropy sums and gradient and the
     hard Dice counts run class plane by class plane over blocks of voxels on the worker
-    threads (``losses.blocked``): the same numbers as the whole-array passes (a Fortran-ordered
+    threads (``kernels.losses.applies``): the same numbers as the whole-array passes (a Fortran-ordered
     copy takes those; the sums of a softmax's three exponentials may round apart) over many
     blocks, and bit for bit the same at 1, 2 and 3 threads; labels validated once by ``SoftmaxParts(logits, labels)``, which still refuses a
     label out of range."""
     from refimpl.functional import losses
-    monkeypatch.setattr(losses, "CLASS_BLOCK_VOXELS", 37)            # many blocks, a ragged last one
+    from refimpl.kernels import losses as kernel
+    monkeypatch.setattr(kernel, "CLASS_BLOCK_VOXELS", 37)            # many blocks, a ragged last one
     rng = np.random.default_rng(k)
     logits = 3 * rng.standard_normal((2, k, 5, 6, 7))
     labels = rng.integers(0, k, (2, 5, 6, 7))
     weights = rng.uniform(0.2, 2.0, k) if weighted else None
     whole = np.asfortranarray(logits)
-    assert losses.blocked(logits) and not losses.blocked(whole)
+    assert kernel.applies(logits) and not kernel.applies(whole)
     ref = SoftmaxParts(whole)
     ce_ref = cross_entropy_local_sums(whole, labels, weights, ref)
     grad_ref = cross_entropy_backward(whole, labels, ce_ref, weights, 2.0, ref)

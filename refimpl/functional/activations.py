@@ -4,72 +4,65 @@ Derivative conventions at the kinks follow PyTorch: relu'(0) = 0 and
 leaky_relu'(0) = negative_slope.  tanh's backward takes the *output*
 (tanh' = 1 - tanh^2), so a layer caches y instead of x; the CosmoFlow head
 uses ``scale * tanh(x)`` (scale 1.2), see ``scaled_tanh``.
+
+Speed: this file is the reference.  On NumPy arrays relu and leaky_relu (forward and
+backward) run ``refimpl/kernels/pointwise.py``: the same values by cheaper passes over
+cache-sized blocks on worker threads.  The one rule, in ``_kernel``: NumPy arrays take the
+kernel unless ``REFERENCE`` is True; CuPy arrays take the math below.
 """
 from __future__ import annotations
 
 from ..backend import array_module, check_same_dtype
-from ..kernels._threads import elementwise
+from ..kernels import pointwise as fast
+
+#: True: every call computes the math below (tests and readers may set it); False: NumPy
+#: arrays take refimpl/kernels/pointwise.py (the same values).
+REFERENCE = False
+
+
+def _kernel(*arrays):
+    """The one dispatch rule (module doc): ``refimpl.kernels.pointwise`` for NumPy arrays
+    unless ``REFERENCE`` is True, else None (the math below)."""
+    if REFERENCE:
+        return None
+    return fast if fast.applies(*arrays) else None
 
 
 def relu(x):
     """max(x, 0)."""
+    kernel = _kernel(x)
+    if kernel is not None:
+        return kernel.relu(x)
     xp = array_module(x)
-    return elementwise(lambda o, a: xp.maximum(a, 0, out=o), xp.empty_like(x), _c(x))
-
-
-def _c(a):
-    """``a`` C-contiguous (the blockwise passes flatten their arrays)."""
-    return array_module(a).ascontiguousarray(a)
+    return xp.maximum(x, 0)
 
 
 def relu_backward(dy, x):
-    """dy where x > 0, else 0: ``dy * (x > 0)``, two passes (NumPy's ``where`` with a
-    scalar runs 7x slower; the product differs from it only in the sign of zeros)."""
+    """dy where x > 0, else 0: ``dy * 1[x > 0]`` (relu'(0) = 0, as PyTorch's)."""
     check_same_dtype(x=x, dy=dy)
-    xp = array_module(x, dy)
-    return elementwise(lambda o, g, a: xp.multiply(g, a > 0, out=o), xp.empty_like(dy), _c(dy), _c(x))
+    kernel = _kernel(dy, x)
+    if kernel is not None:
+        return kernel.relu_backward(dy, x)
+    return dy * (x > 0)
 
 
 def leaky_relu(x, negative_slope=0.01):
-    """x where x > 0, else negative_slope * x.
-
-    For 0 <= slope <= 1 that is max(x, slope * x): two passes over x instead of three.
-    """
+    """x where x > 0, else negative_slope * x."""
+    kernel = _kernel(x)
+    if kernel is not None:
+        return kernel.leaky_relu(x, negative_slope)
     xp = array_module(x)
-    if 0.0 <= negative_slope <= 1.0:
-        def pass_(o, a):
-            xp.multiply(a, negative_slope, out=o)
-            xp.maximum(o, a, out=o)
-        return elementwise(pass_, xp.empty_like(x), _c(x))
     return xp.where(x > 0, x, x * negative_slope)
 
 
 def leaky_relu_backward(dy, x, negative_slope=0.01):
-    """dy where x > 0, else negative_slope * dy.
-
-    For 0 <= slope <= 1 as ``dy * max(m, slope)`` with the 0/1 mask ``m = (x > 0)``: the
-    factor is exactly 1 or the slope, so it equals ``where(x > 0, dy, dy * slope)`` bit for
-    bit, in 4 short passes per block (NumPy's ``where`` runs 5-8x slower; the earlier
-    ``dy * m + dy * ((1 - m) * slope)`` took 7: 390 -> 260 us per 256 Ki floats here).
-    Other slopes: ``dy * m + dy * ((1 - m) * slope)`` (one term is zero, the other exact or
-    the same rounded ``dy * slope``).  The passes run block by block
-    (``_threads.elementwise``: in cache, on every core).
-    """
+    """dy where x > 0, else negative_slope * dy (leaky_relu'(0) = negative_slope)."""
     check_same_dtype(x=x, dy=dy)
+    kernel = _kernel(dy, x)
+    if kernel is not None:
+        return kernel.leaky_relu_backward(dy, x, negative_slope)
     xp = array_module(x, dy)
-
-    def pass_(o, g, a):
-        m = (a > 0).astype(g.dtype)           # 1 where x > 0
-        if 0.0 <= negative_slope <= 1.0:
-            xp.maximum(m, negative_slope, out=m)   # 1 where x > 0, slope elsewhere
-            xp.multiply(g, m, out=o)
-            return
-        xp.multiply(g, m, out=o)
-        m -= 1
-        m *= -negative_slope                  # 0 where x > 0, slope elsewhere
-        m *= g
-        o += m
-    return elementwise(pass_, xp.empty_like(dy), _c(dy), _c(x))
+    return xp.where(x > 0, dy, dy * negative_slope)
 
 
 def tanh(x):

@@ -31,17 +31,14 @@ shift (K = 0) the float64 accumulation alone keeps float32 training accurate
 unless |mean| >> std.  (The alternative, a two-pass centred sum, is exact but
 needs two allreduces.)  Sums travel as float64 arrays of shape (C,).
 
-Passes: every step is one pass over its inputs, run block by block
-(``_channel_blocks``: a block is a range of channels of one sample over a cache-sized
-range of voxels, as long as fits, the blocks shared by the worker threads of ``_threads``), so the
-few elementwise operations of a step read the cache, not memory.  The cache keeps
-``x`` itself (no normalised copy).  Every per-channel sum is accumulated in float64
-(``sum(dtype=float64)``), although casting each element costs as much as the rest of
-a pass: float32 partial sums, even as BLAS products over cache-sized rows (3x faster),
-change the statistics by ~sqrt(L) eps between grids, and the sums cancel (``sum(dy)``
-is about 0 for a batch norm whose output another batch norm normalises again, as in
-the U-Net), where Adam turns rounding near 0 into a full step of either sign: float32
-training then differed between grids by 12 % of such a bias.  The backward needs
+Sums: every per-channel sum is accumulated in float64 (``sum(dtype=float64)``), although
+casting each element costs as much as the rest of a pass: float32 partial sums change
+the statistics by ~sqrt(L) eps between grids, and the sums cancel (``sum(dy)`` is about 0
+for a batch norm whose output another batch norm normalises again, as in the U-Net),
+where Adam turns rounding near 0 into a full step of either sign: float32 training then
+differed between grids by 12 % of such a bias.  The forward computes
+``y = a * x + c`` per channel with ``a = gamma * inv_std``, ``c = beta - mean * a``
+(the formula above, two elementwise operations).  The backward needs
 
     sum(dy),  sum(dy * xhat) = inv_std * sum(dy * (x - mean))
 
@@ -54,23 +51,44 @@ which is the formula above rearranged.  Its rounding: ``b * x + c`` stands for
 ``b * (x - mean)`` and carries an error of about ``eps * |mean| / std`` of that term,
 harmless unless ``|mean| >> std`` (then the shift that the layers pass, the running
 mean, keeps the forward accurate, and the backward loses ``log10(|mean| / std)`` digits).
+
+Speed: this file is the reference.  Large NumPy arrays run the same operations block by
+block on worker threads (``refimpl/kernels/batch_norm.py``: the elementwise passes give
+the same bits, the sums differ by float64 rounding).  The one rule, in ``_kernel``:
+NumPy arrays of more than ``kernels.batch_norm.BLOCK_ELEMENTS`` elements take the kernel
+unless ``REFERENCE`` is True; CuPy and small arrays take the math below.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy
-
 from ..backend import array_module, check_same_dtype
-from ..kernels import _threads
+from ..kernels import batch_norm as fast
 from ._args import check_float, check_ndim
 
-_AXES = (0, 2, 3, 4)  # every axis but the channel
+#: True: every call computes the math below (tests and readers may set it); False: large
+#: NumPy arrays take the blocked passes of refimpl/kernels/batch_norm.py.
+REFERENCE = False
+
+
+def _kernel(x):
+    """The one dispatch rule (module doc): ``refimpl.kernels.batch_norm`` when it applies to
+    ``x`` and ``REFERENCE`` is False, else None (the math below)."""
+    if REFERENCE:
+        return None
+    return fast if fast.applies(x) else None
 
 
 def _per_channel(v):
     """(C,) -> (1, C, 1, 1, 1) for broadcasting against NCDHW."""
     return v.reshape(1, -1, 1, 1, 1)
+
+
+def _sum_per_channel(a):
+    """(N, C, D, H, W) -> (C,) float64: each sample's voxels summed, then the samples."""
+    xp = array_module(a)
+    n, c = a.shape[:2]
+    return xp.sum(a.reshape(n, c, -1), axis=-1, dtype=xp.float64).sum(axis=0)
 
 
 class BatchNormCache(NamedTuple):
@@ -80,54 +98,8 @@ class BatchNormCache(NamedTuple):
     inv_std: object  # (C,) in x's dtype
 
 
-#: Voxels x channels per block of a pass (1 MiB of float32: measured best here, 2x
-#: faster than 64 Ki elements, whose per-channel rows are too short).
-BLOCK_ELEMENTS = 1 << 18
-
-
-def _channel_blocks(*arrays):
-    """The arrays (same NCDHW shape) as blocks ``(channels, views)``: ``channels`` a slice of
-    the channel axis, ``views`` the arrays' ``(C', L)`` (NumPy) pieces for it.  On NumPy a
-    block is one sample's channels ``[c0, c1)`` over voxels ``[v0, v1)``, about
-    ``BLOCK_ELEMENTS`` in all, its rows as long as possible (a whole sample's voxels where
-    they fit, fewer channels then): every per-channel reduction then runs over long rows
-    (measured, 2 threads, 1 x 128 x 32^3: rows of 2048 voxels, all 128 channels, took the
-    backward's sums 4.9 ms, rows of 32768 by 8 channels 1.9 ms).  On CuPy (or for an array
-    of at most one block) the whole ``(N, C, DHW)`` array is one block."""
-    n, c = arrays[0].shape[:2]
-    flat = [array_module(a).ascontiguousarray(a).reshape(n, c, -1) for a in arrays]
-    size = flat[0].shape[2]
-    if array_module(*arrays) is not numpy or n * c * size <= BLOCK_ELEMENTS:   # (small or empty)
-        return [(slice(None), tuple(flat))]
-    step = min(size, BLOCK_ELEMENTS)                                  # voxels per row
-    rows = max(1, BLOCK_ELEMENTS // step)                             # channels per block
-    return [(slice(c0, min(c0 + rows, c)), tuple(f[i, c0:c0 + rows, v0:v0 + step] for f in flat))
-            for i in range(n) for c0 in range(0, c, rows) for v0 in range(0, size, step)]
-
-
-def _run_blocks(fn, blocks):
-    """``fn(channels, *views)`` for every block, over the worker threads (numpy); results in
-    block order."""
-    results = [None] * len(blocks)
-
-    def one(_, i):
-        results[i] = fn(blocks[i][0], *blocks[i][1])
-    workers = _threads.thread_count(array_module(blocks[0][1][0]))
-    _threads.run(one, list(range(len(blocks))), workers)
-    return results
-
-
-def _channel_sums(partials, blocks, c):
-    """Per-block float64 partial sums ``(..., C')`` added per channel, in block order -> (C,)."""
-    xp = array_module(partials[0])
-    total = xp.zeros(c, dtype=xp.float64)
-    for part, (channels, _) in zip(partials, blocks):
-        total[channels] += part.reshape(-1, part.shape[-1]).sum(axis=0)
-    return total
-
-
 def _col(v, dtype):
-    """(C,) -> (C, 1) in ``dtype``: per-channel scalars for a (..., C, L) block."""
+    """(C,) -> (C, 1) in ``dtype``: per-channel scalars for the kernel's (C', L) blocks."""
     return v.astype(dtype).reshape(-1, 1)
 
 
@@ -143,25 +115,17 @@ def batch_norm_local_sums(x, shift=None):
     """(count, S1, S2): count = N*D*H*W (int), S1 = sum(x - shift), S2 = sum((x - shift)^2).
 
     S1, S2: float64 arrays of shape (C,); ``shift`` (C,) defaults to 0 (see module doc).
-    The shifted values are formed in x's dtype and summed in float64, block by block.
+    The shifted values are formed in x's dtype and summed in float64.
     """
     check_ndim(x, 5, "x", "N, C, D, H, W")
     check_float("x", x)
     _check_channel_vector(shift, "shift", x.shape[1])
-    xp = array_module(x)
-    c = x.shape[1]
     count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
-    k = None if shift is None else _col(shift, x.dtype)
-
-    def sums(ch, xb):
-        xs = xb if k is None else xb - k[ch]
-        s1 = xp.sum(xs, axis=-1, dtype=xp.float64)
-        xs = xs * xs if k is None else xp.multiply(xs, xs, out=xs)
-        return s1, xp.sum(xs, axis=-1, dtype=xp.float64)
-    blocks = _channel_blocks(x)
-    parts = _run_blocks(sums, blocks)
-    return (count, _channel_sums([a for a, _ in parts], blocks, c),
-            _channel_sums([b for _, b in parts], blocks, c))
+    kernel = _kernel(x)
+    if kernel is not None:
+        return (count,) + kernel.local_sums(x, None if shift is None else _col(shift, x.dtype))
+    xs = x if shift is None else x - _per_channel(shift.astype(x.dtype))     # x - K
+    return count, _sum_per_channel(xs), _sum_per_channel(xs * xs)
 
 
 def batch_norm_stats(count, sum_, sumsq, eps=1e-5, shift=None):
@@ -196,13 +160,12 @@ def batch_norm_forward(x, mean, inv_std, gamma=None, beta=None):
     # y = x * a + c with a = gamma * inv_std, c = beta - mean * a (per channel, in float64)
     a = inv_std.astype(xp.float64) * (1.0 if gamma is None else gamma.astype(xp.float64))
     c = (0.0 if beta is None else beta.astype(xp.float64)) - mean.astype(xp.float64) * a
-    a, c = _col(a, dt), _col(c, dt)
-    y = xp.empty(x.shape, dtype=dt)
-
-    def normalise(ch, yb, xb):
-        xp.multiply(xb, a[ch], out=yb)
-        yb += c[ch]
-    _run_blocks(normalise, _channel_blocks(y, x))
+    kernel = _kernel(x)
+    if kernel is not None:
+        y = kernel.affine(x, _col(a, dt), _col(c, dt))
+    else:
+        y = x * _per_channel(a.astype(dt))
+        y += _per_channel(c.astype(dt))
     return y, BatchNormCache(x, mean.astype(dt), gamma, inv_std.astype(dt))
 
 
@@ -212,18 +175,13 @@ def batch_norm_backward_local_sums(dy, cache):
     if dy.shape != cache.x.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected {cache.x.shape}")
     xp = array_module(dy)
-    m = _col(cache.mean, dy.dtype)
-
-    def sums(ch, gb, xb):                      # sum(dy), sum(dy * (x - mean)), in float64
-        t = xp.subtract(xb, m[ch])
-        t *= gb
-        return xp.sum(gb, axis=-1, dtype=xp.float64), xp.sum(t, axis=-1, dtype=xp.float64)
-    c = dy.shape[1]
-    blocks = _channel_blocks(dy, cache.x)
-    parts = _run_blocks(sums, blocks)
-    sum_dy_centred = _channel_sums([b for _, b in parts], blocks, c)
-    return (_channel_sums([a for a, _ in parts], blocks, c),
-            sum_dy_centred * cache.inv_std.astype(xp.float64))
+    kernel = _kernel(dy)
+    if kernel is not None:
+        sum_dy, sum_dy_centred = kernel.backward_sums(dy, cache.x, _col(cache.mean, dy.dtype))
+    else:
+        sum_dy = _sum_per_channel(dy)
+        sum_dy_centred = _sum_per_channel((cache.x - _per_channel(cache.mean)) * dy)  # sum(dy (x - mean))
+    return sum_dy, sum_dy_centred * cache.inv_std.astype(xp.float64)
 
 
 def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
@@ -246,14 +204,13 @@ def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
     # dx = a * (dy - mean(dy) - xhat * mean(dy xhat)) = a * dy + b * x + c   (module doc)
     b = -a * inv_std * (sum_dy_xhat / count)
     c = -a * (sum_dy / count) - b * cache.mean.astype(f64)
-    a, b, c = _col(a, dt), _col(b, dt), _col(c, dt)
-    dx = xp.empty(dy.shape, dtype=dt)
-
-    def grad(ch, db, gb, xb):
-        xp.multiply(xb, b[ch], out=db)
-        db += c[ch]
-        db += gb * a[ch]
-    _run_blocks(grad, _channel_blocks(dx, dy, cache.x))
+    kernel = _kernel(dy)
+    if kernel is not None:
+        dx = kernel.backward_dx(dy, cache.x, _col(a, dt), _col(b, dt), _col(c, dt))
+    else:
+        dx = cache.x * _per_channel(b.astype(dt))
+        dx += _per_channel(c.astype(dt))
+        dx += dy * _per_channel(a.astype(dt))
     if cache.gamma is None:
         return dx, None, None
     return dx, local_sum_dy_xhat.astype(dt), local_sum_dy.astype(dt)

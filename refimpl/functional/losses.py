@@ -19,14 +19,33 @@ Reductions match PyTorch's ``reduction='mean'``:
         loss = 1 - (1/K) sum_k (2 I_k + eps) / (P_k + T_k + eps)
 - dice_score (metric, no gradient): the same with p = one-hot(argmax z) and eps = 0,
   a class absent from both prediction and labels scoring 1.
+
+Speed: this file is the reference.  On the host with few classes the class passes (the
+softmax, the cross-entropy sums and gradient, the hard Dice counts) run
+``refimpl/kernels/losses.py``: the same values class plane by class plane over
+cache-sized blocks of voxels on worker threads.  The one rule, in ``_kernel``: NumPy
+logits, C-contiguous, with a spatial axis and at most ``kernels.losses.MASKED_PICK_CLASSES``
+classes take the kernel unless ``REFERENCE`` is True; everything else the math below.
 """
 from __future__ import annotations
 
 import numpy
 
 from ..backend import array_module, check_same_dtype, to_host
-from ..kernels import _threads
+from ..kernels import losses as fast
 from ._args import check_float
+
+#: True: every call computes the math below (tests and readers may set it); False: NumPy
+#: logits of few classes take refimpl/kernels/losses.py (the same values).
+REFERENCE = False
+
+
+def _kernel(logits):
+    """The one dispatch rule (module doc): ``refimpl.kernels.losses`` when it applies to
+    ``logits`` and ``REFERENCE`` is False, else None (the math below)."""
+    if REFERENCE:
+        return None
+    return fast if fast.applies(logits) else None
 
 
 def _check_pair(pred, target):
@@ -134,22 +153,22 @@ class SoftmaxParts:
     """The softmax of logits over the class axis 1, computed once and shared by the pieces of
     a loss (the cross-entropy sums and gradient, the soft Dice sums and gradient):
     ``p = exp(z - lse)`` (N, K, ...) and the log of the normaliser ``lse = log sum_k exp z_k``
-    (N, 1, ...).  Each piece would otherwise take its own softmax: on the U-Net's logits
-    (2 x 3 x 64^3) a softmax is 10 ms, the loss 42 ms of which 25 ms were repeated softmax.
+    (N, 1, ...).  Each piece would otherwise take its own softmax (most of the loss's time
+    then: docs/benchmarks.md, "Timing notes from refimpl/functional/").
 
     ``labels`` (optional): validated here once against the logits (shape, dtype, range); the
     pieces given these parts and these labels then skip their own scan of the labels.
 
-    On the host with few classes (``blocked``) the softmax runs class plane by class plane
-    over cache-sized blocks of voxels on the worker threads: 4 x 3 x 64^3 float32 26 -> 6 ms
-    (numpy's max and sum over a short strided class axis are slow passes)."""
+    ``p = exp(z - m) / sum_k exp(z_k - m)`` with ``m = max_k z_k`` (no overflow), and
+    ``lse = log sum_k exp(z_k - m) + m``."""
 
     def __init__(self, logits, labels=None):
         if labels is not None:
             _check_logits_labels(logits, labels)
         self.logits, self.checked = logits, labels
-        if blocked(logits):
-            self.p, self.lse = _softmax_blocks(logits)
+        kernel = _kernel(logits)
+        if kernel is not None:
+            self.p, self.lse = kernel.softmax(logits)
             return
         xp = array_module(logits)
         m = xp.max(logits, axis=1, keepdims=True)
@@ -161,99 +180,15 @@ class SoftmaxParts:
         self.lse = xp.log(s) + m                    # (N, 1, ...)
 
 
-#: Voxels per block of the blocked class passes (K planes of them stay in the cache).
-CLASS_BLOCK_VOXELS = 1 << 15
-
-
-def blocked(logits):
-    """Whether the class passes run plane by plane over blocks of voxels: NumPy arrays,
-    C-contiguous, at most ``MASKED_PICK_CLASSES`` classes."""
-    return (type(logits) is numpy.ndarray and logits.flags.c_contiguous and logits.ndim >= 3
-            and logits.shape[1] <= MASKED_PICK_CLASSES)
-
-
-def _voxel_blocks(fn, *arrays):
-    """``fn(block, *views)`` for every block of ``CLASS_BLOCK_VOXELS`` voxels of one sample,
-    where each array (N, K, ...) or (N, ...) is seen as (N, K, V) / (N, V) and ``views`` are
-    its block ``[:, v0:v1]`` of that sample; the blocks split among the worker threads, and
-    the results returned in block order (so sums of them do not depend on the thread count)."""
-    n = arrays[0].shape[0]
-    flat = [a.reshape(a.shape[:2] + (-1,)) if a.ndim == arrays[0].ndim else a.reshape(n, -1)
-            for a in arrays]
-    voxels = flat[0].shape[-1]
-    blocks = [(i, v0, min(v0 + CLASS_BLOCK_VOXELS, voxels))
-              for i in range(n) for v0 in range(0, voxels, CLASS_BLOCK_VOXELS)]
-    results = [None] * len(blocks)
-
-    def one(_, index):
-        i, v0, v1 = blocks[index]
-        results[index] = fn(*(a[i, ..., v0:v1] for a in flat))
-    _threads.run(one, list(range(len(blocks))), _threads.thread_count())
-    return results
-
-
-def _softmax_blocks(logits):
-    """``(p, lse)`` of ``SoftmaxParts``, class plane by class plane over blocks of voxels."""
-    n, k = logits.shape[:2]
-    p = numpy.empty_like(logits)
-    lse = numpy.empty((n, 1) + logits.shape[2:], dtype=logits.dtype)
-
-    def block(z, pb, lb):                           # (K, B), (K, B), (1, B)
-        lb = lb[0]
-        m = z[0].copy()
-        for c in range(1, k):
-            numpy.maximum(m, z[c], out=m)
-        for c in range(k):
-            numpy.subtract(z[c], m, out=pb[c])
-            numpy.exp(pb[c], out=pb[c])
-        lb[...] = pb[0]
-        for c in range(1, k):
-            lb += pb[c]                             # the normaliser, then its log + max
-        for c in range(k):
-            numpy.divide(pb[c], lb, out=pb[c])
-        numpy.log(lb, out=lb)
-        lb += m
-    _voxel_blocks(block, logits, p, lse)
-    return p, lse
-
-
 def softmax_parts(logits, parts=None):
     """``parts`` when given (computed from these logits by the caller), else ``SoftmaxParts(logits)``."""
     return SoftmaxParts(logits) if parts is None else parts
 
 
-#: Up to this many classes, the value at each voxel's label is picked with one 0/1 mask
-#: per class (3 classes at 64^3: several times faster than take_along_axis's fancy
-#: indexing, and than ufuncs with ``where=``).
-MASKED_PICK_CLASSES = 8
-
-
 def _at_labels(a, labels):
-    """``a[n, labels[n, ...], ...]``: (N, ...) from (N, K, ...), ``a`` finite.
-
-    As ``sum_k a_k * (labels == k)``: each product is exact (a factor 0 or 1) and all
-    terms but one are zero, so the sum is the picked value exactly."""
+    """``a[n, labels[n, ...], ...]``: (N, ...) from (N, K, ...)."""
     xp = array_module(a)
-    num_classes = a.shape[1]
-    if num_classes > MASKED_PICK_CLASSES:
-        return xp.take_along_axis(a, labels[:, None], axis=1)[:, 0]
-    out = a[:, 0] * (labels == 0)
-    for k in range(1, num_classes):
-        out += a[:, k] * (labels == k)
-    return out
-
-
-def _subtract_one_at_labels(a, labels):
-    """``a[n, labels[n, ...], ...] -= 1`` in place (p - onehot(y) without a one-hot array)."""
-    xp = array_module(a)
-    num_classes = a.shape[1]
-    if num_classes > MASKED_PICK_CLASSES:
-        picked = xp.take_along_axis(a, labels[:, None], axis=1)
-        xp.put_along_axis(a, labels[:, None], picked - 1, axis=1)
-        return
-    for k in range(num_classes):
-        plane = a[:, k]
-        xp.subtract(plane, labels == k, out=plane)
+    return xp.take_along_axis(a, labels[:, None], axis=1)[:, 0]
 
 
 def one_hot(labels, num_classes, dtype):
@@ -276,10 +211,9 @@ def cross_entropy_local_sums(logits, labels, class_weights=None, parts=None):
     _check_logits_labels(logits, labels, class_weights, parts)
     xp = array_module(logits)
     parts = softmax_parts(logits, parts)
-    if blocked(logits):
-        return numpy.sum(_voxel_blocks(
-            lambda z, lse, y: _cross_entropy_block(z, lse[0], y, class_weights),
-            logits, parts.lse, labels), axis=0)
+    kernel = _kernel(logits)
+    if kernel is not None:
+        return kernel.cross_entropy_sums(logits, parts.lse, labels, class_weights)
     nll = parts.lse[:, 0] - _at_labels(logits, labels)           # (N, ...)
     if class_weights is None:                                     # w = 1: no weight array
         return xp.stack([xp.asarray(float(labels.size), dtype=xp.float64),
@@ -288,45 +222,20 @@ def cross_entropy_local_sums(logits, labels, class_weights=None, parts=None):
     return xp.stack([xp.sum(w, dtype=xp.float64), xp.sum(w * nll, dtype=xp.float64)])
 
 
-def _cross_entropy_block(z, lse, y, class_weights):
-    """[sum w, sum w * nll] (float64) of one block: ``z`` (K, B), ``lse`` and ``y`` (B,)."""
-    nll = lse - _at_labels(z[None], y[None])[0]                    # lse - z_y
-    if class_weights is None:
-        return numpy.array([float(y.size), numpy.sum(nll, dtype=numpy.float64)])
-    w = class_weights.take(y)
-    return numpy.array([numpy.sum(w, dtype=numpy.float64), numpy.sum(w * nll, dtype=numpy.float64)])
-
-
 def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, parts=None):
     """d loss / d logits = w[y] (softmax(z) - onehot(y)) / sum of the target weights.
 
-    The one-hot is subtracted in place at the labels (no (N, K, ...) one-hot array) and
-    unit weights are not multiplied in: the same floats, fewer passes.  With ``parts``
-    (``SoftmaxParts``) their probabilities are copied, not recomputed."""
+    Unit weights are not multiplied in (the same floats).  With ``parts``
+    (``SoftmaxParts``) their probabilities are used, not recomputed."""
     _check_logits_labels(logits, labels, class_weights, parts)
-    if blocked(logits):
-        return _cross_entropy_grad_blocks(softmax_parts(logits, parts).p, labels, class_weights,
-                                          _per_count(dloss, sums, logits.dtype))
-    grad = softmax(logits) if parts is None else parts.p.copy()     # (N, K, ...)
-    _subtract_one_at_labels(grad, labels)                           # p - onehot(y)
+    p = softmax_parts(logits, parts).p                              # (N, K, ...)
+    kernel = _kernel(logits)
+    if kernel is not None:
+        return kernel.cross_entropy_grad(p, labels, class_weights, _per_count(dloss, sums, logits.dtype))
+    grad = p - one_hot(labels, logits.shape[1], logits.dtype)       # p - onehot(y)
     if class_weights is not None:
         grad *= _label_weights(labels, class_weights, logits.dtype)[:, None]
     grad *= _per_count(dloss, sums, grad.dtype)
-    return grad
-
-
-def _cross_entropy_grad_blocks(p, labels, class_weights, scale):
-    """``w[y] (p - onehot(y)) * scale`` block by block: the same floats as the whole-array
-    passes of ``cross_entropy_backward``."""
-    grad = numpy.empty_like(p)
-
-    def block(pb, gb, y):                                           # (K, B), (K, B), (B,)
-        for c in range(pb.shape[0]):
-            numpy.subtract(pb[c], y == c, out=gb[c])
-        if class_weights is not None:
-            gb *= class_weights.take(y)
-        gb *= scale
-    _voxel_blocks(block, p, grad, labels)
     return grad
 
 
@@ -394,31 +303,14 @@ def dice_score_local_sums(logits, labels, parts=None):
     xp = array_module(logits)
     k = logits.shape[1]
     # the confusion matrix in one bincount: row = label, column = prediction
-    if blocked(logits):
-        confusion = numpy.sum(_voxel_blocks(
-            lambda z, y: numpy.bincount(y * k + _argmax_classes(z[None])[0], minlength=k * k),
-            logits, labels), axis=0).reshape(k, k)
+    kernel = _kernel(logits)
+    if kernel is not None:
+        confusion = kernel.confusion(logits, labels)
     else:
-        pred = _argmax_classes(logits).reshape(-1)                  # (N * D * H * W,) class ids
+        pred = xp.argmax(logits, axis=1).reshape(-1)                # (N * D * H * W,) class ids (first max)
         confusion = xp.bincount(labels.reshape(-1) * k + pred, minlength=k * k).reshape(k, k)
     counts = [xp.diagonal(confusion), confusion.sum(axis=0), confusion.sum(axis=1)]   # exact integers
     return xp.stack([c.astype(xp.float64) for c in counts])
-
-
-def _argmax_classes(a):
-    """``argmax(a, axis=1)`` (the first maximum), for few classes as one comparison per class
-    plane (numpy's argmax over a short strided axis runs 10x slower)."""
-    xp = array_module(a)
-    num_classes = a.shape[1]
-    if num_classes > MASKED_PICK_CLASSES:
-        return xp.argmax(a, axis=1)
-    best = a[:, 0].copy()
-    pred = xp.zeros(best.shape, dtype=xp.int64)
-    for k in range(1, num_classes):
-        better = a[:, k] > best                     # strict: ties keep the earlier class
-        xp.maximum(best, a[:, k], out=best)
-        pred += better * (k - pred)                 # k where better, unchanged elsewhere
-    return pred
 
 
 def dice_score_finish(sums):
@@ -437,4 +329,4 @@ __all__ = ["mse_local_sums", "mse_loss_backward", "mse_loss", "mae_local_sums", 
            "mae_loss", "mean_finish", "log_softmax", "softmax", "SoftmaxParts", "one_hot",
            "cross_entropy_local_sums", "cross_entropy_backward", "softmax_cross_entropy",
            "soft_dice_local_sums", "soft_dice_finish", "soft_dice_backward", "soft_dice_loss",
-           "dice_score_local_sums", "dice_score_finish", "dice_score"]
+           "dice_score_local_sums", "dice_score_finish", "dice_score", "REFERENCE"]

@@ -12,10 +12,12 @@ order, as PyTorch's: each stage marks the first tap holding its maximum, and the
 lexicographically first maximum of a window is the first along D of the firsts
 along H of the firsts along W.
 
-Blocks: samples and channels are independent, so NumPy runs the stages block by
-block (one sample, as many channels as make about ``BLOCK_ELEMENTS`` inputs) over
-the worker threads of ``_threads``: a block's few passes then stay in the cache.
-CuPy takes the whole array as one block.
+Speed: this file is the reference.  Large NumPy arrays run the same stages
+block by block on worker threads (``refimpl/kernels/pooling.py``: one sample, a
+few channels a block, each block exactly this math, so the same bits); the one
+rule, in ``_kernel``: NumPy arrays of more than ``kernels.pooling.BLOCK_ELEMENTS``
+elements take the kernel unless ``REFERENCE`` is True; CuPy and small arrays take
+the math below.
 
 Output extent per axis: ``floor((n + 2p - d(k-1) - 1)/s) + 1``.  Padding must
 be ``<= kernel // 2`` (PyTorch's rule), so every window holds at least one
@@ -24,40 +26,23 @@ zeros and divides by the full kernel volume (``count_include_pad=True``).
 """
 from __future__ import annotations
 
-import numpy
-
 from ..backend import array_module, check_same_dtype
-from ..kernels import _threads
+from ..kernels import pooling as fast
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
-#: Inputs per block (1 MiB of float32; one channel when a channel's volume is larger).
-BLOCK_ELEMENTS = 1 << 18
+
+#: True: every call computes the math below (tests and readers may set it); False: large
+#: NumPy arrays take the blocked route of refimpl/kernels/pooling.py (the same numbers).
+REFERENCE = False
 
 
-def _blocks(x):
-    """(sample, channel-range) index pairs covering ``x`` (N, C, ...): see the module doc."""
-    if array_module(x) is not numpy or x.size <= BLOCK_ELEMENTS:
-        return [(slice(None), slice(None))]
-    n, c = x.shape[:2]
-    volume = max(1, x[0, 0].size) if x.size else 1
-    per = max(1, BLOCK_ELEMENTS // volume)
-    return [(slice(i, i + 1), slice(c0, min(c0 + per, c))) for i in range(n) for c0 in range(0, c, per)]
-
-
-def _per_block(fn, x, out_shape, dtype):
-    """``out[b] = fn(b, x[b])`` for every block ``b`` of ``_blocks(x)``, over the worker
-    threads; returns ``out`` (``out_shape``) and the list of what else ``fn`` returned."""
-    xp = array_module(x)
-    out = xp.empty(out_shape, dtype=dtype)
-    blocks = _blocks(x)
-    extra = [None] * len(blocks)
-
-    def one(_, i):
-        result, extra[i] = fn(i, blocks[i])
-        out[blocks[i]] = result
-    _threads.run(one, list(range(len(blocks))), _threads.thread_count(xp))
-    return out, extra
+def _kernel(x):
+    """The one dispatch rule (module doc): ``refimpl.kernels.pooling`` when it applies to ``x``
+    and ``REFERENCE`` is False, else None (the math below)."""
+    if REFERENCE:
+        return None
+    return fast if fast.applies(x) else None
 
 
 def _pool_args(x, kernel_size, stride, padding, dilation):
@@ -78,6 +63,14 @@ def _pool_args(x, kernel_size, stride, padding, dilation):
                          f"kernel_size={k}, dilation={d}, padding={p}: output would be {out}")
     return k, s, p, d, out
 
+
+def _check_dy(dy, x, out):
+    check_same_dtype(x=x, dy=dy)
+    if tuple(dy.shape) != tuple(x.shape[:2]) + out:
+        raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
+
+
+# ---------------------------------------------------------------- the math
 
 def _taps(axis, k, s, d, out):
     """(tap, index) for the 1-D window of ``axis``: tap t reads t*d, t*d + s, ... (``out`` values)."""
@@ -125,8 +118,11 @@ def _max_along(x, axis, k, s, d, out, with_arg):
             unclaimed &= ~hit
         first.append(hit)
     return y, first
-def _max_stages(x, k, s, p, d, out, with_arg):
-    """Separable max over W, H, D of the -inf padded input -> (y, [(first-max masks, input extent)])."""
+
+
+def max_pool_forward(x, k, s, p, d, out, with_arg):
+    """``(y, stages)`` for validated arguments: the separable max over W, H, D of the -inf
+    padded input, ``stages`` = [(first-maximum masks or None, input extent)] per stage."""
     xp = array_module(x)
     y, stages = _pad(x, p, -xp.inf), []
     for axis in AXES:
@@ -158,25 +154,61 @@ def _spread_along(g, axis, k, s, d, n_in, first=None):
     return dx
 
 
-def _check_dy(dy, x, out):
-    check_same_dtype(x=x, dy=dy)
-    if tuple(dy.shape) != tuple(x.shape[:2]) + out:
-        raise ValueError(f"dy must have the output shape {tuple(x.shape[:2]) + out}, got {dy.shape}")
+def max_pool_backward(dy, x_shape, k, s, p, d, stages):
+    """dx: ``dy`` spread back through the stages in reverse order (D, H, W), each tap adding
+    its gradient where it held the first maximum, then the padding dropped."""
+    g = dy
+    for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
+        a = axis - 2
+        g = _spread_along(g, axis, k[a], s[a], d[a], n_in, first)
+    return _unpad(g, p, x_shape)
 
+
+def avg_pool_forward(x, k, s, p, out):
+    """y: the separable window sum of the zero padded ``x`` over W, H, D, divided by the
+    kernel volume."""
+    y = _pad(x, p, 0)
+    for axis in AXES:
+        a = axis - 2
+        taps = _taps(axis, k[a], s[a], 1, out[a])
+        total = y[taps[0][1]].copy()
+        for _, index in taps[1:]:
+            total += y[index]
+        y = total
+    y /= k[0] * k[1] * k[2]
+    return y
+
+
+def avg_pool_backward(dy, x_shape, k, s, p):
+    """dx: ``dy / kernel volume`` added into every tap's slice, axes in reverse order (D, H,
+    W: the adjoint of the forward's sums), then the padding dropped."""
+    padded = tuple(n + 2 * pi for n, pi in zip(x_shape[2:], p))
+    g = dy / (k[0] * k[1] * k[2])
+    for axis in reversed(AXES):
+        a = axis - 2
+        g = _spread_along(g, axis, k[a], s[a], 1, padded[a])
+    return _unpad(g, p, x_shape)
+
+
+# ---------------------------------------------------------------- the public functions
 
 def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, *, return_masks=False):
     """y[n, c, o] = max over the window of o (stride defaults to kernel_size).
 
-    ``return_masks=True`` returns ``(y, masks)``: the first-maximum masks of every
-    separable stage of every block (PyTorch's ``return_indices`` in another form),
-    which ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.
-    They take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).
+    ``return_masks=True`` returns ``(y, masks)``: the first-maximum masks of the separable
+    stages (PyTorch's ``return_indices`` in another form), which
+    ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.  They
+    take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).  Their
+    layout depends on the route (``_kernel``): a list of one entry per block (the kernel)
+    or the list of the whole array's stages (the math); the backward of the same ``x``
+    takes the same route.
     """
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-
-    def block(_, idx):
-        return _max_stages(x[idx], k, s, p, d, out, with_arg=return_masks)
-    y, masks = _per_block(block, x, tuple(x.shape[:2]) + out, x.dtype)
+    kernel = _kernel(x)
+    if kernel is not None:
+        y, masks = kernel.max_pool3d(max_pool_forward, x, k, s, p, d, out, return_masks)
+    else:
+        y, masks = max_pool_forward(x, k, s, p, d, out, return_masks)
     return (y, masks) if return_masks else y
 
 
@@ -187,49 +219,32 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     ``x`` and these arguments; without it the forward runs again to find them."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
     _check_dy(dy, x, out)
-
-    def block(i, idx):
-        xb = x[idx]
-        stages = _max_stages(xb, k, s, p, d, out, with_arg=True)[1] if masks is None else masks[i]
-        g = dy[idx]
-        for axis, (first, n_in) in reversed(list(zip(AXES, stages))):
-            a = axis - 2
-            g = _spread_along(g, axis, k[a], s[a], d[a], n_in, first)
-        return _unpad(g, p, xb.shape), None
-    return _per_block(block, x, x.shape, dy.dtype)[0]
+    kernel = _kernel(x)
+    if kernel is not None:
+        return kernel.max_pool3d_backward(max_pool_forward, max_pool_backward, dy, x, k, s, p, d, out,
+                                          masks)
+    stages = max_pool_forward(x, k, s, p, d, out, True)[1] if masks is None else masks
+    return max_pool_backward(dy, x.shape, k, s, p, d, stages)
 
 
 def avg_pool3d(x, kernel_size, stride=None, padding=0):
     """y[n, c, o] = sum over the window of o / prod(kernel_size) (zero padding counted)."""
-    k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
-
-    def block(_, idx):
-        y = _pad(x[idx], p, 0)
-        for axis in AXES:
-            a = axis - 2
-            taps = _taps(axis, k[a], s[a], d[a], out[a])
-            total = y[taps[0][1]].copy()
-            for _, index in taps[1:]:
-                total += y[index]
-            y = total
-        y /= k[0] * k[1] * k[2]
-        return y, None
-    return _per_block(block, x, tuple(x.shape[:2]) + out, x.dtype)[0]
+    k, s, p, _, out = _pool_args(x, kernel_size, stride, padding, 1)
+    kernel = _kernel(x)
+    if kernel is not None:
+        return kernel.avg_pool3d(avg_pool_forward, x, k, s, p, out)
+    return avg_pool_forward(x, k, s, p, out)
 
 
 def avg_pool3d_backward(dy, x, kernel_size, stride=None, padding=0):
     """dx: every element of a window receives dy / prod(kernel_size)."""
-    k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, 1)
+    k, s, p, _, out = _pool_args(x, kernel_size, stride, padding, 1)
     _check_dy(dy, x, out)
-    padded = tuple(n + 2 * pi for n, pi in zip(x.shape[2:], p))
-
-    def block(_, idx):
-        g = dy[idx] / (k[0] * k[1] * k[2])
-        for axis in reversed(AXES):
-            a = axis - 2
-            g = _spread_along(g, axis, k[a], s[a], d[a], padded[a])
-        return _unpad(g, p, x[idx].shape), None
-    return _per_block(block, x, x.shape, dy.dtype)[0]
+    kernel = _kernel(x)
+    if kernel is not None:
+        return kernel.avg_pool3d_backward(avg_pool_backward, dy, x, k, s, p)
+    return avg_pool_backward(dy, x.shape, k, s, p)
 
 
-__all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward"]
+__all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward", "REFERENCE",
+           "max_pool_forward", "max_pool_backward", "avg_pool_forward", "avg_pool_backward"]

@@ -1,0 +1,256 @@
+"""Every fast route of the non-conv ops (refimpl/kernels/) against the reference math of
+refimpl/functional/ (each module's ``REFERENCE = True``), float64 and float32.
+
+The routes compute the reference's own formulas on blocks of the arrays, so they are
+held to bit equality where the blocks cannot change the order of a sum, and to 1e-12
+(float64) where per-channel sums add block partials.  The reference itself is checked
+against PyTorch by tests/test_pooling.py, test_batch_norm.py and test_pointwise_losses.py.
+"""
+import numpy as np
+import pytest
+
+from refimpl.functional import pooling
+from refimpl.kernels import pooling as pooling_kernel
+
+
+def reference(monkeypatch, module):
+    """Force ``module``'s reference math for the rest of the test."""
+    monkeypatch.setattr(module, "REFERENCE", True)
+
+
+def both_routes(monkeypatch, module, kernel, block, fn, attr="BLOCK_ELEMENTS"):
+    """``(fn() by the reference, fn() by the kernel)``, the kernel's block size ``kernel.<attr>``
+    set to ``block`` (small: many blocks)."""
+    monkeypatch.setattr(kernel, attr, block)
+    monkeypatch.setattr(module, "REFERENCE", True)
+    ref = fn()
+    monkeypatch.setattr(module, "REFERENCE", False)
+    return ref, fn()
+
+
+def assert_same(a, b):
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_same(u, v)
+    elif a is None:
+        assert b is None
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- pooling
+POOL_CASES = [((2, 5, 6, 7, 8), 2, None, 0, 1), ((1, 3, 9, 8, 7), 3, 2, 1, 1),
+              ((2, 4, 7, 7, 7), (3, 2, 3), (1, 2, 2), (1, 0, 1), 1), ((1, 6, 9, 9, 9), 2, 1, 0, 2)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, k, s, p, d", POOL_CASES)
+@pytest.mark.parametrize("block", [1, 60, 700])        # a channel a block; several channels a block
+def test_pooling_blocked_route_equals_reference(monkeypatch, shape, k, s, p, d, dtype, block):
+    """kernels.pooling (blocks of channels on worker threads) vs functional.pooling's math:
+    max and avg pooling, forward and backward (with and without the forward's masks), bit
+    for bit; at 1 and 2 worker threads."""
+    rng = np.random.default_rng(len(shape) + block)
+    x = rng.standard_normal(shape).astype(dtype)
+    x[..., ::3] = np.round(x[..., ::3])                    # ties: the first maximum must win
+    y = pooling.max_pool3d(x, k, s, p, d)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    ya = pooling.avg_pool3d(x, k, s, p) if d == 1 else None
+    dya = rng.standard_normal(ya.shape).astype(dtype) if d == 1 else None
+
+    def passes():
+        yk, masks = pooling.max_pool3d(x, k, s, p, d, return_masks=True)
+        out = [yk, pooling.max_pool3d_backward(dy, x, k, s, p, d),
+               pooling.max_pool3d_backward(dy, x, k, s, p, d, masks=masks)]
+        if d == 1:
+            out += [pooling.avg_pool3d(x, k, s, p), pooling.avg_pool3d_backward(dya, x, k, s, p)]
+        return out
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        ref, fast = both_routes(monkeypatch, pooling, pooling_kernel, block, passes)
+        assert pooling_kernel.applies(x) and len(pooling_kernel.blocks(x)) > 1
+        assert_same(ref, fast)
+
+
+def test_pooling_dispatch_rule(monkeypatch):
+    """The rule of functional.pooling._kernel: NumPy arrays of more than BLOCK_ELEMENTS, unless
+    REFERENCE; masks of one route are refused by the other's backward when the block counts differ."""
+    small = np.zeros((1, 2, 4, 4, 4))
+    big = np.zeros((2, 2, 4, 4, 4))
+    monkeypatch.setattr(pooling_kernel, "BLOCK_ELEMENTS", small.size)
+    assert pooling._kernel(small) is None and pooling._kernel(big) is pooling_kernel
+    reference(monkeypatch, pooling)
+    assert pooling._kernel(big) is None
+    monkeypatch.setattr(pooling, "REFERENCE", False)
+    masks = pooling.max_pool3d(big, 2, return_masks=True)[1]
+    assert len(masks) == len(pooling_kernel.blocks(big)) == 2
+    with pytest.raises(ValueError, match="masks has 1 blocks"):
+        pooling.max_pool3d_backward(np.zeros((2, 2, 2, 2, 2)), big, 2, masks=masks[:1])
+
+
+# ---------------------------------------------------------------- batch norm
+from refimpl.functional import batch_norm as bn                  # noqa: E402
+from refimpl.kernels import batch_norm as bn_kernel               # noqa: E402
+
+BN_CASES = [((2, 5, 4, 6, 7), 64), ((3, 7, 2, 3, 4), 100), ((1, 6, 3, 3, 3), 27), ((2, 3, 5, 5, 5), 200)]
+
+
+def bn_passes(x, dy, gamma, beta, shift, sums_only=False):
+    """Every pass of the split batch norm, as the distributed layers run them."""
+    count, s1, s2 = bn.batch_norm_local_sums(x, shift)
+    mean, var, inv_std = bn.batch_norm_stats(count, s1, s2, 1e-5, shift)
+    y, cache = bn.batch_norm_forward(x, mean, inv_std, gamma, beta)
+    sums = bn.batch_norm_backward_local_sums(dy, cache)
+    dx, dgamma, dbeta = bn.batch_norm_backward(dy, cache, *sums, count, local_sums=sums)
+    return dict(sums=(s1, s2), stats=(mean, var, inv_std), y=y, bwd_sums=sums, dx=dx,
+                dgamma=dgamma, dbeta=dbeta)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, block", BN_CASES)
+@pytest.mark.parametrize("affine, shifted", [(True, True), (False, False), (True, False)])
+def test_batch_norm_blocked_route_equals_reference(monkeypatch, shape, block, dtype, affine, shifted):
+    """kernels.batch_norm (blocks of channels x voxels on worker threads) vs functional.batch_norm's
+    math, every pass of the split (local sums, stats, forward, backward sums, backward): float64
+    sums to 1e-12 (block partials add in another order), the elementwise passes given the same
+    per-channel coefficients bit for bit; float32 within float32 rounding of the stats."""
+    rng = np.random.default_rng(sum(shape) + block)
+    x = (rng.standard_normal(shape) * 3 + 1.5).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma, beta = (rng.standard_normal(shape[1]).astype(dtype) for _ in range(2)) if affine else (None, None)
+    shift = (rng.standard_normal(shape[1]) + 1.5).astype(dtype) if shifted else None
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        ref, fast = both_routes(monkeypatch, bn, bn_kernel, block,
+                                lambda: bn_passes(x, dy, gamma, beta, shift))
+        assert bn_kernel.applies(x) and len(bn_kernel.channel_blocks(x)) > shape[0]
+        tol = 1e-12 if dtype == np.float64 else 1e-5
+        for key in ref:
+            for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (ref[key], fast[key]))):
+                if a is None:
+                    assert b is None
+                    continue
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+
+
+@pytest.mark.parametrize("shape, block", BN_CASES[:2])
+def test_batch_norm_blocked_elementwise_passes_bit_for_bit(monkeypatch, shape, block):
+    """Given the same per-channel numbers, the kernel's affine passes (forward y, backward dx) and
+    the reference's are the same floats."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
+    c = shape[1]
+    mean, inv_std, gamma, beta = rng.standard_normal(c), rng.uniform(0.5, 2, c), rng.standard_normal(c), \
+        rng.standard_normal(c)
+    sums = rng.standard_normal(c), rng.standard_normal(c)
+
+    def passes():
+        y, cache = bn.batch_norm_forward(x, mean, inv_std, gamma, beta)
+        return (y,) + bn.batch_norm_backward(dy, cache, *sums, 40, local_sums=sums)
+    ref, fast = both_routes(monkeypatch, bn, bn_kernel, block, passes)
+    assert_same(ref, fast)
+
+
+def test_batch_norm_dispatch_rule(monkeypatch):
+    """functional.batch_norm._kernel: NumPy arrays of more than BLOCK_ELEMENTS, unless REFERENCE."""
+    small, big = np.zeros((1, 2, 4, 4, 4)), np.zeros((2, 2, 4, 4, 4))
+    monkeypatch.setattr(bn_kernel, "BLOCK_ELEMENTS", small.size)
+    assert bn._kernel(small) is None and bn._kernel(big) is bn_kernel
+    reference(monkeypatch, bn)
+    assert bn._kernel(big) is None
+
+
+# ---------------------------------------------------------------- activations
+from refimpl.functional import activations as act                 # noqa: E402
+from refimpl.kernels import _threads, pointwise                   # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6, 7), (1000,), (2, 3, 0, 4, 4)])
+@pytest.mark.parametrize("slope", [0.01, 0.3, 1.0, 0.0, 1.5, -0.2])
+def test_pointwise_route_equals_reference(monkeypatch, shape, dtype, slope):
+    """kernels.pointwise (cheap passes over cache-sized blocks, worker threads) vs
+    functional.activations' where-formulas: relu, relu_backward, leaky_relu,
+    leaky_relu_backward, bit for bit (zeros of either sign and ties at 0 included; the
+    sign of a zero is not compared); contiguous and strided inputs; 1 and 2 threads."""
+    rng = np.random.default_rng(len(shape))
+    x = rng.standard_normal(shape).astype(dtype)
+    x.reshape(-1)[::7], x.reshape(-1)[1::11] = 0.0, -0.0
+    dy = rng.standard_normal(shape).astype(dtype)
+    for xs, dys in ((x, dy), (x[..., ::2], dy[..., ::2])):           # strided views too
+        for threads in ("1", "2"):
+            monkeypatch.setenv("REFIMPL_THREADS", threads)
+            assert act._kernel(xs) is pointwise
+            ref, fast = both_routes(monkeypatch, act, _threads, 97, lambda: (
+                act.relu(xs), act.relu_backward(dys, xs), act.leaky_relu(xs, slope),
+                act.leaky_relu_backward(dys, xs, slope)), attr="ELEMENTWISE_BLOCK")
+            assert_same(ref, fast)
+
+
+def test_pointwise_dispatch_rule(monkeypatch):
+    """functional.activations._kernel: NumPy arrays (any size), unless REFERENCE."""
+    x = np.zeros(3)
+    assert act._kernel(x) is pointwise and act._kernel(x, x) is pointwise
+    reference(monkeypatch, act)
+    assert act._kernel(x) is None
+
+
+# ---------------------------------------------------------------- losses
+from refimpl.functional import losses                             # noqa: E402
+from refimpl.kernels import losses as losses_kernel               # noqa: E402
+
+
+def loss_passes(logits, labels, weights):
+    """The class passes of the losses, as the U-Net runs them (one SoftmaxParts shared)."""
+    parts = losses.SoftmaxParts(logits, labels)
+    ce = losses.cross_entropy_local_sums(logits, labels, weights, parts)
+    return dict(p=parts.p, lse=parts.lse, ce=ce,
+                grad=losses.cross_entropy_backward(logits, labels, ce, weights, 2.0, parts),
+                grad_own=losses.cross_entropy_backward(logits, labels, ce, weights),
+                dice=losses.dice_score_local_sums(logits, labels, parts),
+                dice_own=losses.dice_score_local_sums(logits, labels))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("k, weighted", [(2, False), (3, True), (8, True), (1, False)])
+@pytest.mark.parametrize("shape", [(2, 5, 6, 7), (1, 40), (3, 2, 2, 1)])
+def test_loss_class_route_equals_reference(monkeypatch, k, weighted, shape, dtype):
+    """kernels.losses (class plane by class plane over blocks of voxels, worker threads) vs
+    functional.losses' whole-array math: softmax p and lse, cross-entropy sums and gradient,
+    hard-Dice confusion counts (ties: the first maximum).  The picks, the argmax and the
+    counts are exact; the softmax normaliser and the float64 sums add in another order
+    (float64: 1e-14 relative; float32: 1e-6)."""
+    rng = np.random.default_rng(k + len(shape))
+    logits = (3 * rng.standard_normal((shape[0], k) + shape[1:])).astype(dtype)
+    if k > 1:
+        logits[:, 1, ..., ::3] = logits[:, 0, ..., ::3]            # ties
+    labels = rng.integers(0, k, (shape[0],) + shape[1:])
+    weights = rng.uniform(0.2, 2.0, k).astype(dtype) if weighted else None
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        assert losses._kernel(logits) is losses_kernel
+        ref, fast = both_routes(monkeypatch, losses, losses_kernel, 11,
+                                lambda: loss_passes(logits, labels, weights), attr="CLASS_BLOCK_VOXELS")
+        for key in ref:
+            a, b = ref[key], fast[key]
+            assert a.dtype == b.dtype and a.shape == b.shape, key
+            if key.startswith("dice"):
+                np.testing.assert_array_equal(a, b)
+            else:
+                assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+
+
+def test_loss_dispatch_rule(monkeypatch):
+    """functional.losses._kernel: NumPy C-contiguous logits (N, K, spatial...) with at most
+    MASKED_PICK_CLASSES classes, unless REFERENCE."""
+    few = np.zeros((2, losses_kernel.MASKED_PICK_CLASSES, 3))
+    assert losses._kernel(few) is losses_kernel
+    assert losses._kernel(np.zeros((2, losses_kernel.MASKED_PICK_CLASSES + 1, 3))) is None
+    assert losses._kernel(np.zeros((2, 3))) is None                      # no spatial axis
+    assert losses._kernel(np.asfortranarray(np.zeros((2, 3, 4)))) is None
+    reference(monkeypatch, losses)
+    assert losses._kernel(few) is None
