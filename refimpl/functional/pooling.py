@@ -198,17 +198,18 @@ def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, *, return_mas
     ``return_masks=True`` returns ``(y, masks)``: the first-maximum masks of the separable
     stages (PyTorch's ``return_indices`` in another form), which
     ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.  They
-    take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).  Their
-    layout depends on the route (``_kernel``): a list of one entry per block (the kernel)
-    or the list of the whole array's stages (the math); the backward of the same ``x``
-    takes the same route.
+    take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).  They are
+    a list with one entry per block of the work, each the list of that block's stages: one
+    block (the whole array) for the math, several for the kernel (``_kernel``); the backward
+    of the same ``x`` takes the same route.
     """
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
     kernel = _kernel(x)
     if kernel is not None:
         y, masks = kernel.max_pool3d(max_pool_forward, x, k, s, p, d, out, return_masks)
     else:
-        y, masks = max_pool_forward(x, k, s, p, d, out, return_masks)
+        y, stages = max_pool_forward(x, k, s, p, d, out, return_masks)
+        masks = [stages]                                   # one block: the whole array
     return (y, masks) if return_masks else y
 
 
@@ -223,7 +224,10 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     if kernel is not None:
         return kernel.max_pool3d_backward(max_pool_forward, max_pool_backward, dy, x, k, s, p, d, out,
                                           masks)
-    stages = max_pool_forward(x, k, s, p, d, out, True)[1] if masks is None else masks
+    if masks is not None and len(masks) != 1:
+        raise ValueError(f"masks has {len(masks)} blocks, x has 1: pass the masks of "
+                         "max_pool3d(x, ..., return_masks=True) for this very x")
+    stages = max_pool_forward(x, k, s, p, d, out, True)[1] if masks is None else masks[0]
     return max_pool_backward(dy, x.shape, k, s, p, d, stages)
 
 
