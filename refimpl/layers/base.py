@@ -84,9 +84,12 @@ class LayerKind:
         raise NotImplementedError(f"layer kind {self.name} has no reference backward")
 
     def reference(self, spec, x, w, b, dy) -> tuple:
-        """(y, dx, dw, db) of the unpartitioned layer: the oracle of check-layer and of the cases."""
-        y, saved = self.forward(spec, x, w, b)
-        return (y,) + tuple(self.backward(spec, dy, saved))
+        """(y, dx, dw, db) of the unpartitioned layer: the oracle of check-layer and of the cases,
+        computed by refimpl.functional's math alone (``reference_only``: no kernel)."""
+        from ..functional import reference_only
+        with reference_only():
+            y, saved = self.forward(spec, x, w, b)
+            return (y,) + tuple(self.backward(spec, dy, saved))
 
     # ------------------------------------------------------------ constructors (refimpl.nn)
 
