@@ -607,6 +607,7 @@ class Watchdog:
         if self.ending:
             return
         self.ending = True
+        _clean_up()        # first: the launcher may kill this process the moment another rank has left
         print(line, file=sys.stderr, flush=True)
         for dest in range(self.size):
             if dest != self.rank:

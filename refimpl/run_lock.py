@@ -44,13 +44,20 @@ class LockHeld(ValueError):
 
 
 def _process_exists(pid: int) -> bool:
+    """Whether ``pid`` runs on this host; a zombie (exited, not yet reaped: in a container whose
+    init does not reap, for a while) runs no more."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:              # another user's live process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True                      # no /proc: trust the signal test
+    return state not in ("Z", "X")
 
 
 def holder_of(path: str) -> dict:

@@ -158,3 +158,29 @@ def test_a_watchdog_that_was_itself_frozen_accuses_no_one():
     # --stall-timeout 10 (interval 2); continued then, it must not blame them
     assert self_frozen(0.0, 8.0, 10.0) and self_frozen(0.0, 4.0, 10.0)
     assert not self_frozen(0.0, 0.5, 10.0)           # a slow iteration of its own loop is no freeze
+
+
+def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
+    """An exited rank not yet reaped (a container's init may not reap at once) holds no lock: its
+    lock is stale, reported as gone, not as a job still running."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from refimpl.run_lock import LockHeld, RunLock, holder_of
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:                  # exited, not reaped: a zombie
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid,
+                                                "started": time.time(), "command": "train"}))
+    with pytest.raises(LockHeld, match="gone .*no longer runs"):
+        RunLock(tmp_path).acquire()
+    lock = RunLock(tmp_path).acquire(break_lock=True)
+    assert holder_of(lock.path)["pid"] == os.getpid() and "took over" in lock.note
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+    child.wait()
