@@ -1,5 +1,5 @@
 """Every fast route of the non-conv ops (refimpl/kernels/) against the reference math of
-refimpl/functional/ (each module's ``REFERENCE = True``), float64 and float32.
+refimpl/functional/ (inside ``functional.reference_only()``), float64 and float32.
 
 The routes compute the reference's own formulas on blocks of the arrays, so they are
 held to bit equality where the blocks cannot change the order of a sum, and to 1e-12
@@ -9,22 +9,22 @@ against PyTorch by tests/test_pooling.py, test_batch_norm.py and test_pointwise_
 import numpy as np
 import pytest
 
-from refimpl.functional import pooling
+from refimpl.functional import _route, pooling, reference_only
+from refimpl.functional._route import kernel_for
 from refimpl.kernels import pooling as pooling_kernel
 
 
-def reference(monkeypatch, module):
-    """Force ``module``'s reference math for the rest of the test."""
-    monkeypatch.setattr(module, "REFERENCE", True)
+def reference(monkeypatch):
+    """The reference math for every op, for the rest of the test (as ``reference_only()``)."""
+    monkeypatch.setattr(_route, "_reference_only", 1)
 
 
-def both_routes(monkeypatch, module, kernel, block, fn, attr="BLOCK_ELEMENTS"):
+def both_routes(monkeypatch, kernel, block, fn, attr="BLOCK_ELEMENTS"):
     """``(fn() by the reference, fn() by the kernel)``, the kernel's block size ``kernel.<attr>``
     set to ``block`` (small: many blocks)."""
     monkeypatch.setattr(kernel, attr, block)
-    monkeypatch.setattr(module, "REFERENCE", True)
-    ref = fn()
-    monkeypatch.setattr(module, "REFERENCE", False)
+    with reference_only():
+        ref = fn()
     return ref, fn()
 
 
@@ -69,21 +69,22 @@ def test_pooling_blocked_route_equals_reference(monkeypatch, shape, k, s, p, d, 
         return out
     for threads in ("1", "2"):
         monkeypatch.setenv("REFIMPL_THREADS", threads)
-        ref, fast = both_routes(monkeypatch, pooling, pooling_kernel, block, passes)
+        ref, fast = both_routes(monkeypatch, pooling_kernel, block, passes)
         assert pooling_kernel.applies(x) and len(pooling_kernel.blocks(x)) > 1
         assert_same(ref, fast)
 
 
 def test_pooling_dispatch_rule(monkeypatch):
-    """The rule of functional.pooling._kernel: NumPy arrays of more than BLOCK_ELEMENTS, unless
-    REFERENCE; masks of one route are refused by the other's backward when the block counts differ."""
+    """The rule for functional.pooling (``_route.kernel_for``): NumPy arrays of more than
+    BLOCK_ELEMENTS, outside reference_only(); masks of one route are refused by the other's
+    backward when the block counts differ."""
     small = np.zeros((1, 2, 4, 4, 4))
     big = np.zeros((2, 2, 4, 4, 4))
     monkeypatch.setattr(pooling_kernel, "BLOCK_ELEMENTS", small.size)
-    assert pooling._kernel(small) is None and pooling._kernel(big) is pooling_kernel
-    reference(monkeypatch, pooling)
-    assert pooling._kernel(big) is None
-    monkeypatch.setattr(pooling, "REFERENCE", False)
+    assert kernel_for(pooling.fast, small) is None and kernel_for(pooling.fast, big) is pooling_kernel
+    reference(monkeypatch)
+    assert kernel_for(pooling.fast, big) is None
+    monkeypatch.setattr(_route, "_reference_only", 0)
     masks = pooling.max_pool3d(big, 2, return_masks=True)[1]
     assert len(masks) == len(pooling_kernel.blocks(big)) == 2
     with pytest.raises(ValueError, match="masks has 1 blocks"):
@@ -123,7 +124,7 @@ def test_batch_norm_blocked_route_equals_reference(monkeypatch, shape, block, dt
     shift = (rng.standard_normal(shape[1]) + 1.5).astype(dtype) if shifted else None
     for threads in ("1", "2"):
         monkeypatch.setenv("REFIMPL_THREADS", threads)
-        ref, fast = both_routes(monkeypatch, bn, bn_kernel, block,
+        ref, fast = both_routes(monkeypatch, bn_kernel, block,
                                 lambda: bn_passes(x, dy, gamma, beta, shift))
         assert bn_kernel.applies(x) and len(bn_kernel.channel_blocks(x)) > shape[0]
         tol = 1e-12 if dtype == np.float64 else 1e-5
@@ -150,17 +151,17 @@ def test_batch_norm_blocked_elementwise_passes_bit_for_bit(monkeypatch, shape, b
     def passes():
         y, cache = bn.batch_norm_forward(x, mean, inv_std, gamma, beta)
         return (y,) + bn.batch_norm_backward(dy, cache, *sums, 40, local_sums=sums)
-    ref, fast = both_routes(monkeypatch, bn, bn_kernel, block, passes)
+    ref, fast = both_routes(monkeypatch, bn_kernel, block, passes)
     assert_same(ref, fast)
 
 
 def test_batch_norm_dispatch_rule(monkeypatch):
-    """functional.batch_norm._kernel: NumPy arrays of more than BLOCK_ELEMENTS, unless REFERENCE."""
+    """functional.batch_norm's rule: NumPy arrays of more than BLOCK_ELEMENTS, outside reference_only()."""
     small, big = np.zeros((1, 2, 4, 4, 4)), np.zeros((2, 2, 4, 4, 4))
     monkeypatch.setattr(bn_kernel, "BLOCK_ELEMENTS", small.size)
-    assert bn._kernel(small) is None and bn._kernel(big) is bn_kernel
-    reference(monkeypatch, bn)
-    assert bn._kernel(big) is None
+    assert kernel_for(bn.fast, small) is None and kernel_for(bn.fast, big) is bn_kernel
+    reference(monkeypatch)
+    assert kernel_for(bn.fast, big) is None
 
 
 # ---------------------------------------------------------------- activations
@@ -183,19 +184,19 @@ def test_pointwise_route_equals_reference(monkeypatch, shape, dtype, slope):
     for xs, dys in ((x, dy), (x[..., ::2], dy[..., ::2])):           # strided views too
         for threads in ("1", "2"):
             monkeypatch.setenv("REFIMPL_THREADS", threads)
-            assert act._kernel(xs) is pointwise
-            ref, fast = both_routes(monkeypatch, act, _threads, 97, lambda: (
+            assert kernel_for(act.fast, xs) is pointwise
+            ref, fast = both_routes(monkeypatch, _threads, 97, lambda: (
                 act.relu(xs), act.relu_backward(dys, xs), act.leaky_relu(xs, slope),
                 act.leaky_relu_backward(dys, xs, slope)), attr="ELEMENTWISE_BLOCK")
             assert_same(ref, fast)
 
 
 def test_pointwise_dispatch_rule(monkeypatch):
-    """functional.activations._kernel: NumPy arrays (any size), unless REFERENCE."""
+    """functional.activations' rule: NumPy arrays (any size), outside reference_only()."""
     x = np.zeros(3)
-    assert act._kernel(x) is pointwise and act._kernel(x, x) is pointwise
-    reference(monkeypatch, act)
-    assert act._kernel(x) is None
+    assert kernel_for(act.fast, x) is pointwise and kernel_for(act.fast, x, x) is pointwise
+    reference(monkeypatch)
+    assert kernel_for(act.fast, x) is None
 
 
 # ---------------------------------------------------------------- losses
@@ -232,8 +233,8 @@ def test_loss_class_route_equals_reference(monkeypatch, k, weighted, shape, dtyp
     tol = 1e-14 if dtype == np.float64 else 1e-6
     for threads in ("1", "2"):
         monkeypatch.setenv("REFIMPL_THREADS", threads)
-        assert losses._kernel(logits) is losses_kernel
-        ref, fast = both_routes(monkeypatch, losses, losses_kernel, 11,
+        assert kernel_for(losses.fast, logits) is losses_kernel
+        ref, fast = both_routes(monkeypatch, losses_kernel, 11,
                                 lambda: loss_passes(logits, labels, weights), attr="CLASS_BLOCK_VOXELS")
         for key in ref:
             a, b = ref[key], fast[key]
@@ -245,12 +246,12 @@ def test_loss_class_route_equals_reference(monkeypatch, k, weighted, shape, dtyp
 
 
 def test_loss_dispatch_rule(monkeypatch):
-    """functional.losses._kernel: NumPy C-contiguous logits (N, K, spatial...) with at most
-    MASKED_PICK_CLASSES classes, unless REFERENCE."""
+    """functional.losses' rule: NumPy C-contiguous logits (N, K, spatial...) with at most
+    MASKED_PICK_CLASSES classes, outside reference_only()."""
     few = np.zeros((2, losses_kernel.MASKED_PICK_CLASSES, 3))
-    assert losses._kernel(few) is losses_kernel
-    assert losses._kernel(np.zeros((2, losses_kernel.MASKED_PICK_CLASSES + 1, 3))) is None
-    assert losses._kernel(np.zeros((2, 3))) is None                      # no spatial axis
-    assert losses._kernel(np.asfortranarray(np.zeros((2, 3, 4)))) is None
-    reference(monkeypatch, losses)
-    assert losses._kernel(few) is None
+    assert kernel_for(losses.fast, few) is losses_kernel
+    assert kernel_for(losses.fast, np.zeros((2, losses_kernel.MASKED_PICK_CLASSES + 1, 3))) is None
+    assert kernel_for(losses.fast, np.zeros((2, 3))) is None                      # no spatial axis
+    assert kernel_for(losses.fast, np.asfortranarray(np.zeros((2, 3, 4)))) is None
+    reference(monkeypatch)
+    assert kernel_for(losses.fast, few) is None

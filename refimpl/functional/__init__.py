@@ -22,26 +22,8 @@ from .losses import (cross_entropy_backward, cross_entropy_local_sums, dice_scor
                      mae_loss, mae_loss_backward, mean_finish, mse_local_sums, mse_loss,
                      mse_loss_backward, one_hot, soft_dice_backward, soft_dice_finish,
                      soft_dice_local_sums, soft_dice_loss, softmax, softmax_cross_entropy)
+from ._route import reference_only
 from .pooling import avg_pool3d, avg_pool3d_backward, max_pool3d, max_pool3d_backward
-
-
-class reference_only:
-    """``with reference_only(): ...``: pooling, batch norm, activations and losses compute with
-    their math alone (each module's ``REFERENCE`` flag; convs take ``algorithm="reference"``),
-    never a kernel of refimpl/kernels/: what the oracle's expectations rest on."""
-
-    def __enter__(self):
-        from . import activations, batch_norm, losses, pooling
-        self._modules = (activations, batch_norm, losses, pooling)
-        self._before = [m.REFERENCE for m in self._modules]
-        for m in self._modules:
-            m.REFERENCE = True
-        return self
-
-    def __exit__(self, *exc):
-        for m, flag in zip(self._modules, self._before):
-            m.REFERENCE = flag
-
 
 __all__ = [name for name, value in dict(globals()).items()
            if not name.startswith("_") and not isinstance(value, type(sys))]

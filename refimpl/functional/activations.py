@@ -7,30 +7,20 @@ uses ``scale * tanh(x)`` (scale 1.2), see ``scaled_tanh``.
 
 Speed: this file is the reference.  On NumPy arrays relu and leaky_relu (forward and
 backward) run ``refimpl/kernels/pointwise.py``: the same values by cheaper passes over
-cache-sized blocks on worker threads.  The one rule, in ``_kernel``: NumPy arrays take the
-kernel unless ``REFERENCE`` is True; CuPy arrays take the math below.
+cache-sized blocks on worker threads.  The one rule (``_route.kernel_for``): NumPy arrays take the
+kernel outside ``functional.reference_only()``; CuPy arrays take the math below.
 """
 from __future__ import annotations
 
 from ..backend import array_module, check_same_dtype
 from ..kernels import pointwise as fast
+from ._route import kernel_for
 
-#: True: every call computes the math below (tests and readers may set it); False: NumPy
-#: arrays take refimpl/kernels/pointwise.py (the same values).
-REFERENCE = False
-
-
-def _kernel(*arrays):
-    """The one dispatch rule (module doc): ``refimpl.kernels.pointwise`` for NumPy arrays
-    unless ``REFERENCE`` is True, else None (the math below)."""
-    if REFERENCE:
-        return None
-    return fast if fast.applies(*arrays) else None
 
 
 def relu(x):
     """max(x, 0)."""
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.relu(x)
     xp = array_module(x)
@@ -40,7 +30,7 @@ def relu(x):
 def relu_backward(dy, x):
     """dy where x > 0, else 0: ``dy * 1[x > 0]`` (relu'(0) = 0, as PyTorch's)."""
     check_same_dtype(x=x, dy=dy)
-    kernel = _kernel(dy, x)
+    kernel = kernel_for(fast, dy, x)
     if kernel is not None:
         return kernel.relu_backward(dy, x)
     return dy * (x > 0)
@@ -48,7 +38,7 @@ def relu_backward(dy, x):
 
 def leaky_relu(x, negative_slope=0.01):
     """x where x > 0, else negative_slope * x."""
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.leaky_relu(x, negative_slope)
     xp = array_module(x)
@@ -58,7 +48,7 @@ def leaky_relu(x, negative_slope=0.01):
 def leaky_relu_backward(dy, x, negative_slope=0.01):
     """dy where x > 0, else negative_slope * dy (leaky_relu'(0) = negative_slope)."""
     check_same_dtype(x=x, dy=dy)
-    kernel = _kernel(dy, x)
+    kernel = kernel_for(fast, dy, x)
     if kernel is not None:
         return kernel.leaky_relu_backward(dy, x, negative_slope)
     xp = array_module(x, dy)

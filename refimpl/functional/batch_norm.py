@@ -54,9 +54,9 @@ mean, keeps the forward accurate, and the backward loses ``log10(|mean| / std)``
 
 Speed: this file is the reference.  Large NumPy arrays run the same operations block by
 block on worker threads (``refimpl/kernels/batch_norm.py``: the elementwise passes give
-the same bits, the sums differ by float64 rounding).  The one rule, in ``_kernel``:
+the same bits, the sums differ by float64 rounding).  The one rule (``_route.kernel_for``):
 NumPy arrays of more than ``kernels.batch_norm.BLOCK_ELEMENTS`` elements take the kernel
-unless ``REFERENCE`` is True; CuPy and small arrays take the math below.
+outside ``functional.reference_only()``; CuPy and small arrays take the math below.
 """
 from __future__ import annotations
 
@@ -64,19 +64,9 @@ from typing import NamedTuple
 
 from ..backend import array_module, check_same_dtype
 from ..kernels import batch_norm as fast
+from ._route import kernel_for
 from ._args import check_float, check_ndim
 
-#: True: every call computes the math below (tests and readers may set it); False: large
-#: NumPy arrays take the blocked passes of refimpl/kernels/batch_norm.py.
-REFERENCE = False
-
-
-def _kernel(x):
-    """The one dispatch rule (module doc): ``refimpl.kernels.batch_norm`` when it applies to
-    ``x`` and ``REFERENCE`` is False, else None (the math below)."""
-    if REFERENCE:
-        return None
-    return fast if fast.applies(x) else None
 
 
 def _per_channel(v):
@@ -121,7 +111,7 @@ def batch_norm_local_sums(x, shift=None):
     check_float("x", x)
     _check_channel_vector(shift, "shift", x.shape[1])
     count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return (count,) + kernel.local_sums(x, None if shift is None else _col(shift, x.dtype))
     xs = x if shift is None else x - _per_channel(shift.astype(x.dtype))     # x - K
@@ -160,7 +150,7 @@ def batch_norm_forward(x, mean, inv_std, gamma=None, beta=None):
     # y = x * a + c with a = gamma * inv_std, c = beta - mean * a (per channel, in float64)
     a = inv_std.astype(xp.float64) * (1.0 if gamma is None else gamma.astype(xp.float64))
     c = (0.0 if beta is None else beta.astype(xp.float64)) - mean.astype(xp.float64) * a
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         y = kernel.affine(x, _col(a, dt), _col(c, dt))
     else:
@@ -175,7 +165,7 @@ def batch_norm_backward_local_sums(dy, cache):
     if dy.shape != cache.x.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected {cache.x.shape}")
     xp = array_module(dy)
-    kernel = _kernel(dy)
+    kernel = kernel_for(fast, dy)
     if kernel is not None:
         sum_dy, sum_dy_centred = kernel.backward_sums(dy, cache.x, _col(cache.mean, dy.dtype))
     else:
@@ -204,7 +194,7 @@ def batch_norm_backward(dy, cache, sum_dy, sum_dy_xhat, count, local_sums=None):
     # dx = a * (dy - mean(dy) - xhat * mean(dy xhat)) = a * dy + b * x + c   (module doc)
     b = -a * inv_std * (sum_dy_xhat / count)
     c = -a * (sum_dy / count) - b * cache.mean.astype(f64)
-    kernel = _kernel(dy)
+    kernel = kernel_for(fast, dy)
     if kernel is not None:
         dx = kernel.backward_dx(dy, cache.x, _col(a, dt), _col(b, dt), _col(c, dt))
     else:

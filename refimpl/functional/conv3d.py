@@ -208,7 +208,8 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
         dx, dw = input_grad(dy, w, x.shape, s, p, dl), weight_grad(dy, x, w.shape, s, p, dl)
     else:
         from ..kernels import conv as kernel
-        dx, dw = kernel.backward_no_bias(dy, x, w, s, p, dl, kernel.budget_or_default(max_temp_bytes), algorithm)
+        dx, dw = kernel.backward_no_bias(dy, x, w, s, p, dl, kernel.budget_or_default(max_temp_bytes),
+                                         algorithm)
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 

@@ -23,9 +23,9 @@ Reductions match PyTorch's ``reduction='mean'``:
 Speed: this file is the reference.  On the host with few classes the class passes (the
 softmax, the cross-entropy sums and gradient, the hard Dice counts) run
 ``refimpl/kernels/losses.py``: the same values class plane by class plane over
-cache-sized blocks of voxels on worker threads.  The one rule, in ``_kernel``: NumPy
+cache-sized blocks of voxels on worker threads.  The one rule (``_route.kernel_for``): NumPy
 logits, C-contiguous, with a spatial axis and at most ``kernels.losses.MASKED_PICK_CLASSES``
-classes take the kernel unless ``REFERENCE`` is True; everything else the math below.
+classes take the kernel outside ``functional.reference_only()``; everything else the math below.
 """
 from __future__ import annotations
 
@@ -33,19 +33,9 @@ import numpy
 
 from ..backend import array_module, check_same_dtype, to_host
 from ..kernels import losses as fast
+from ._route import kernel_for
 from ._args import check_float
 
-#: True: every call computes the math below (tests and readers may set it); False: NumPy
-#: logits of few classes take refimpl/kernels/losses.py (the same values).
-REFERENCE = False
-
-
-def _kernel(logits):
-    """The one dispatch rule (module doc): ``refimpl.kernels.losses`` when it applies to
-    ``logits`` and ``REFERENCE`` is False, else None (the math below)."""
-    if REFERENCE:
-        return None
-    return fast if fast.applies(logits) else None
 
 
 def _check_pair(pred, target):
@@ -166,7 +156,7 @@ class SoftmaxParts:
         if labels is not None:
             _check_logits_labels(logits, labels)
         self.logits, self.checked = logits, labels
-        kernel = _kernel(logits)
+        kernel = kernel_for(fast, logits)
         if kernel is not None:
             self.p, self.lse = kernel.softmax(logits)
             return
@@ -211,7 +201,7 @@ def cross_entropy_local_sums(logits, labels, class_weights=None, parts=None):
     _check_logits_labels(logits, labels, class_weights, parts)
     xp = array_module(logits)
     parts = softmax_parts(logits, parts)
-    kernel = _kernel(logits)
+    kernel = kernel_for(fast, logits)
     if kernel is not None:
         return kernel.cross_entropy_sums(logits, parts.lse, labels, class_weights)
     nll = parts.lse[:, 0] - _at_labels(logits, labels)           # (N, ...)
@@ -229,7 +219,7 @@ def cross_entropy_backward(logits, labels, sums, class_weights=None, dloss=1.0, 
     (``SoftmaxParts``) their probabilities are used, not recomputed."""
     _check_logits_labels(logits, labels, class_weights, parts)
     p = softmax_parts(logits, parts).p                              # (N, K, ...)
-    kernel = _kernel(logits)
+    kernel = kernel_for(fast, logits)
     if kernel is not None:
         return kernel.cross_entropy_grad(p, labels, class_weights, _per_count(dloss, sums, logits.dtype))
     grad = p - one_hot(labels, logits.shape[1], logits.dtype)       # p - onehot(y)
@@ -303,7 +293,7 @@ def dice_score_local_sums(logits, labels, parts=None):
     xp = array_module(logits)
     k = logits.shape[1]
     # the confusion matrix in one bincount: row = label, column = prediction
-    kernel = _kernel(logits)
+    kernel = kernel_for(fast, logits)
     if kernel is not None:
         confusion = kernel.confusion(logits, labels)
     else:
@@ -329,4 +319,4 @@ __all__ = ["mse_local_sums", "mse_loss_backward", "mse_loss", "mae_local_sums", 
            "mae_loss", "mean_finish", "log_softmax", "softmax", "SoftmaxParts", "one_hot",
            "cross_entropy_local_sums", "cross_entropy_backward", "softmax_cross_entropy",
            "soft_dice_local_sums", "soft_dice_finish", "soft_dice_backward", "soft_dice_loss",
-           "dice_score_local_sums", "dice_score_finish", "dice_score", "REFERENCE"]
+           "dice_score_local_sums", "dice_score_finish", "dice_score"]

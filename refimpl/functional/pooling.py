@@ -15,8 +15,8 @@ along H of the firsts along W.
 Speed: this file is the reference.  Large NumPy arrays run the same stages
 block by block on worker threads (``refimpl/kernels/pooling.py``: one sample, a
 few channels a block, each block exactly this math, so the same bits); the one
-rule, in ``_kernel``: NumPy arrays of more than ``kernels.pooling.BLOCK_ELEMENTS``
-elements take the kernel unless ``REFERENCE`` is True; CuPy and small arrays take
+rule (``_route.kernel_for``): NumPy arrays of more than ``kernels.pooling.BLOCK_ELEMENTS``
+elements take the kernel, outside ``functional.reference_only()``; CuPy and small arrays take
 the math below.
 
 Output extent per axis: ``floor((n + 2p - d(k-1) - 1)/s) + 1``.  Padding must
@@ -28,21 +28,11 @@ from __future__ import annotations
 
 from ..backend import array_module, check_same_dtype
 from ..kernels import pooling as fast
+from ._route import kernel_for
 from ._args import check_float, check_ndim, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
 
-#: True: every call computes the math below (tests and readers may set it); False: large
-#: NumPy arrays take the blocked route of refimpl/kernels/pooling.py (the same numbers).
-REFERENCE = False
-
-
-def _kernel(x):
-    """The one dispatch rule (module doc): ``refimpl.kernels.pooling`` when it applies to ``x``
-    and ``REFERENCE`` is False, else None (the math below)."""
-    if REFERENCE:
-        return None
-    return fast if fast.applies(x) else None
 
 
 def _pool_args(x, kernel_size, stride, padding, dilation):
@@ -200,11 +190,11 @@ def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, *, return_mas
     ``max_pool3d_backward(..., masks=masks)`` uses instead of recomputing them.  They
     take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).  They are
     a list with one entry per block of the work, each the list of that block's stages: one
-    block (the whole array) for the math, several for the kernel (``_kernel``); the backward
+    block (the whole array) for the math, several for the kernel (``_route.kernel_for``); the backward
     of the same ``x`` takes the same route.
     """
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         y, masks = kernel.max_pool3d(max_pool_forward, x, k, s, p, d, out, return_masks)
     else:
@@ -220,7 +210,7 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     ``x`` and these arguments; without it the forward runs again to find them."""
     k, s, p, d, out = _pool_args(x, kernel_size, stride, padding, dilation)
     _check_dy(dy, x, out)
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.max_pool3d_backward(max_pool_forward, max_pool_backward, dy, x, k, s, p, d, out,
                                           masks)
@@ -234,7 +224,7 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
 def avg_pool3d(x, kernel_size, stride=None, padding=0):
     """y[n, c, o] = sum over the window of o / prod(kernel_size) (zero padding counted)."""
     k, s, p, _, out = _pool_args(x, kernel_size, stride, padding, 1)
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.avg_pool3d(avg_pool_forward, x, k, s, p, out)
     return avg_pool_forward(x, k, s, p, out)
@@ -244,11 +234,11 @@ def avg_pool3d_backward(dy, x, kernel_size, stride=None, padding=0):
     """dx: every element of a window receives dy / prod(kernel_size)."""
     k, s, p, _, out = _pool_args(x, kernel_size, stride, padding, 1)
     _check_dy(dy, x, out)
-    kernel = _kernel(x)
+    kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.avg_pool3d_backward(avg_pool_backward, dy, x, k, s, p)
     return avg_pool_backward(dy, x.shape, k, s, p)
 
 
-__all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward", "REFERENCE",
+__all__ = ["max_pool3d", "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward",
            "max_pool_forward", "max_pool_backward", "avg_pool_forward", "avg_pool_backward"]

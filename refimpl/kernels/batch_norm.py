@@ -16,7 +16,7 @@ on the shape only, not on the thread count), which differs from the reference's 
 additions by float64 rounding (tests/test_reference_ops.py holds it to 1e-12).
 
 The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements take this route unless ``refimpl.functional.batch_norm.REFERENCE`` is set; CuPy
+elements take this route outside ``refimpl.functional.reference_only()``; CuPy
 and arrays of one block take the reference (for them both are the same operations).
 """
 from __future__ import annotations

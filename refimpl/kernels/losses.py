@@ -20,8 +20,8 @@ the shape only, not on the thread count), within float64 rounding of the referen
 tests/test_reference_ops.py checks each against the reference.
 
 The one dispatch rule (``applies``): NumPy logits, C-contiguous, ``(N, K, ...)`` with at
-least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes take this route unless
-``refimpl.functional.losses.REFERENCE`` is set; anything else the reference.
+least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes take this route outside
+``refimpl.functional.reference_only()``; anything else the reference.
 """
 from __future__ import annotations
 

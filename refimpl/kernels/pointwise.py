@@ -17,8 +17,8 @@ the first reads the cache, and the blocks run on all cores):
   zero, the other exact or the same rounded ``dy * slope``).
 
 The one dispatch rule (``applies``): NumPy arrays take this route (any size: one block is
-one call of the same cheap passes) unless ``refimpl.functional.activations.REFERENCE`` is
-set; CuPy arrays take the reference.  Tested against the reference in
+one call of the same cheap passes) outside ``refimpl.functional.reference_only()``; CuPy
+arrays take the reference.  Tested against the reference in
 tests/test_reference_ops.py (bit for bit, zeros of either sign compared equal).
 """
 from __future__ import annotations

@@ -11,9 +11,9 @@ bit for bit (tests/test_reference_ops.py).  The reference's per-pass functions a
 in by ``refimpl/functional/pooling.py`` (the kernels never import the reference).
 
 The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements take this route, unless ``refimpl.functional.pooling.REFERENCE`` is
-set; CuPy arrays (the device runs a pass in parallel already) and small arrays
-(one block) take the reference.
+elements take this route, outside ``refimpl.functional.reference_only()``; CuPy
+arrays (the device runs a pass in parallel already) and small arrays (one block) take
+the reference.
 
 Max pooling's masks from this route are a list with one entry (the reference's
 stage masks) per block, in ``blocks(x)`` order.
