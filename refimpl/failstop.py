@@ -58,13 +58,13 @@ enough to read here.
 4. **Exit codes** documented in docs/training.md ("Faults"): 0 done, 1 a check
    failed (``check-layer``), 2 bad input, 3 divergence, 4 I/O failure, 5 stall,
    70 internal error (a bug), 130 / 143 interrupted by SIGINT / SIGTERM.
+   Tracebacks are shown only with ``--debug`` or ``REFIMPL_DEBUG=1``.
 
 5. **Signals** (``SignalThread``).  SIGINT and SIGTERM are read from Python's
    wake-up pipe by a thread of their own, at once, whatever the main thread is
    doing; temporaries and the lock are removed first (Open MPI's mpiexec sends
    SIGKILL 0.5 s after it was interrupted), then the job ends as for a failure
-   on one rank, with one line naming the signal, the step and the last checkpoint.  Tracebacks are shown only with
-   ``--debug`` or ``REFIMPL_DEBUG=1``.
+   on one rank, with one line naming the signal, the step and the last checkpoint.
 
 How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed
 peer an error *returned* by MPI calls and lets the survivors revoke and shrink
@@ -458,7 +458,7 @@ class Watchdog:
     def configure(self, timeout: float) -> None:
         """Set the timeout; every rank's clock restarts (they all call this at the same point)."""
         self.timeout = float(timeout)
-        self.interval = min(5.0, max(0.05, self.timeout / 5)) if self.timeout > 0 else 1.0
+        self.interval = heartbeat_interval(self.timeout)
         self.poll = min(0.2, self.interval)
         now = time.monotonic()
         self.last_beat = [now] * self.size            # when each rank's last heartbeat arrived
@@ -641,6 +641,12 @@ class Watchdog:
         os._exit(code)
 
 
+def heartbeat_interval(timeout: float) -> float:
+    """Seconds between heartbeats: a fifth of the stall timeout, 0.05 to 5 s (1 s with stall
+    detection off: the fail-stop channel still polls)."""
+    return min(5.0, max(0.05, timeout / 5)) if timeout > 0 else 1.0
+
+
 def self_frozen(previous: float, now: float, timeout: float) -> bool:
     """Whether the watchdog thread itself did not run for two heartbeat intervals (at least 1 s;
     its process was stopped or frozen): then its own view of who is silent is void.
@@ -653,8 +659,7 @@ def self_frozen(previous: float, now: float, timeout: float) -> bool:
     """
     if timeout <= 0:
         return False
-    interval = min(5.0, max(0.05, timeout / 5))
-    return now - previous >= min(timeout, max(1.0, 2 * interval))
+    return now - previous >= min(timeout, max(1.0, 2 * heartbeat_interval(timeout)))
 
 
 def _ranks(ranks) -> str:
@@ -901,9 +906,8 @@ def install_excepthook(command: str = "") -> None:
 
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
-           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "note_settings",
-           "launcher_size",
-           "agree_settings",
-           "Diverged", "WriteError", "InternalError", "agree", "on_root", "decide", "refuse", "check_writable", "PROGRESS",
+           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "Diverged",
+           "WriteError", "InternalError", "agree", "on_root", "decide", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
-           "fail_stop", "run_command", "set_stall_timeout", "install_excepthook"]
+           "fail_stop", "run_command", "set_stall_timeout", "install_excepthook", "note_settings", "agree_settings",
+           "launcher_size", "handle_signals", "heartbeat_interval"]
