@@ -21,6 +21,7 @@ from __future__ import annotations
 from .. import settings
 from ..backend import array_module
 from . import _im2col, _threads, winograd
+from ._im2col import budget_or_default   # the temporaries' bound of every route (functional passes it in)
 
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
 ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "reference" is functional's own
@@ -66,10 +67,6 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
 def on_device(a):
     """Whether ``a``'s convs run the device schedule (``_im2col.device_schedule``)."""
     return _im2col.device_schedule(array_module(a))
-
-
-def budget_or_default(max_temp_bytes):
-    return _im2col.budget_or_default(max_temp_bytes)
 
 
 @_threads.blas_held_single()
