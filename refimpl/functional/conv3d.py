@@ -118,7 +118,7 @@ def algorithm_setting():
 def is_reference(algorithm) -> bool:
     """Whether this call runs the math above (``algorithm``, else ``REFIMPL_CONV_ALGORITHM``)."""
     if algorithm is None:
-        algorithm = settings.env_setting(ENV_ALGORITHM)
+        algorithm = algorithm_setting()
     elif algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     return algorithm == REFERENCE
