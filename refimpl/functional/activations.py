@@ -7,8 +7,8 @@ uses ``scale * tanh(x)`` (scale 1.2), see ``scaled_tanh``.
 
 Speed: this file is the reference.  On NumPy arrays relu and leaky_relu (forward and
 backward) run ``refimpl/kernels/pointwise.py``: the same values by cheaper passes over
-cache-sized blocks on worker threads.  The one rule (``_route.kernel_for``): NumPy arrays take the
-kernel outside ``functional.reference_only()``; CuPy arrays take the math below.
+cache-sized blocks on worker threads.  The one rule (``_route.kernel_for``): NumPy arrays
+take the kernel outside ``functional.reference_only()``; CuPy arrays take the math below.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ softmax, the cross-entropy sums and gradient, the hard Dice counts) run
 ``refimpl/kernels/losses.py``: the same values class plane by class plane over
 cache-sized blocks of voxels on worker threads.  The one rule (``_route.kernel_for``): NumPy
 logits, C-contiguous, with a spatial axis and at most ``kernels.losses.MASKED_PICK_CLASSES``
-classes take the kernel outside ``functional.reference_only()``; everything else the math below.
+classes take the kernel outside ``functional.reference_only()``; everything else the math
+below.
 """
 from __future__ import annotations
 
