@@ -132,11 +132,12 @@ def is_device_array(a) -> bool:
 def array_module(*arrays):
     """numpy or cupy (or the strict stand-in), whichever the given arrays belong to (the
     device wins)."""
-    for a in arrays:
-        if _strict_array(a):
+    for a in arrays:                    # the tests of _strict_array and is_device_array, inlined:
+        kind = type(a)                  # this runs in every op, the reference conv's trace included
+        if kind.__module__ == "refimpl.strict" and kind.__name__ == "StrictArray":
             from .strict import xp
             return xp
-        if is_device_array(a):
+        if kind.__module__.startswith("cupy"):
             return _cupy()
     return numpy
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import layers
+from . import layers, settings
 from .functional._args import triple
-from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM, algorithm_setting
+from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
 from .parallel.grid import check_dims
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -108,7 +108,7 @@ class LayerCheck:
     @property
     def tolerance(self) -> float:
         """Of max|a - b| / max|b|: float64 1e-10, float32 1e-5, 1e-3 where a conv may run Winograd."""
-        algorithm = self.algorithm if self.algorithm is not None else algorithm_setting()
+        algorithm = self.algorithm if self.algorithm is not None else settings.env_setting(ENV_ALGORITHM)
         if self.dtype == "float32" and self.kind.may_use_winograd(self, algorithm):
             return WINOGRAD_FLOAT32_TOLERANCE
         return TOLERANCE[self.dtype]

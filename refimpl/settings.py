@@ -39,6 +39,7 @@ class Setting(NamedTuple):
     description: str
     choices: tuple = ()          # the allowed names, for settings that are a choice
     test_only: bool = False      # read by the test suite, not by refimpl itself
+    plain_choice: bool = False   # parse only checks that the text is one of choices
 
 
 def _choice(*names):
@@ -97,7 +98,7 @@ _POSITIVE = "a positive integer"
 
 def _choice_setting(name, names, default, description):
     return Setting(name, _choice(*names), "one of " + ", ".join(names), default, description,
-                   choices=tuple(names))
+                   choices=tuple(names), plain_choice=True)
 
 
 _REGISTRY = (
@@ -156,7 +157,12 @@ def env_setting(name: str, environ=None):
     """The validated value of the variable ``name`` (its default when unset or empty)."""
     environ = os.environ if environ is None else environ
     text = environ.get(name)
-    return SETTINGS[name].default if text is None else parse_setting(name, text)
+    setting = SETTINGS[name]
+    if text is None:
+        return setting.default
+    if setting.plain_choice and text in setting.choices:   # itself, without a call (read per conv call)
+        return text
+    return parse_setting(name, text)
 
 
 def is_set(name: str, environ=None) -> bool:

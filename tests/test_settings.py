@@ -77,12 +77,20 @@ def test_variable_refuses_a_bad_value_in_one_line(monkeypatch, name):
 def test_existing_readers_parse_through_settings(monkeypatch):
     """The conv algorithm, thread count, allocator and CUDA-aware switch read the registry."""
     from refimpl.kernels import _threads
-    from refimpl.functional.conv3d import ALGORITHMS, algorithm_setting
+    from refimpl.functional.conv3d import ALGORITHMS, is_reference
     from refimpl.parallel import buffers
     assert ALGORITHMS == ("auto", "im2col", "winograd", "reference")
     monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
     monkeypatch.setenv("REFIMPL_THREADS", "3")
-    assert algorithm_setting() == "im2col" and _threads.thread_count() == 3
+    assert not is_reference(None) and _threads.thread_count() == 3
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "reference")
+    assert is_reference(None)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", " reference ")          # stripped, as every setting
+    assert is_reference(None)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "Reference")
+    with pytest.raises(ValueError, match="REFIMPL_CONV_ALGORITHM must be one of"):
+        is_reference(None)
+    monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "im2col")
     monkeypatch.setenv("REFIMPL_ALLOCATOR", "system")
     assert backend.tune_allocator() is False
     monkeypatch.setattr(buffers, "_cuda_aware", None)            # as after import: read on first use

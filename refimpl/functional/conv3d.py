@@ -41,7 +41,7 @@ from math import prod
 
 from .. import settings
 from ..backend import array_module, check_same_dtype
-from ._args import check_float, check_ndim, triple, window_out_shape
+from ._args import triple
 
 AXES = ("depth", "height", "width")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
@@ -109,65 +109,81 @@ def weight_grad(dy, x, weight_shape, s, p, dl):
 
 # ---------------------------------------------------------------- arguments, and the choice of route
 
-def algorithm_setting():
-    """``REFIMPL_CONV_ALGORITHM`` (default "auto"), or ValueError naming the variable
-    (parsed by refimpl.settings, read at every call so a run can switch it)."""
-    return settings.env_setting(ENV_ALGORITHM)
-
-
 def is_reference(algorithm) -> bool:
-    """Whether this call runs the math above (``algorithm``, else ``REFIMPL_CONV_ALGORITHM``)."""
+    """Whether this call runs the math above: ``algorithm``, else ``REFIMPL_CONV_ALGORITHM``
+    (read at every call, so a run can switch it; refimpl.settings refuses a bad value)."""
     if algorithm is None:
-        algorithm = algorithm_setting()
+        algorithm = settings.env_setting(ENV_ALGORITHM)
     elif algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     return algorithm == REFERENCE
 
 
-def conv_params(stride, padding, dilation):
-    """Validated ``(stride, padding, dilation)`` triples."""
-    return (triple(stride, "stride", 1), triple(padding, "padding", 0),
-            triple(dilation, "dilation", 1))
+LAYOUTS = {"x": "N, C, D, H, W", "w": "F, C, kd, kh, kw", "dy": "N, F, Do, Ho, Wo",
+           "input_shape": "N, C, D, H, W", "weight_shape": "F, C, kd, kh, kw"}
 
 
-def conv_out_spatial(in_spatial, k, s, p, dl, x_name="x", w_name="w"):
-    """Output extents; ValueError naming the kernel when a window does not fit."""
-    out = window_out_shape(in_spatial, k, s, p, dl)
-    for ax, (o, n, kk, pp, dd) in enumerate(zip(out, in_spatial, k, p, dl)):
+def conv_args(stride, padding, dilation, *, x=None, w=None, b=None, dy=None, input_shape=None,
+              weight_shape=None, first_outputs=False):
+    """``(s, p, dl, out)`` of one conv call, after every rule the math above assumes is checked.
+
+    Each given array is 5-D, floating point and of one dtype (``b``: one value per output
+    channel); the channels of ``x`` (or ``input_shape``) and ``w`` (or ``weight_shape``) agree;
+    the dilated kernel fits the padded input: ``out = floor((n + 2p - dl(k-1) - 1)/s) + 1 >= 1``
+    per axis; ``dy`` has the output shape, or with ``first_outputs`` the first outputs per axis
+    (at least one).  A ValueError names the argument, before any computation (and, in the
+    distributed layers, before any message).  One function, so that the reference reads in few."""
+    arrays = {name: a for name, a in (("dy", dy), ("x", x), ("w", w)) if a is not None}
+    for name, a in arrays.items():
+        if getattr(a, "ndim", None) != 5:
+            raise ValueError(f"{name} must be 5-D ({LAYOUTS[name]}), got shape {getattr(a, 'shape', None)}")
+        if a.dtype.kind != "f":
+            raise ValueError(f"{name} must be a floating-point array, got {a.dtype}")
+    check_same_dtype(**arrays, b=b)
+    x_name = "x" if x is not None else "input_shape"
+    w_name = "w" if w is not None else "weight_shape"
+    x_shape = tuple(x.shape) if x is not None else _shape5(input_shape, x_name)
+    w_shape = tuple(w.shape) if w is not None else _shape5(weight_shape, w_name)
+    if min(w_shape[2:]) < 1:
+        raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w_shape}")
+    if x_shape[1] != w_shape[1]:
+        raise ValueError(f"channel mismatch: {x_name} has {x_shape[1]} channels (shape[1]) but "
+                         f"{w_name} expects {w_shape[1]} ({w_name}[1]); weights are ({LAYOUTS['w']})")
+    if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w_shape[0]):
+        raise ValueError(f"b must have shape ({w_shape[0]},) (one value per output channel), "
+                         f"got {getattr(b, 'shape', None)}")
+    s, p, dl = triple(stride, "stride", 1), triple(padding, "padding", 0), triple(dilation, "dilation", 1)
+    out = tuple((n + 2 * q - d * (k - 1) - 1) // st + 1
+                for n, k, st, q, d in zip(x_shape[2:], w_shape[2:], s, p, dl))
+    for ax, (o, n, k, q, d) in enumerate(zip(out, x_shape[2:], w_shape[2:], p, dl)):
         if o < 1:
             raise ValueError(
                 f"kernel of {w_name} is larger than the padded input of {x_name} on the "
-                f"{AXES[ax]} axis: dilated kernel extent {dd * (kk - 1) + 1} > padded input "
-                f"extent {n + 2 * pp} (output extent would be {o}, must be >= 1)")
-    return out
+                f"{AXES[ax]} axis: dilated kernel extent {d * (k - 1) + 1} > padded input "
+                f"extent {n + 2 * q} (output extent would be {o}, must be >= 1)")
+    if dy is not None:
+        expected = (x_shape[0], w_shape[0]) + out
+        if not first_outputs and tuple(dy.shape) != expected:
+            raise ValueError(f"dy must have the conv output shape {expected}, got {tuple(dy.shape)}")
+        if dy.shape[:2] != expected[:2]:
+            raise ValueError(f"dy must have shape (N, F, ...) = ({expected[0]}, {expected[1]}, ...), "
+                             f"got {tuple(dy.shape)}")
+        for ax, (o, e) in enumerate(zip(dy.shape[2:], out)):
+            if not 1 <= o <= e:
+                raise ValueError(f"dy has spatial shape {tuple(dy.shape[2:])}: on the {AXES[ax]} "
+                                 f"axis it must be between 1 and the conv output extent {e}")
+    return s, p, dl, out
 
 
-def _check_x_w(x, w, x_name="x", w_name="w"):
-    check_ndim(x, 5, x_name, "N, C, D, H, W")
-    check_ndim(w, 5, w_name, "F, C, kd, kh, kw")
-    check_float(x_name, x)
-    check_float(w_name, w)
-    if min(w.shape[2:]) < 1:
-        raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w.shape}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but "
-                         f"{w_name} expects {w.shape[1]} (w.shape[1]); weights are (F, C, kd, kh, kw)")
-
-
-def check_bias(b, n_out, name="b"):
-    if b is None:
-        return
-    if getattr(b, "ndim", None) != 1 or b.shape[0] != n_out:
-        raise ValueError(f"{name} must have shape ({n_out},) (one value per output channel), "
-                         f"got {getattr(b, 'shape', None)}")
-
-
-def check_dy_extent(dy, expected, name="dy"):
-    """``dy``'s spatial extent must be >= 1 and <= ``expected`` per axis."""
-    for ax, (o, e) in enumerate(zip(dy.shape[2:], expected)):
-        if not 1 <= o <= e:
-            raise ValueError(f"{name} has spatial shape {tuple(dy.shape[2:])}: on the {AXES[ax]} "
-                             f"axis it must be between 1 and the conv output extent {e}")
+def _shape5(value, name):
+    """A 5-tuple of positive ints, or ValueError naming the argument."""
+    try:
+        shape = tuple(int(v) for v in value)
+    except TypeError:
+        raise ValueError(f"{name} must be a 5-tuple ({LAYOUTS[name]}), got {value!r}") from None
+    if len(shape) != 5 or min(shape) < 1:
+        raise ValueError(f"{name} must be a 5-tuple ({LAYOUTS[name]}) of positive ints, got {value!r}")
+    return shape
 
 
 # ---------------------------------------------------------------- the public functions
@@ -178,11 +194,7 @@ def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None
     ``algorithm``: "reference" (the math above), or "auto", "im2col", "winograd"
     (refimpl/kernels/conv.py); None: ``REFIMPL_CONV_ALGORITHM``, default "auto".
     ``max_temp_bytes`` bounds the kernels' temporary buffers (the reference has no bound)."""
-    _check_x_w(x, w)
-    check_same_dtype(x=x, w=w, b=b)
-    check_bias(b, w.shape[0])
-    s, p, dl = conv_params(stride, padding, dilation)
-    out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
+    s, p, dl, out = conv_args(stride, padding, dilation, x=x, w=w, b=b)
     if is_reference(algorithm):
         return forward(x, w, b, s, p, dl, out)
     from ..kernels import conv as kernel
@@ -196,14 +208,7 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
 
     ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
     """
-    _check_x_w(x, w)
-    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
-    check_same_dtype(dy=dy, x=x, w=w)
-    s, p, dl = conv_params(stride, padding, dilation)
-    out = conv_out_spatial(x.shape[2:], w.shape[2:], s, p, dl)
-    expected = (x.shape[0], w.shape[0]) + out
-    if tuple(dy.shape) != expected:
-        raise ValueError(f"dy must have the conv output shape {expected}, got {tuple(dy.shape)}")
+    s, p, dl, _ = conv_args(stride, padding, dilation, x=x, w=w, dy=dy)
     if is_reference(algorithm):
         dx, dw = input_grad(dy, w, x.shape, s, p, dl), weight_grad(dy, x, w.shape, s, p, dl)
     else:
@@ -213,17 +218,6 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 
-def _shape5(value, name, layout):
-    """A 5-tuple of positive ints, or ValueError naming the argument."""
-    try:
-        shape = tuple(int(v) for v in value)
-    except TypeError:
-        raise ValueError(f"{name} must be a 5-tuple ({layout}), got {value!r}") from None
-    if len(shape) != 5 or min(shape) < 1:
-        raise ValueError(f"{name} must be a 5-tuple ({layout}) of positive ints, got {value!r}")
-    return shape
-
-
 def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
                       algorithm=None):
     """``dx`` (of shape ``input_shape``) of ``y = conv3d(x, w)`` given ``dy``.
@@ -231,20 +225,9 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
     ``dy``'s spatial extent may be smaller than the conv output extent of
     ``input_shape`` (the first outputs per axis; the rest count as zero).
     """
-    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
-    check_ndim(w, 5, "w", "F, C, kd, kh, kw")
-    check_float("dy", dy)
-    check_same_dtype(dy=dy, w=w)
-    input_shape = _shape5(input_shape, "input_shape", "N, C, D, H, W")
-    if input_shape[1] != w.shape[1]:
-        raise ValueError(f"channel mismatch: input_shape has {input_shape[1]} channels but w expects "
-                         f"{w.shape[1]} (w.shape[1])")
-    if dy.shape[:2] != (input_shape[0], w.shape[0]):
-        raise ValueError(f"dy must have shape (N, F, ...) = ({input_shape[0]}, {w.shape[0]}, ...), "
-                         f"got {tuple(dy.shape)}")
-    s, p, dl = conv_params(stride, padding, dilation)
-    out = conv_out_spatial(input_shape[2:], w.shape[2:], s, p, dl, x_name="input_shape")
-    check_dy_extent(dy, out)
+    s, p, dl, out = conv_args(stride, padding, dilation, w=w, dy=dy, input_shape=input_shape,
+                              first_outputs=True)
+    input_shape = _shape5(input_shape, "input_shape")
     if is_reference(algorithm):
         return input_grad(dy, w, input_shape, s, p, dl)
     from ..kernels import conv as kernel
@@ -259,20 +242,9 @@ def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, 
     ``dy``'s spatial extent may be smaller than the conv output extent of ``x``
     (the first outputs per axis).
     """
-    check_ndim(dy, 5, "dy", "N, F, Do, Ho, Wo")
-    check_ndim(x, 5, "x", "N, C, D, H, W")
-    check_float("x", x)
-    check_same_dtype(dy=dy, x=x)
-    weight_shape = _shape5(weight_shape, "weight_shape", "F, C, kd, kh, kw")
-    if x.shape[1] != weight_shape[1]:
-        raise ValueError(f"channel mismatch: x has {x.shape[1]} channels but weight_shape expects "
-                         f"{weight_shape[1]}")
-    if dy.shape[:2] != (x.shape[0], weight_shape[0]):
-        raise ValueError(f"dy must have shape (N, F, ...) = ({x.shape[0]}, {weight_shape[0]}, ...), "
-                         f"got {tuple(dy.shape)}")
-    s, p, dl = conv_params(stride, padding, dilation)
-    out = conv_out_spatial(x.shape[2:], weight_shape[2:], s, p, dl, w_name="weight_shape")
-    check_dy_extent(dy, out)
+    s, p, dl, out = conv_args(stride, padding, dilation, x=x, dy=dy, weight_shape=weight_shape,
+                              first_outputs=True)
+    weight_shape = _shape5(weight_shape, "weight_shape")
     if is_reference(algorithm):
         return weight_grad(dy, x, weight_shape, s, p, dl)
     from ..kernels import conv as kernel

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..backend import check_same_dtype
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import AXES, check_bias, conv_params, forward, input_grad, is_reference, weight_grad
+from .conv3d import AXES, forward, input_grad, is_reference, weight_grad
 
 
 def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
@@ -33,7 +33,7 @@ def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but w "
                          f"expects {w.shape[0]} (w.shape[0]); weights are (C_in, C_out, kd, kh, kw)")
-    s, p, dl = conv_params(stride, padding, dilation)
+    s, p, dl = triple(stride, "stride", 1), triple(padding, "padding", 0), triple(dilation, "dilation", 1)
     op = triple(output_padding, "output_padding", 0)
     for ax in range(3):
         if op[ax] >= max(s[ax], dl[ax]):
@@ -52,7 +52,9 @@ def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilati
     """``(N, C_in, D, H, W) -> (N, C_out, Do, Ho, Wo)`` with ``w`` of shape (C_in, C_out, kd, kh, kw)."""
     s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
     check_same_dtype(x=x, w=w, b=b)
-    check_bias(b, w.shape[1])
+    if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w.shape[1]):
+        raise ValueError(f"b must have shape ({w.shape[1]},) (one value per output channel), "
+                         f"got {getattr(b, 'shape', None)}")
     output_shape = (x.shape[0], w.shape[1]) + out
     if is_reference(algorithm):
         y = input_grad(x, w, output_shape, s, p, dl)            # x plays the conv's dy
