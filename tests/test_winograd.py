@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from refimpl.kernels import _threads, winograd
 from refimpl.functional.conv3d import conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_grad
-from refimpl.kernels.conv import resolve_algorithm
+from refimpl.kernels.routes import resolve_algorithm, winograd_tiles
 from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from test_conv import RTOL, _traced, needs_torch, rel_err, torch  # the conv tests' helpers
 
@@ -390,7 +390,7 @@ def test_forward_and_backward_choose_apart(monkeypatch):
 def test_deep_layers_by_channel_blocks_match_torch(monkeypatch, n, c, f, size):
     """Few tiles, many channels (tiles <= min(C, F)): forward, dx and dw by channel blocks,
     equal to torch's in float64 for 1, 2 and 3 workers and for blocks of one channel up."""
-    tiles = winograd.tile_counts((size,) * 3)
+    tiles = winograd_tiles((size,) * 3)
     assert winograd.by_channel_blocks(n, tiles, c, f)
     rng = np.random.default_rng(c * f + size)
     x = rng.standard_normal((n, c, size, size, size))

@@ -5,9 +5,10 @@ a learner never needs this package to understand a result.  Here live the
 routes that make training fast on CPUs and GPUs, each tested against the
 reference (tests/test_reference.py and the ops' own tests):
 
-- ``conv``: the one place that picks a conv route per layer and pass
-  (``resolve_algorithm``: the thresholds, stated in docs/benchmarks.md with the
-  measurements behind them), and the routes' entry points;
+- ``routes``: the one table: which route computes each op, and the thresholds that pick
+  it (``resolve_algorithm``, ``flipped_kernel_pays``; the measurements behind them in
+  docs/benchmarks.md, "Kernel thresholds");
+- ``conv``: the conv routes' entry points, one per function of functional/conv3d.py;
 - ``_im2col``: bounded column tiles, one GEMM per tile, no padded copy (host);
 - ``_im2col_device``: one padded copy and batched GEMMs (CuPy, where every array
   operation is a kernel launch);

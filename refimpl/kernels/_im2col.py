@@ -64,6 +64,7 @@ import numpy
 from .. import settings
 from ..backend import array_module
 from . import _threads
+from .routes import flipped_kernel_pays
 
 #: Default bound, in bytes, on the temporary column (+ GEMM output) buffers.
 MAX_TEMP_BYTES = 64 * 2**20
@@ -500,27 +501,6 @@ def flipped_kernel(w):
     weight (F, C, kd, kh, kw), C-ordered: the kernel of an input gradient taken as a forward
     conv (here and in ``winograd.backward``)."""
     return array_module(w).ascontiguousarray(w.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])
-
-
-def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
-    """Whether ``dx`` is computed as the conv with the flipped kernel: stride 1, and on a
-    device always (one gather and one GEMM per tile instead of kd*kh*kw strided adds); on the
-    host where it measured faster, no more output than input channels, and where the
-    zero-padded copy of ``dy`` it needs fits ``budget`` (the temporaries stay bounded).
-    Measured on the host (2 threads, float32, dx + dW of 3x3x3 convs): 1.1-2.2x faster than
-    col2im for F <= C (4->4 and 8->4 at 64^3, 8->8 and 16->8 at 32^3, 16->16 at 16^3),
-    0.5-0.9x for F = 2C .. 8C (its columns have F*k rows, col2im's C*k)."""
-    if tuple(stride) != (1, 1, 1):
-        return False
-    if on_device:
-        return True
-    if w.shape[0] > w.shape[1]:
-        return False
-    k = w.shape[2:]
-    padded = dy.shape[0] * dy.shape[1] * dy.dtype.itemsize
-    for n, kk in zip(input_shape[2:], k):
-        padded *= n + kk - 1
-    return padded <= budget
 
 
 # --------------------------------------------------------------- depth taps share columns

@@ -1,67 +1,39 @@
-"""The fast routes of conv3d and conv_transpose3d, and the one place that picks them.
+"""The fast routes of conv3d and conv_transpose3d behind one dispatch point per function.
 
 ``refimpl/functional/conv3d.py`` holds the math (``algorithm="reference"``: pad,
-one strided slice per tap, one GEMM).  Everything here computes the same sums
-faster, and is tested against that reference (tests/test_conv.py,
-tests/test_winograd.py):
+one strided slice per tap, one GEMM) and calls these for every other algorithm.
+Which route runs, and the thresholds that pick it, is ``routes.py``'s table
+(``resolve_algorithm``, ``flipped_kernel_pays``); here the routes are called.
 
-| route                         | module            | where it runs                                    |
-|-------------------------------|-------------------|--------------------------------------------------|
-| im2col, host schedule         | ``_im2col``       | NumPy: cache-sized column tiles on worker threads, no padded copy |
-| im2col, device schedule       | ``_im2col_device``| CuPy (``REFIMPL_CONV_SCHEDULE=device``): one padded copy, batched GEMMs |
-| strided convs by input phases | ``_phase_grid``   | stride > 1 on the host: each phase a stride-1 conv |
-| Winograd F(4x4x4, 3x3x3)      | ``winograd``      | 3x3x3, stride 1, dilation 1, wide enough channels (``winograd.worthwhile``) |
-
-``algorithm`` is "auto" (the table's thresholds, ``resolve_algorithm``), "im2col"
-or "winograd"; None reads ``REFIMPL_CONV_ALGORITHM``.  The thresholds and the
-timings behind them are in docs/benchmarks.md.
+Padding: every route takes symmetric padding ``(pd, ph, pw)``.  An asymmetric one (``p`` as
+``(lo, hi)`` pairs from ``functional.conv3d.conv_args``: a per-side padding, or 'same' with an
+even kernel) runs as the symmetric padding ``min(lo, hi)`` on the input zero padded by the
+difference (``asymmetric``): one more copy of the input on that path only; the symmetric
+path pays one ``isinstance`` test.
 """
 from __future__ import annotations
 
-from .. import settings
 from ..backend import array_module
 from . import _im2col, _threads, winograd
+from .routes import flipped_kernel_pays, resolve_algorithm
 from ._im2col import budget_or_default   # the temporaries' bound of every route (functional passes it in)
 
-ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
-ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "reference" is functional's own
 
-
-def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False):
-    """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
-    ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
-    validated against the shape.
-
-    ``full_dy=False`` when a gradient covers only the first outputs per axis (the
-    building blocks of transposed conv with output_padding): im2col only.
-    ``versus_flipped`` ("adjoint" or "forward": Winograd's route for it) when the choice is for
-    an input gradient that im2col would compute as the conv with the flipped kernel
-    (``_im2col.flipped_kernel_pays``): "auto" then asks Winograd to beat that
-    (``winograd.worthwhile``); ``weight_grad=True`` when it is
-    for a weight gradient (its own threshold).
-    """
-    source = "algorithm"
-    if algorithm is None:
-        algorithm, source = settings.env_setting(ENV_ALGORITHM), ENV_ALGORITHM
-    if algorithm == "reference":
-        raise ValueError("the reference conv is refimpl.functional.conv3d's own; the kernels compute "
-                         f"{', '.join(ALGORITHMS)}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    kernel = tuple(weight_shape[2:])
-    fits = winograd.applicable(kernel, stride, dilation) and full_dy
-    if algorithm == "winograd" and not fits:
-        raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
-                         f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
-                         f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
-    if algorithm == "auto":
-        if on_device:          # measured on an H100: Winograd's many small passes lose 10-20x there
-            return "im2col"
-        wide = winograd.worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch,
-                                   versus_flipped, weight_grad)
-        return "winograd" if fits and wide else "im2col"
-    return algorithm
+def asymmetric(x, p):
+    """``(x padded by (lo - m, hi - m) zeros per axis, m = min(lo, hi), its crop index)`` for
+    ``p`` given as (lo, hi) pairs: the conv of ``x`` with padding ``p`` is the conv of the
+    result with the symmetric padding ``m``, and its dx cropped by the index is dx of ``x``.
+    ``x`` may be a ``ShapeOnly``."""
+    m = tuple(min(lo, hi) for lo, hi in p)
+    extra = tuple((lo - q, hi - q) for (lo, hi), q in zip(p, m))
+    crop = (Ellipsis,) + tuple(slice(a, a + n) for (a, _), n in zip(extra, x.shape[2:]))
+    shape = tuple(x.shape[:2]) + tuple(n + a + b for n, (a, b) in zip(x.shape[2:], extra))
+    if isinstance(x, ShapeOnly):
+        return ShapeOnly(shape, x.dtype), m, crop
+    xp = array_module(x)
+    x_pad = xp.zeros(shape, dtype=x.dtype)
+    x_pad[crop] = x
+    return x_pad, m, crop
 
 
 def on_device(a):
@@ -73,6 +45,8 @@ def on_device(a):
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
+    if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
+        x, p, _ = asymmetric(x, p)
     if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0],
                          on_device=on_device(x)) == "winograd":
         return winograd.forward(x, w, p, out, budget, bias)
@@ -87,8 +61,12 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the algorithm picked for each
     (together, sharing their passes, where both pick the same)."""
+    if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
+        x_pad, p, crop = asymmetric(x, p)
+        dx, dw = backward_no_bias(dy, x_pad, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy)
+        return (None if dx is None else array_module(dx).ascontiguousarray(dx[crop])), dw
     device = on_device(dy)
-    flipped = need_dx and _im2col.flipped_kernel_pays(dy, w, x.shape, s, budget, device)
+    flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, s, budget, device)
     versus = None
     if flipped:                   # (F <= C) Winograd's own dx route sets the bar to beat im2col's
         by_forward = winograd.dx_by_flipped_kernel(w.shape[1], w.shape[0], p, need_dw,

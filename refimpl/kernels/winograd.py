@@ -83,6 +83,7 @@ import numpy
 
 from ..backend import array_module
 from . import _im2col, _threads
+from .routes import WINOGRAD_TILE, winograd_tiles
 
 #: Documented bound on max|y - y_exact| / max_o sum|w x| in float32 (measured <= 7.5e-6).
 FLOAT32_BOUND = 3e-5
@@ -105,80 +106,13 @@ _AT = numpy.array([[1, 1, 1, 1, 1, 0],
                    [0, 1, 1, 4, 4, 0],
                    [0, 1, -1, 8, -8, 1]], dtype=numpy.float64)
 
-M_OUT, R_KERNEL, ALPHA = 4, 3, 6          # outputs per tile, taps, tile extent (m + r - 1)
+M_OUT, R_KERNEL = WINOGRAD_TILE, 3        # outputs per tile, taps
+ALPHA = M_OUT + R_KERNEL - 1               # tile extent (m + r - 1)
 
 
 def matrices(xp, dtype):
     """``(B^T, G, A^T)`` of F(4, 3) as ``xp`` arrays of ``dtype``."""
     return tuple(xp.asarray(m, dtype=dtype) for m in (_BT, _G, _AT))
-
-
-def applicable(kernel, stride, dilation):
-    """True when Winograd F(4,3) computes this conv: 3x3x3 kernel, stride 1, dilation 1."""
-    return tuple(kernel) == (3, 3, 3) and tuple(stride) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
-
-
-def multiplies_per_output(out_spatial):
-    """Products per output and channel pair: 216 per 4x4x4 tile, over the outputs the
-    tiles really hold (a 5-wide output needs two tiles per axis, most of one wasted)."""
-    tiles = tile_counts(out_spatial)
-    return ALPHA ** 3 * tiles[0] * tiles[1] * tiles[2] / (out_spatial[0] * out_spatial[1] * out_spatial[2])
-
-
-#: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
-#: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F.  Measured
-#: (fwd, N=2-4, 2 threads, 2-core Zen 4 VM with AVX-512): im2col's forward as fast or faster
-#: for 1->4 (0.8), 4->4 (2.0), 4->16 and 4->32 (3.2, 3.6) at 64^3, Winograd's 25-30 % faster
-#: for 8->8 (4.0) at 32^3 and 64^3.  (On a Zen 1 VM without AVX-512 the crossing was at 5.)
-MIN_CHANNEL_PRODUCT_RATIO = 4.0
-
-#: ... and for an input gradient that im2col computes as the conv with the flipped kernel
-#: (stride 1, F <= C: one gather and one GEMM per tile, ``_im2col.flipped_kernel_pays``),
-#: from these ratios on, by the route Winograd's dx takes (``dx_by_flipped_kernel``):
-#: its adjoint: measured (dx, 2 threads) im2col 25-45 % faster for 4->4, 8->4 and 16->8
-#: (2.0, 2.7, 5.3) at 32^3 and 64^3, Winograd 18-30 % faster for 16->16 (8.0); its forward
-#: with the flipped kernel: measured (dx, 2 threads, Zen 4 VM) im2col 4-9 % faster for 8->4
-#: and 4->4 at 32^3, even at 64^3; Winograd 25 % faster for 6->6 (3.0) at 64^3, 27-68 % for
-#: 8->8 (4.0) and 16->8 (5.3) at 32^3 and 64^3.
-MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = {"adjoint": 6.0, "forward": 3.0}
-
-#: ... and a weight gradient also wherever F <= this x C (narrower ratios included): its
-#: Winograd transforms the x tiles (C) and dy tiles (F), im2col builds columns of 27 C rows,
-#: so Winograd wins unless dy is much wider than x.  Measured (dw, 2 threads, Zen 4 VM):
-#: Winograd 20-40 % faster for 2->4, 4->4, 8->8 at 64^3; im2col as fast for 4->16 and 4->32
-#: at 64^3 and 1.6x faster for 4->32 at 128^3 (where Winograd's channels-last copy of dy also
-#: costs the size of dy); for 1->4 and 1->8 Winograd was 25-40 % faster, not taken (F > 2C).
-MAX_FILTER_RATIO_WEIGHT_GRAD = 2.0
-
-
-#: ... and only for at least this many tiles: on one tile the weight transform (as many
-#: passes as products) outweighs what the GEMMs save.  Measured (2-core Zen 4 VM, 2 threads,
-#: fwd + dx + dw, the deep layers by channel blocks): 256->512 @4^3 on one sample (1 tile)
-#: 84 ms with Winograd, 42 with im2col; on two (2 tiles) 38 against 56; 256->512 @8^3 on one
-#: sample (8 tiles) 46 against 110.
-MIN_TILES = 2
-
-
-def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False):
-    """"auto" takes Winograd when it needs at most half of im2col's 27 products per
-    output, the channels are wide enough for the saved flops to pay for the transforms
-    (``MIN_CHANNEL_PRODUCT_RATIO``; ``MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED`` against im2col's
-    flipped-kernel input gradient, ``versus_flipped`` naming Winograd's route for it: "adjoint"
-    or "forward"; for a weight gradient also wherever F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``),
-    and there are ``MIN_TILES`` tiles or more (deep layers of few tiles run by channel blocks,
-    ``by_channel_blocks``)."""
-    td, th, tw = tile_counts(out_spatial)
-    t = n_batch * td * th * tw
-    return (multiplies_per_output(out_spatial) <= 27 / 2 and t >= MIN_TILES
-            and wide_enough(c, f, versus_flipped, weight_grad))
-
-
-def wide_enough(c, f, versus_flipped=None, weight_grad=False):
-    """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
-    for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``."""
-    least = (MIN_CHANNEL_PRODUCT_RATIO if versus_flipped is None
-             else MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED[versus_flipped])
-    return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
 
 
 # ------------------------------------------------------------------- separable transforms
@@ -226,11 +160,6 @@ def _weight_transform_adjoint(g, dut):
 
 
 # ---------------------------------------------------------------------- tiles and chunks
-
-def tile_counts(out_spatial):
-    """Tiles per axis: ceil(o / 4)."""
-    return tuple(-(-o // M_OUT) for o in out_spatial)
-
 
 #: Preferred bytes of the work buffers of one chunk: passes over cache-resident
 #: chunks run up to 2x faster than over big ones (measured, 4 MiB L2 per core) ...
@@ -521,7 +450,7 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
     xp = array_module(x, w)
     n_b, c = x.shape[:2]
     f = w.shape[0]
-    tiles = tile_counts(out_spatial)
+    tiles = winograd_tiles(out_spatial)
     bt, g, at = matrices(xp, x.dtype)
     plan = _Plan(xp, x.dtype, n_b, tiles, max(c, f), budget)
     xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers)  # (N, 4td+2, .., C)
@@ -566,7 +495,7 @@ def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     32^3 and 128->64 at 16^3 7-15 % faster; F = C (8, 16, 32, 64 channels at 16^3-64^3, 14
     runs) 0.92-1.13x the adjoint's speed, about even (8->8 at 64^3 10-49 % faster); 16->32 and
     32->64 20-30 % slower."""
-    if any(p > R_KERNEL - 1 for p in padding) or tile_counts(in_spatial) != tile_counts(out_spatial):
+    if any(p > R_KERNEL - 1 for p in padding) or winograd_tiles(in_spatial) != winograd_tiles(out_spatial):
         return False
     return f <= c if need_dw else f <= 2 * c
 
@@ -594,7 +523,7 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
                      tuple(x.shape[2:]), budget)
         return dx, (backward(dy, x, w, padding, budget, need_dx=False)[1] if need_dw else None)
     out_spatial = tuple(dy.shape[2:])
-    tiles = tile_counts(out_spatial)
+    tiles = winograd_tiles(out_spatial)
     bt, g, at = matrices(xp, dy.dtype)
     plan = _Plan(xp, dy.dtype, n_b, tiles, max(c, f), budget)
     weight_bound = 2 * c * f > 3 * _n_tiles(plan.chunks[0], tiles) * max(c, f) * plan.workers

@@ -29,11 +29,11 @@ class _Conv(LayerKind):
         return spec.out_channels
 
     def may_use_winograd(self, spec, algorithm):
-        from ..kernels import winograd
-        if not winograd.applicable(spec.kernel, spec.stride, spec.dilation):
+        from ..kernels import routes
+        if not routes.winograd_applicable(spec.kernel, spec.stride, spec.dilation):
             return False
         return algorithm == "winograd" or (
-            algorithm == "auto" and winograd.wide_enough(spec.input[1], spec.out_channels, weight_grad=True))
+            algorithm == "auto" and routes.wide_enough(spec.input[1], spec.out_channels, weight_grad=True))
 
     def parameter_shapes(self, spec):
         channels = [0, 0]

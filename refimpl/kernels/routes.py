@@ -1,0 +1,146 @@
+"""Which fast route computes each op, and the thresholds that pick it: the one table.
+
+``refimpl/functional/`` holds the math (``algorithm="reference"``); everything in
+``refimpl/kernels/`` computes the same sums faster and is tested against it
+(tests/test_reference.py, tests/test_reference_ops.py, tests/test_conv.py,
+tests/test_winograd.py).  Every choice *between* routes is made here, from the
+thresholds below; a route's own tuning (tile and block sizes) stays with the route.
+The measurement behind each threshold is in docs/benchmarks.md, "Kernel thresholds".
+
+| op                        | route                           | module             | taken when (decided by)                                      |
+|---------------------------|---------------------------------|--------------------|--------------------------------------------------------------|
+| conv3d, conv_transpose3d  | the reference                   | functional.conv3d  | ``algorithm="reference"`` / ``REFIMPL_CONV_ALGORITHM``        |
+|                           | im2col, host schedule           | ``_im2col``        | NumPy arrays (``_im2col.device_schedule``, ``REFIMPL_CONV_SCHEDULE``) |
+|                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
+|                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
+|                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
+|                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
+|                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
+| max/avg pooling           | blocked passes on threads       | ``pooling``        | always, unless the reference is asked for (``functional._route``) |
+| batch norm                | blocked passes on threads       | ``batch_norm``     | the same                                                      |
+| activations, dropout      | blockwise elementwise passes    | ``pointwise``      | the same                                                      |
+| losses                    | blocked softmax / picks         | ``losses``         | the same                                                      |
+
+This module imports no other kernel: the routes import it.
+"""
+from __future__ import annotations
+
+from .. import settings
+
+ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
+ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "reference" is functional's own
+
+# ---------------------------------------------------------------- Winograd F(4x4x4, 3x3x3) against im2col
+
+#: Outputs per Winograd tile and axis (F(4, 3): 4 outputs from a 6-wide input tile).
+WINOGRAD_TILE = 4
+#: Products per output of im2col (27 taps) that Winograd must at least halve.
+IM2COL_PRODUCTS = 27
+#: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
+#: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F.
+MIN_CHANNEL_PRODUCT_RATIO = 4.0
+#: ... and against im2col's flipped-kernel input gradient (``flipped_kernel_pays``), from these
+#: ratios on, by the route Winograd's own dx takes: its adjoint, or its forward with the flipped kernel.
+MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = {"adjoint": 6.0, "forward": 3.0}
+#: ... and a weight gradient also wherever F <= this x C: Winograd transforms the x tiles (C)
+#: and the dy tiles (F), im2col builds columns of 27 C rows.
+MAX_FILTER_RATIO_WEIGHT_GRAD = 2.0
+#: ... and only for at least this many tiles: on one tile the weight transform outweighs the GEMMs.
+MIN_TILES = 2
+
+
+def winograd_applicable(kernel, stride, dilation):
+    """True when Winograd F(4,3) computes this conv: 3x3x3 kernel, stride 1, dilation 1."""
+    return tuple(kernel) == (3, 3, 3) and tuple(stride) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
+
+
+def winograd_tiles(out_spatial):
+    """Winograd tiles per axis: ceil(o / 4)."""
+    return tuple(-(-o // WINOGRAD_TILE) for o in out_spatial)
+
+
+def winograd_products_per_output(out_spatial):
+    """Products per output and channel pair: 216 per 4x4x4 tile, over the outputs the
+    tiles really hold (a 5-wide output needs two tiles per axis, most of one wasted)."""
+    td, th, tw = winograd_tiles(out_spatial)
+    return (WINOGRAD_TILE + 2) ** 3 * td * th * tw / (out_spatial[0] * out_spatial[1] * out_spatial[2])
+
+
+def wide_enough(c, f, versus_flipped=None, weight_grad=False):
+    """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
+    for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``."""
+    least = (MIN_CHANNEL_PRODUCT_RATIO if versus_flipped is None
+             else MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED[versus_flipped])
+    return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
+
+
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False):
+    """"auto" takes Winograd when it needs at most half of im2col's 27 products per output,
+    the channels are wide enough (``wide_enough``), and there are ``MIN_TILES`` tiles or more
+    (deep layers of few tiles run by channel blocks, ``winograd.by_channel_blocks``)."""
+    td, th, tw = winograd_tiles(out_spatial)
+    return (winograd_products_per_output(out_spatial) <= IM2COL_PRODUCTS / 2
+            and n_batch * td * th * tw >= MIN_TILES and wide_enough(c, f, versus_flipped, weight_grad))
+
+
+def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
+                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False):
+    """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
+    ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
+    validated against the shape.
+
+    ``full_dy=False`` when a gradient covers only the first outputs per axis (the
+    building blocks of transposed conv with output_padding): im2col only.
+    ``versus_flipped`` ("adjoint" or "forward": Winograd's route for it) when the choice is for
+    an input gradient that im2col would compute as the conv with the flipped kernel
+    (``flipped_kernel_pays``): "auto" then asks Winograd to beat that; ``weight_grad=True``
+    when it is for a weight gradient (its own threshold).  On a device "auto" is im2col:
+    Winograd's many small passes lose 10-20x there (docs/gpu.md).
+    """
+    source = "algorithm"
+    if algorithm is None:
+        algorithm, source = settings.env_setting(ENV_ALGORITHM), ENV_ALGORITHM
+    if algorithm == "reference":
+        raise ValueError("the reference conv is refimpl.functional.conv3d's own; the kernels compute "
+                         f"{', '.join(ALGORITHMS)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    kernel = tuple(weight_shape[2:])
+    fits = winograd_applicable(kernel, stride, dilation) and full_dy
+    if algorithm == "winograd" and not fits:
+        raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
+                         f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
+                         f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
+    if algorithm == "auto":
+        if on_device:
+            return "im2col"
+        wide = worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch, versus_flipped,
+                          weight_grad)
+        return "winograd" if fits and wide else "im2col"
+    return algorithm
+
+
+# ---------------------------------------------------------------- im2col's input gradient
+
+def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
+    """Whether ``dx`` is computed as the conv with the flipped kernel (``_im2col``'s
+    ``input_grad_by_flipped_kernel``) rather than by col2im: stride 1, and on a device always
+    (one gather and one GEMM per tile instead of kd*kh*kw strided adds); on the host where it
+    measured faster, no more output than input channels (its columns have F*k rows, col2im's
+    C*k), and where the zero-padded copy of ``dy`` it needs fits ``budget``."""
+    if tuple(stride) != (1, 1, 1):
+        return False
+    if on_device:
+        return True
+    if w.shape[0] > w.shape[1]:
+        return False
+    padded = dy.shape[0] * dy.shape[1] * dy.dtype.itemsize
+    for n, kk in zip(input_shape[2:], w.shape[2:]):
+        padded *= n + kk - 1
+    return padded <= budget
+
+
+__all__ = ["ALGORITHMS", "ENV_ALGORITHM", "MIN_CHANNEL_PRODUCT_RATIO", "MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED",
+           "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "winograd_applicable", "winograd_tiles",
+           "winograd_products_per_output", "wide_enough", "worthwhile", "resolve_algorithm",
+           "flipped_kernel_pays"]
