@@ -16,7 +16,7 @@ failed while writing; 70 an internal error.  A failure on any one rank ends
 every rank with one message (refimpl/failstop.py).
 
 Example:
-    mpiexec -n 4 refimpl check-layer conv3d --input 2,3,11,9,7 --out-channels 5 \\
+    mpiexec -n 4 --oversubscribe refimpl check-layer conv3d --input 2,3,11,9,7 --out-channels 5 \\
         --kernel 3,2,5 --stride 2,1,1 --padding 1,0,2 --dilation 1,2,1 --grid 1,2,2,1
 """
 from __future__ import annotations
@@ -110,10 +110,6 @@ def parse_check(args, world_size: int) -> LayerCheck:
     if args.save is not None:
         check_writable(args.save, "--save")
     return check
-
-
-#: the name tests/mpi build a check by from flag-like arguments (an argparse Namespace)
-LayerSpec = parse_check
 
 
 def save_arrays(path, arrays) -> None:

@@ -10,14 +10,13 @@
   of the world size, alone and with spatial and data axes (Hypothesis, same example on every
   rank).
 """
-from argparse import Namespace
 
 import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from refimpl.commands.check_layer import LayerSpec, check_layer
+from refimpl.check import LayerCheck, check_layer
 from refimpl.functional._args import transposed_out_size, window_out_size
 from refimpl.parallel.channels import TRAFFIC, allgather_channels, channel_range, moved_bytes, reduce_scatter_channels
 from refimpl.parallel.grid import ProcessGrid, all_grids
@@ -95,12 +94,9 @@ def test_channel_collectives_are_adjoint(comm, all_ranks_agree, data):
 
 def spec(layer, shape, grid, kernel, stride, padding, dilation, out_channels, mode, seed=0,
          output_padding=(0, 0, 0)):
-    csv = lambda t: ",".join(map(str, t))  # noqa: E731
-    return LayerSpec(Namespace(
-        layer=layer, input=csv(shape), out_channels=out_channels, kernel=csv(kernel), stride=csv(stride),
-        padding=csv(padding), dilation=csv(dilation), output_padding=csv(output_padding), grid=csv(grid),
-        dtype="float64",
-        seed=seed, save=None, model_parallel=mode), world_size=int(np.prod(grid)))
+    return LayerCheck(layer=layer, input=shape, grid=grid, out_channels=out_channels, kernel=kernel,
+                      stride=stride, padding=padding, dilation=dilation, output_padding=output_padding,
+                      dtype="float64", seed=seed, model_parallel=mode)
 
 
 @st.composite

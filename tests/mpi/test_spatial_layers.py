@@ -7,14 +7,13 @@ product is the world size (splitting 1, 2 or 3 spatial axes, or samples).
 ``check_layer`` runs forward and backward partitioned, gathers, and compares
 y, dx, dw, db with refimpl.functional on the whole tensor.
 """
-from argparse import Namespace
 from itertools import product
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from refimpl.commands.check_layer import LayerSpec, check_layer
+from refimpl.check import LayerCheck, check_layer
 from refimpl.functional._args import transposed_out_size, window_out_size
 
 
@@ -26,12 +25,9 @@ def grids_for(size):
 
 def spec(layer, shape, grid, kernel, stride, padding, dilation, out_channels=None,
          output_padding=(0, 0, 0), dtype="float64", seed=0):
-    csv = lambda t: ",".join(map(str, t))  # noqa: E731
-    return LayerSpec(Namespace(
-        layer=layer, input=csv(shape), out_channels=out_channels, kernel=csv(kernel),
-        stride=csv(stride), padding=csv(padding), dilation=csv(dilation),
-        output_padding=csv(output_padding), grid=csv(grid), dtype=dtype, seed=seed, save=None),
-        world_size=grid[0] * grid[1] * grid[2] * grid[3])
+    return LayerCheck(layer=layer, input=shape, grid=grid, out_channels=out_channels, kernel=kernel,
+                      stride=stride, padding=padding, dilation=dilation, output_padding=output_padding,
+                      dtype=dtype, seed=seed)
 
 
 @st.composite
