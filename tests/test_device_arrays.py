@@ -62,6 +62,22 @@ def test_conv_layers_on_the_device(device, k, s, p, dl):
     _close(*_both(conv_transpose3d_backward, dyt, y_ref, w, s, p, 0, dl))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_activations_on_the_device(device, dtype):
+    """relu and leaky relu forward and backward on the device (CuPy: the fused kernels of
+    kernels/pointwise.py) equal the host's values exactly: each is one rounding of the same
+    formula (ties at zero included)."""
+    from refimpl.functional.activations import leaky_relu, leaky_relu_backward, relu, relu_backward
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 9, 8, 7)).astype(dtype)
+    x.reshape(-1)[::5] = 0.0
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    for fn, args in ((relu, (x,)), (relu_backward, (dy, x)), (leaky_relu, (x, 0.3)),
+                     (leaky_relu_backward, (dy, x, 0.3)), (leaky_relu, (x, 1.5))):
+        ref, dev = _both(fn, *args)
+        assert dev.dtype == ref.dtype and np.array_equal(dev, ref), fn.__name__
+
+
 def test_pooling_and_batch_norm_on_the_device(device):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 3, 8, 7, 6))

@@ -16,10 +16,18 @@ the first reads the cache, and the blocks run on all cores):
   per 256 Ki floats here).  Other slopes: ``dy * m + dy * ((1 - m) * slope)`` (one term is
   zero, the other exact or the same rounded ``dy * slope``).
 
-The one dispatch rule (``applies``): NumPy arrays take this route (any size: one block is
-one call of the same cheap passes) outside ``refimpl.functional.reference_only()``; CuPy
-arrays take the reference.  Tested against the reference in
-tests/test_reference_ops.py (bit for bit, zeros of either sign compared equal).
+On a GPU (CuPy arrays) each of the four is one fused ``cupy.ElementwiseKernel`` instead:
+the reference's ``where(x > 0, x, x * slope)`` is three kernel launches and two temporaries,
+and these layers are launch- and bandwidth-bound there (docs/gpu.md).  Each kernel body is
+the reference's formula for one element, in the same operations, so it computes the same
+values (``DEVICE_KERNELS``; tested against the host route by tests/test_device_arrays.py on a
+GPU, ``scripts/gpu_check.sh``).
+
+The one dispatch rule (``applies``): NumPy arrays take the blockwise passes (any size: one
+block is one call of the same cheap passes), CuPy arrays the fused kernels, outside
+``refimpl.functional.reference_only()``; the strict stand-in takes the reference.  Tested
+against the reference in tests/test_reference_ops.py (bit for bit, zeros of either sign
+compared equal).
 """
 from __future__ import annotations
 
@@ -30,8 +38,34 @@ from ._threads import elementwise
 
 
 def applies(*arrays) -> bool:
-    """Whether the activation passes over ``arrays`` run here: NumPy arrays."""
-    return array_module(*arrays) is numpy
+    """Whether the activation passes over ``arrays`` run here: NumPy or CuPy arrays."""
+    xp = array_module(*arrays)
+    return xp is numpy or xp.__name__ == "cupy"
+
+
+#: The fused device kernels: (inputs, output, the reference's formula for one element).
+#: relu: ``maximum(x, 0)`` (NaN propagates); relu backward: ``dy * (x > 0)``; leaky relu:
+#: ``where(x > 0, x, x * slope)``; its backward: ``where(x > 0, dy, dy * slope)``.
+DEVICE_KERNELS = {
+    "relu": ("T x", "T y", "y = (x > (T)0 || x != x) ? x : (T)0"),
+    "relu_backward": ("T dy, T x", "T dx", "dx = dy * (T)(x > (T)0)"),
+    "leaky_relu": ("T x, T slope", "T y", "y = x > (T)0 ? x : x * slope"),
+    "leaky_relu_backward": ("T dy, T x, T slope", "T dx", "dx = x > (T)0 ? dy : dy * slope"),
+}
+_compiled = {}
+
+
+def _on_device(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+def _device(name):
+    """The CuPy ElementwiseKernel ``name`` of ``DEVICE_KERNELS``, built once (CuPy compiles it
+    per dtype on first use and caches it)."""
+    if name not in _compiled:
+        import cupy
+        _compiled[name] = cupy.ElementwiseKernel(*DEVICE_KERNELS[name], name="refimpl_" + name)
+    return _compiled[name]
 
 
 def _c(a):
@@ -40,14 +74,20 @@ def _c(a):
 
 
 def relu(x):
+    if _on_device(x):
+        return _device("relu")(x)
     return elementwise(lambda o, a: numpy.maximum(a, 0, out=o), numpy.empty_like(x), _c(x))
 
 
 def relu_backward(dy, x):
+    if _on_device(dy):
+        return _device("relu_backward")(dy, x)
     return elementwise(lambda o, g, a: numpy.multiply(g, a > 0, out=o), numpy.empty_like(dy), _c(dy), _c(x))
 
 
 def leaky_relu(x, negative_slope):
+    if _on_device(x):
+        return _device("leaky_relu")(x, x.dtype.type(negative_slope))
     if not 0.0 <= negative_slope <= 1.0:
         return numpy.where(x > 0, x, x * negative_slope)
 
@@ -58,6 +98,9 @@ def leaky_relu(x, negative_slope):
 
 
 def leaky_relu_backward(dy, x, negative_slope):
+    if _on_device(dy):
+        return _device("leaky_relu_backward")(dy, x, dy.dtype.type(negative_slope))
+
     def pass_(o, g, a):
         m = (a > 0).astype(g.dtype)           # 1 where x > 0
         if 0.0 <= negative_slope <= 1.0:
