@@ -45,13 +45,10 @@ overlapping tiles is adding them back where they overlap).
 
 Error (float32): the transforms are not orthogonal (entries up to 8 in A^T
 and 5 in B^T, 1/24 in G), so rounding errors grow by a constant factor over
-the direct sum.  Measured (``python scripts/bench_winograd_error.py``: 3x3x3
-convs with C, F in 4..256, standard-normal data, 3 seeds), the ratio
-max |y - y_exact| / max_o sum_{c,t} |w x| is 3e-6 .. 7.5e-6 for Winograd's
-forward (largest with few input channels) and 6e-7 .. 3.4e-6 for dx and dw,
-against 3e-8 .. 2.5e-7 for im2col: 20-40x the error of the direct sum, i.e.
-about 1e-4 of a typical output (outputs are ~sqrt(27 C) times smaller than
-that scale).  The documented bound, which the tests and the script check, is
+the direct sum.  The ratio max |y - y_exact| / max_o sum_{c,t} |w x| measured by
+``python scripts/bench_winograd_error.py`` (docs/benchmarks.md, "Winograd's float32 error")
+is 10-100x the direct sum's, about 1e-4 of a typical output (outputs are ~sqrt(27 C) times
+smaller than that scale).  The documented bound, which the tests and the script check, is
 ``FLOAT32_BOUND`` = 3e-5 of that scale.  In float64 the algorithm is exact to
 ~1e-15 relative (tests: <= 1e-10 vs PyTorch); ``algorithm="im2col"`` (or
 ``REFIMPL_CONV_ALGORITHM=im2col``) gives the plain sum where that matters.
