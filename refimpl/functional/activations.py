@@ -9,6 +9,10 @@ Speed: this file is the reference.  On NumPy arrays relu and leaky_relu (forward
 backward) run ``refimpl/kernels/pointwise.py``: the same values by cheaper passes over
 cache-sized blocks on worker threads.  The one rule (``_route.kernel_for``): NumPy arrays
 take the kernel outside ``functional.reference_only()``; CuPy arrays take the math below.
+
+Arguments (checked before either route): ``x`` an array of at least 1-D, any shape; ``dy``
+exactly ``x``'s shape and dtype (never broadcast); ``negative_slope`` a real number.  Anything
+else is a ValueError naming the argument.
 """
 from __future__ import annotations
 
@@ -17,9 +21,36 @@ from ..kernels import pointwise as fast
 from ._route import kernel_for
 
 
+def _shape(a):
+    """``a``'s shape for a message: its shape, or its type when it is not an array."""
+    return f"shape {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__
+
+
+def _check_input(x, name="x"):
+    """A ValueError naming ``x`` unless it is an array of at least 1-D (any shape, NCDHW or
+    not); a 0-d array or a Python scalar is refused (the kernels work on blocks of elements)."""
+    if getattr(x, "ndim", 0) < 1:
+        raise ValueError(f"{name} must be an array of at least 1-D (any shape, e.g. "
+                         f"N, C, D, H, W), got {_shape(x)}")
+
+
+def _check_grad(dy, x, name="x"):
+    """``dy`` an array of exactly ``x``'s shape (no broadcasting) and dtype, else a ValueError."""
+    if not hasattr(dy, "shape") or tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"dy must have {name}'s shape {tuple(x.shape)}, got {_shape(dy)}")
+    check_same_dtype(**{name: x, "dy": dy})
+
+
+def _check_slope(negative_slope):
+    """negative_slope a real number (a Python or NumPy scalar), else a ValueError naming it."""
+    real = isinstance(negative_slope, (int, float)) or getattr(negative_slope, "ndim", None) == 0
+    if not real or isinstance(negative_slope, bool):
+        raise ValueError(f"negative_slope must be a real number, got {negative_slope!r}")
+
 
 def relu(x):
     """max(x, 0)."""
+    _check_input(x)
     kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.relu(x)
@@ -29,7 +60,8 @@ def relu(x):
 
 def relu_backward(dy, x):
     """dy where x > 0, else 0: ``dy * 1[x > 0]`` (relu'(0) = 0, as PyTorch's)."""
-    check_same_dtype(x=x, dy=dy)
+    _check_input(x)
+    _check_grad(dy, x)
     kernel = kernel_for(fast, dy, x)
     if kernel is not None:
         return kernel.relu_backward(dy, x)
@@ -38,6 +70,8 @@ def relu_backward(dy, x):
 
 def leaky_relu(x, negative_slope=0.01):
     """x where x > 0, else negative_slope * x."""
+    _check_input(x)
+    _check_slope(negative_slope)
     kernel = kernel_for(fast, x)
     if kernel is not None:
         return kernel.leaky_relu(x, negative_slope)
@@ -47,7 +81,9 @@ def leaky_relu(x, negative_slope=0.01):
 
 def leaky_relu_backward(dy, x, negative_slope=0.01):
     """dy where x > 0, else negative_slope * dy (leaky_relu'(0) = negative_slope)."""
-    check_same_dtype(x=x, dy=dy)
+    _check_input(x)
+    _check_grad(dy, x)
+    _check_slope(negative_slope)
     kernel = kernel_for(fast, dy, x)
     if kernel is not None:
         return kernel.leaky_relu_backward(dy, x, negative_slope)
@@ -62,7 +98,7 @@ def tanh(x):
 
 def tanh_backward(dy, y):
     """dy * (1 - y^2) with y = tanh(x), the forward's output."""
-    check_same_dtype(y=y, dy=dy)
+    _check_grad(dy, y, "y")                  # any shape, 0-d too: tanh has no kernel
     return dy * (1 - y * y)
 
 

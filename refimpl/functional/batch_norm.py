@@ -101,6 +101,15 @@ def _check_channel_vector(v, name, channels):
         raise ValueError(f"{name} has {v.shape[0]} channels but x has {channels}")
 
 
+def _check_real(name, value, minimum=None):
+    """``value`` a real number (Python or NumPy scalar) >= ``minimum``, else a ValueError naming it."""
+    real = isinstance(value, (int, float)) or getattr(value, "ndim", None) == 0
+    if not real or isinstance(value, bool):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    if minimum is not None and not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
 def batch_norm_local_sums(x, shift=None):
     """(count, S1, S2): count = N*D*H*W (int), S1 = sum(x - shift), S2 = sum((x - shift)^2).
 
@@ -215,6 +224,11 @@ def batch_norm3d(x, gamma=None, beta=None, running_mean=None, running_var=None,
     check_ndim(x, 5, "x", "N, C, D, H, W")
     for name, v in (("running_mean", running_mean), ("running_var", running_var)):
         _check_channel_vector(v, name, x.shape[1])
+    _check_real("momentum", momentum)
+    _check_real("eps", eps, minimum=0)
+    if training and (x.shape[1] < 1 or x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] < 2):
+        raise ValueError(f"training batch norm needs a channel and more than one value per channel "
+                         f"(C >= 1, N*D*H*W >= 2), got x of shape {x.shape}")
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError("eval mode (training=False) needs running_mean and running_var")
@@ -223,9 +237,6 @@ def batch_norm3d(x, gamma=None, beta=None, running_mean=None, running_var=None,
         y, cache = batch_norm_forward(x, running_mean, inv_std, gamma, beta)
         return y, (cache, None)
     count, s1, s2 = batch_norm_local_sums(x, shift=running_mean)
-    if count < 2:
-        raise ValueError(f"training batch norm needs more than one value per channel, "
-                         f"got x of shape {x.shape}")
     mean, var, inv_std = batch_norm_stats(count, s1, s2, eps, shift=running_mean)
     if running_mean is not None and running_var is not None:
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
@@ -238,7 +249,12 @@ def batch_norm3d_backward(dy, cache):
 
     In eval mode mean and inv_std are constants: dx = gamma * inv_std * dy.
     """
+    if not (isinstance(cache, tuple) and len(cache) == 2 and isinstance(cache[0], BatchNormCache)):
+        raise ValueError(f"cache must be the second result of batch_norm3d, got {type(cache).__name__}")
     bn_cache, count = cache
+    if not hasattr(dy, "shape") or tuple(dy.shape) != tuple(bn_cache.x.shape):
+        raise ValueError(f"dy must have x's shape {tuple(bn_cache.x.shape)}, got "
+                         f"{tuple(dy.shape) if hasattr(dy, 'shape') else type(dy).__name__}")
     if count is not None:
         sums = batch_norm_backward_local_sums(dy, bn_cache)
         return batch_norm_backward(dy, bn_cache, *sums, count, local_sums=sums)

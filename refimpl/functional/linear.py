@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from math import prod
+
 from ..backend import check_same_dtype
 from ._args import check_float, check_ndim
 
@@ -14,18 +16,23 @@ def linear(x, w, b=None):
     check_ndim(x, 2, "x", "N, in_features")
     check_ndim(w, 2, "w", "out_features, in_features")
     check_float("x", x)
+    if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w.shape[0]):
+        raise ValueError(f"b must have shape ({w.shape[0]},), got {getattr(b, 'shape', type(b).__name__)}")
     check_same_dtype(x=x, w=w, b=b)
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features but w expects {w.shape[1]} (w is (out, in))")
-    if b is not None and tuple(b.shape) != (w.shape[0],):
-        raise ValueError(f"b must have shape ({w.shape[0]},), got {b.shape}")
     y = x @ w.T                                                  # (N, out)
     return y if b is None else y + b
 
 
 def linear_backward(dy, x, w):
     """(dx, dw, db) for y = x @ w.T + b."""
+    check_ndim(x, 2, "x", "N, in_features")
+    check_ndim(w, 2, "w", "out_features, in_features")
+    check_ndim(dy, 2, "dy", "N, out_features")
     check_same_dtype(x=x, w=w, dy=dy)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but w expects {w.shape[1]} (w is (out, in))")
     if tuple(dy.shape) != (x.shape[0], w.shape[0]):
         raise ValueError(f"dy must have shape {(x.shape[0], w.shape[0])}, got {dy.shape}")
     return dy @ w, dy.T @ x, dy.sum(axis=0)
@@ -40,7 +47,11 @@ def flatten(x):
 
 def flatten_backward(dy, x_shape):
     """dy reshaped back to the input's shape."""
-    return dy.reshape(tuple(x_shape))
+    x_shape = tuple(x_shape)
+    if getattr(dy, "size", None) != prod(x_shape):
+        raise ValueError(f"dy of shape {getattr(dy, 'shape', type(dy).__name__)} does not hold "
+                         f"the {prod(x_shape)} values of x_shape {x_shape}")
+    return dy.reshape(x_shape)
 
 
 __all__ = ["linear", "linear_backward", "flatten", "flatten_backward"]
