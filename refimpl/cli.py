@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 
 COMMANDS = {
@@ -28,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="refimpl",
         description="Hybrid-parallel training of 3D CNNs (CosmoFlow, 3D U-Net) in NumPy/CuPy + mpi4py. "
                     "Run distributed commands under mpiexec, e.g. "
-                    "'mpiexec -n 4 refimpl check-layer conv3d --input 1,2,9,9,9 --grid 1,2,2,1'.")
+                    "'mpiexec -n 4 --oversubscribe refimpl check-layer conv3d --input 1,2,9,9,9 --grid 1,2,2,1' "
+                    "(--oversubscribe: more ranks than cores).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_line) in COMMANDS.items():
         p = sub.add_parser(name, help=help_line, description=help_line)
@@ -36,19 +39,67 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true",
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
         p.set_defaults(_module=module)
+        plain_help(p)
     return parser
 
 
-def check_settings() -> dict:
+#: reST inline literals (``x``) in the command modules' docstrings, which are also their --help
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_help(parser: argparse.ArgumentParser) -> None:
+    """Help as a terminal shows it: the command modules' docstrings double as their
+    ``--help`` text, so their reST literals are written as plain text (``x`` -> x) in the
+    description and every option's help, sub-commands included; and the options that must
+    be given (``required=True``) are listed as "required arguments", after the positional
+    ones and before the options that may be left out."""
+    required = [a for a in parser._optionals._group_actions if a.required]
+    if required:                          # options that must be given: argparse lists them under "options"
+        group = next((g for g in parser._action_groups if (g.title or "").startswith("required")), None) \
+            or parser.add_argument_group("required arguments")
+        for action in required:
+            parser._optionals._group_actions.remove(action)
+            group._group_actions.append(action)
+    parser._action_groups.sort(key=lambda g: (g is not parser._positionals,
+                                              not (g.title or "").startswith("required")))
+    if parser.description:
+        parser.description = _LITERAL.sub(r"\1", parser.description)
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help = _LITERAL.sub(r"\1", action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                plain_help(sub)
+
+
+#: Commands that compute on host arrays only (the planner: cost formulas, and its calibration
+#: times the host's convs): the device backend is neither needed nor used, so
+#: REFIMPL_BACKEND=cupy, set for a whole job or a shell, does not stop them where CuPy finds
+#: no GPU.  Its value is still checked as a name (a typo is refused as everywhere).
+HOST_COMMANDS = frozenset({"plan"})
+
+
+def check_settings(command: str | None = None) -> dict:
     """Validate every REFIMPL_* variable (unknown names too), then apply REFIMPL_ALLOCATOR.
 
     Returns the parsed values; ValueError naming the variable.  Pure and local: ranks
     may see different environments (a per-node profile), so a command under mpiexec
     agrees on the outcome in its first collective (``failstop.agree_settings``).
+    For a command of ``HOST_COMMANDS`` the backend is numpy whatever REFIMPL_BACKEND names.
     """
-    from .backend import tune_allocator
-    from .settings import check_environment
-    values = check_environment()
+    from .backend import set_backend, tune_allocator
+    from .settings import SETTINGS, check_environment, parse_setting
+    environ = os.environ
+    host = command in HOST_COMMANDS
+    if host:
+        text = environ.get("REFIMPL_BACKEND", "")
+        if text.strip() not in SETTINGS["REFIMPL_BACKEND"].choices:
+            parse_setting("REFIMPL_BACKEND", text)          # empty: the default; else its one-line refusal
+        environ = {k: v for k, v in environ.items() if k != "REFIMPL_BACKEND"}
+    values = check_environment(environ)
+    if host:
+        set_backend("numpy")
+        values["REFIMPL_BACKEND"] = "numpy"
     tune_allocator()
     return values
 
@@ -70,7 +121,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:                      # the settings, checked before any command (and any message)
-        values, error = check_settings(), None
+        values, error = check_settings(args.command), None
     except ValueError as err:
         values, error = None, str(err)
     failstop.note_settings(error, values)

@@ -631,7 +631,7 @@ class GridSearch(list):
 
 
 def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None, max_grids=MAX_PRICED,
-           **kw) -> GridSearch:
+           progress=None, **kw) -> GridSearch:
     """The grids of ``ranks`` ranks, feasible ones first, by predicted step time.
 
     ``layers_mp``: the model with its model-parallel layers, used on grids with Pm > 1
@@ -647,7 +647,8 @@ def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None,
     same compute, memory and gradient allreduce group (its samples times its block's
     voxels is batch x sample / (P/Pm)); what sets them apart is mostly the halo, which
     grows with the cut faces.  The grids that cannot run are listed after the priced
-    ones, at most ``max_grids`` of them (with why).  ValueError above ``MAX_RANKS``."""
+    ones, at most ``max_grids`` of them (with why).  ValueError above ``MAX_RANKS``.
+    ``progress(done, total)``, if given, is called before each grid is priced and once at the end."""
     if not 1 <= ranks <= MAX_RANKS:
         raise ValueError(f"the planner searches the grids of 1 to {MAX_RANKS} ranks, not {ranks}")
     cubic = len(set(layers[0].in_dhw)) == 1
@@ -663,10 +664,14 @@ def search(layers, ranks, batch, machine=Machine(), *, layers_mp=None, top=None,
         elif len(unrunnable) < max_grids:
             unrunnable.append(GridPlan(dims, False, why))
     runnable.sort(key=lambda dims: (cut_faces(dims, layers[0].in_dhw, batch), dims[4]))
-    priced = []
-    for dims in runnable[:max_grids]:
+    priced, chosen = [], runnable[:max_grids]
+    for dims in chosen:
         phase(f"pricing grid {dims}")
+        if progress is not None:
+            progress(len(priced), len(chosen))
         priced.append(plan_grid(layers if dims[4] == 1 else layers_mp, dims, batch, machine, **kw))
+    if progress is not None:
+        progress(len(priced), len(chosen))
     plans = sorted(priced + unrunnable,
                    key=lambda g: (not g.feasible, not g.memory_bytes, g.step_s if g.feasible else g.memory_bytes))
     return GridSearch(plans[:top] if top else plans, grids, len(runnable), min(len(runnable), max_grids))

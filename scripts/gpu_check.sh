@@ -30,12 +30,28 @@ run() {                      # print, then run (unless --dry-run), teeing into O
 }
 
 if [ -z "$DRY" ]; then
-    mkdir -p "$OUT"
-    if ! python -c "import cupy, sys; sys.exit(0 if cupy.is_available() else 1)" 2>/dev/null; then
-        echo "gpu_check: CuPy finds no CUDA device here (pip install 'refimpl[gpu-cuda12]' or" \
-             "'refimpl[gpu-cuda13]' on a machine with a GPU); nothing was run" >&2
+    # exit 3: CuPy cannot be imported; 4: it imports but sees no usable CUDA device
+    status=0
+    python -c "
+import sys
+try:
+    import cupy
+except Exception:
+    sys.exit(3)
+try:
+    sys.exit(0 if cupy.is_available() else 4)
+except Exception:
+    sys.exit(4)" 2>/dev/null || status=$?
+    if [ "$status" = 3 ]; then
+        echo "gpu_check: CuPy is not installed here (or does not import): pip install -e" \
+             "'.[gpu-cuda12]' or '.[gpu-cuda13]' for your CUDA driver (docs/gpu.md); nothing was run" >&2
+        exit 2
+    elif [ "$status" != 0 ]; then
+        echo "gpu_check: CuPy is installed but finds no CUDA device here (no GPU, or no driver" \
+             "it can use: see nvidia-smi); run this on a machine with a GPU; nothing was run" >&2
         exit 2
     fi
+    mkdir -p "$OUT"              # only now: a machine without a GPU is left no empty folder
 fi
 
 echo "== 1. what is here"

@@ -4,11 +4,13 @@ Three pages are generated at build time, so they cannot drift from the code:
 
 * ``reference/cli.md``: the ``--help`` of ``refimpl`` and of every subcommand (and of
   ``refimpl oracle``'s actions), from the argparse parsers ``refimpl.cli.build_parser`` makes.
-* ``tutorials/NN_name.ipynb``: every ``tutorials/NN_*.py`` (Jupytext percent format)
-  converted to a notebook and executed in a Jupyter kernel (one process, cwd a scratch
-  directory); a PNG a cell saves into the cwd is attached to that cell's outputs, so the
-  picture appears in the page right below the code that drew it. mkdocs-jupyter renders
-  the executed notebooks (its own ``execute`` is off).
+* ``tutorials/NN_name.ipynb``: every ``tutorials/NN_*.py`` (Jupytext percent format) run as
+  its header says (``mpiexec -n N --oversubscribe python tutorials/NN_name.py``; plain
+  ``python`` when it names no mpiexec), cell by cell in every rank by scripts/tutorial_runner.py
+  (cwd a scratch directory), and turned into a notebook whose cells carry that run's outputs:
+  what rank 0 printed (every rank's lines, marked ``[rank r]``, where the ranks printed
+  different things) and the PNGs the cell saved, so a picture appears in the page right below
+  the code that drew it. mkdocs-jupyter renders these notebooks (its own ``execute`` is off).
 * ``tutorials/index.md``: the list of tutorials with their titles.
 
 The Tutorials entry of ``nav`` is filled with the tutorials found, so a new
@@ -16,22 +18,34 @@ The Tutorials entry of ``nav`` is filled with the tutorials found, so a new
 
 Environment:
   DOCS_TUTORIALS=0     do not execute the tutorials (pages without outputs: fast drafts)
-  DOCS_JOBS=N          tutorials executed at the same time (default 2)
+  DOCS_JOBS=N          tutorials run at the same time (default 2; each is N processes)
+  DOCS_TUTORIAL_TIMEOUT=S   seconds one tutorial's run may take (default 900)
+The site also works offline: MathJax is served from ``assets/mathjax/`` (copied from the
+``django-static-mathjax`` package), the theme uses the system's fonts (``font: false``), and
+the notebook pages lose nbconvert's loader of mermaid.js from a CDN.
+
 Executed notebooks are cached under ``$TMPDIR/refimpl-docs-tutorials``, keyed on the
-tutorial's text and every refimpl source file, so ``mkdocs serve`` re-runs only what changed.
+tutorial's text, every refimpl source file, this hook and the runner, so ``mkdocs serve``
+re-runs only what changed.
 """
 from __future__ import annotations
 
 import argparse
 import base64
 import hashlib
+import html
+import json
 import logging
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -43,7 +57,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
 TITLE = re.compile(r"^# # (Tutorial \d+\s*[—-]\s*.+)$", re.M)
 CACHE = Path(tempfile.gettempdir()) / "refimpl-docs-tutorials"
-# one process per kernel, the same settings tests/test_tutorials.py runs the tutorials with
+RUNNER = Path(__file__).resolve().parent / "tutorial_runner.py"
+#: Open MPI's launcher's message when it failed before any rank started (tests/launcher.py)
+LAUNCHER_FLAKE = "PMIx server's listener thread failed to start"
+# the settings tests/test_tutorials.py runs the tutorials with (one thread per rank)
 KERNEL_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
@@ -55,6 +72,40 @@ def tutorial_files() -> list[Path]:
 def tutorial_title(path: Path) -> str:
     match = TITLE.search(path.read_text(encoding="utf-8"))
     return match.group(1).strip() if match else path.stem
+
+
+# a comment line of the header naming the command: "#     mpiexec -n 4 python tutorials/06_x.py",
+# "#     mpiexec -n 4 --oversubscribe python tutorials/06_x.py", "#     python tutorials/13_x.py ..."
+RUN_LINE = re.compile(r"^#\s+(?:(?P<launcher>mpiexec|mpirun)\s(?P<options>[^\n]*?))?"
+                      r"\bpython3?\s+(?P<script>\S+\.py)\b", re.M)
+RANK_OPTION = re.compile(r"(?:^|\s)(?:-n|-np|--n|--np|-c)(?:\s+|=)(\d+)(?=\s|$)")
+
+
+@dataclass(frozen=True)
+class TutorialRun:
+    """How a tutorial's header says to run it."""
+    ranks: int                  # the -n of its mpiexec line; 1 when it names plain python
+    script: str                 # the path as the header writes it, e.g. tutorials/06_unet_partitioned.py
+
+    @property
+    def command(self) -> str:
+        if self.ranks > 1:
+            return f"mpiexec -n {self.ranks} --oversubscribe python {self.script}"
+        return f"python {self.script}"
+
+
+def tutorial_run(path: Path) -> TutorialRun:
+    """The rank count and script of the first header line that runs this tutorial (matched by
+    file name; either option order of mpiexec), or one process if no line does."""
+    for match in RUN_LINE.finditer(path.read_text(encoding="utf-8")):
+        if Path(match.group("script")).name != path.name:
+            continue
+        ranks = 1
+        if match.group("launcher"):
+            found = RANK_OPTION.search(" " + match.group("options"))
+            ranks = int(found.group(1)) if found else 1
+        return TutorialRun(max(1, ranks), match.group("script"))
+    return TutorialRun(1, f"tutorials/{path.name}")
 
 
 # ------------------------------------------------------------------------------ nav
@@ -114,6 +165,7 @@ def cli_reference() -> str:
 
 def _source_key() -> str:
     h = hashlib.sha256(Path(__file__).read_bytes())          # this hook too: it edits the pages
+    h.update(RUNNER.read_bytes())                            # and the runner: it records the outputs
     for path in sorted((ROOT / "refimpl").rglob("*")):
         if path.is_file() and path.suffix in (".py", ".toml"):
             h.update(str(path.relative_to(ROOT)).encode())
@@ -121,48 +173,134 @@ def _source_key() -> str:
     return h.hexdigest()
 
 
-def _attach_new_pngs(workdir: Path, seen: dict, cell) -> None:
-    """Attach every PNG that appeared or changed in ``workdir`` to ``cell``'s outputs."""
-    import nbformat
-    for png in sorted(workdir.glob("*.png")):
-        stamp = png.stat().st_mtime_ns, png.stat().st_size
-        if seen.get(png.name) == stamp:
+def _session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux /proc; empty elsewhere)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
             continue
-        seen[png.name] = stamp
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
-        cell.outputs.append(nbformat.v4.new_output(
-            "display_data", data={"image/png": data, "text/plain": f"<{png.name}>"}))
+        if len(fields) > 3 and int(fields[3]) == sid:      # after "pid (comm)": state ppid pgrp session
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _end_session(proc: subprocess.Popen) -> None:
+    """End a launch that ran too long: mpiexec first (it ends its ranks), then whatever is left
+    of its session (the ranks sit in process groups of their own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in _session_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _launch(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` (its own process group, killed whole on timeout); its return code and output.
+    Started once more when Open MPI's launcher failed before any rank started (a known flake of
+    mpiexec on a loaded machine, see tests/launcher.py)."""
+    for _ in range(2):
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end_session(proc)
+            output, _ = proc.communicate()
+            return -1, output + f"\n(killed after {timeout:.0f} s: DOCS_TUTORIAL_TIMEOUT)"
+        if LAUNCHER_FLAKE not in output:
+            break
+    return proc.returncode, output
+
+
+def merge_ranks(texts: list[str]) -> str:
+    """One cell's output on every rank as the page shows it: rank 0's text when no other rank
+    printed anything else, otherwise every rank's lines, in rank order, each marked ``[rank r]``."""
+    first = texts[0]
+    if all(text in ("", first) for text in texts[1:]):
+        return first
+    return "".join(f"[rank {r}] {line}\n" for r, text in enumerate(texts) for line in text.splitlines())
+
+
+def _note(run: TutorialRun):
+    """The box under the title saying what the outputs are (raw HTML: notebook markdown does not
+    go through the admonition extension, so ``!!! note`` would show as typed)."""
+    import nbformat
+    title = (f"Outputs of rank 0 of a {run.ranks}-rank run" if run.ranks > 1 else
+             "Outputs of a one-process run")
+    ranks = (" Under each cell: what rank 0 printed, and the pictures the run saved; where the ranks "
+             "printed different lines, every rank's lines, each marked <code>[rank r]</code>."
+             if run.ranks > 1 else " Under each cell: what it printed and the pictures it saved.")
+    return nbformat.v4.new_markdown_cell(
+        f'<div class="admonition note">\n<p class="admonition-title">{title}</p>\n'
+        f"<p>This page was executed when the site was built, as the tutorial's header says: "
+        f"<code>{html.escape(run.command)}</code>.{ranks}</p>\n</div>")
 
 
 def execute_tutorial(path: Path, out: Path) -> float:
-    """Convert ``path`` to a notebook, run it in a kernel in a scratch cwd, write ``out``."""
+    """Run ``path`` as its header says (``mpiexec -n N``), cell by cell in every rank
+    (scripts/tutorial_runner.py, cwd a scratch directory), and write the notebook ``out``:
+    under each code cell its output (``merge_ranks``) and the PNGs the run wrote meanwhile."""
     import jupytext
-    import nbclient
     import nbformat
     notebook = jupytext.read(path)
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    run = tutorial_run(path)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"docs-{path.stem}-") as work:
-        workdir, seen = Path(work), {}
-
-        def on_cell_executed(cell, cell_index, execute_reply):
-            _attach_new_pngs(workdir, seen, cell)
-
-        client = nbclient.NotebookClient(
-            notebook, timeout=600, kernel_name="python3", allow_errors=False,
-            resources={"metadata": {"path": work}}, on_cell_executed=on_cell_executed)
-        try:
-            client.execute(env=dict(os.environ, **KERNEL_ENV))
-        except nbclient.exceptions.CellExecutionError as err:
-            raise PluginError(f"tutorials/{path.name} failed when executed for the docs:\n{err}") from err
-    # the outputs are a 1-rank run: say so under the title, with the command that shows the messages
-    match = re.search(r"^#\s+(mpiexec -n \d+ python tutorials/\S+\.py)", path.read_text(encoding="utf-8"), re.M)
-    if match:
-        notebook.cells.insert(1, nbformat.v4.new_markdown_cell(
-            "!!! note \"The outputs below are from one process\"\n"
-            "    The site runs each tutorial as a notebook, on one rank: no message is sent. Run it as "
-            f"its header says to see the ranks at work:\n    `{match.group(1).replace('mpiexec', 'mpiexec --oversubscribe', 1)}` "
-            "(`--oversubscribe`: more ranks than cores)."))
+    with tempfile.TemporaryDirectory(prefix=f"docs-{path.stem}-") as scratch:
+        scratch = Path(scratch)
+        work, outputs, cells = scratch / "cwd", scratch / "outputs", scratch / "cells.json"
+        work.mkdir()
+        cells.write_text(json.dumps([cell.source for cell in code]), encoding="utf-8")
+        cmd = [sys.executable, str(RUNNER), str(cells), str(outputs), str(path)]
+        if run.ranks > 1:
+            mpiexec = shutil.which("mpiexec")
+            if mpiexec is None:
+                raise PluginError(f"tutorials/{path.name} runs under mpiexec, which is not on PATH "
+                                  "(pip install -e '.[mpi]'; DOCS_TUTORIALS=0 builds without running them)")
+            cmd = [mpiexec, "-n", str(run.ranks), "--oversubscribe", *cmd]
+        timeout = float(os.environ.get("DOCS_TUTORIAL_TIMEOUT", "900"))
+        code_rc, output = _launch(cmd, work, dict(os.environ, **KERNEL_ENV), timeout)
+        done = [(outputs / f"rank{r}" / "done").exists() for r in range(run.ranks)]
+        if code_rc != 0 or not all(done):
+            failed = []
+            for r in range(run.ranks):
+                mark = outputs / f"rank{r}" / "failed"
+                if mark.exists():
+                    index = int(mark.read_text())
+                    err = (outputs / f"rank{r}" / f"cell{index}.err").read_text(errors="replace")
+                    failed.append(f"rank {r}, code cell {index}:\n{code[index].source}\n---\n{err[-4000:]}")
+                elif not done[r]:                            # still running when ended: where it was
+                    started = sorted(int(f.stem[4:]) for f in (outputs / f"rank{r}").glob("cell*.out"))
+                    if started:
+                        index = started[-1]
+                        text = "".join((outputs / f"rank{r}" / f"cell{index}.{x}").read_text(errors="replace")
+                                       for x in ("out", "err"))
+                        failed.append(f"rank {r} was in code cell {index}; its output there:\n{text[-2000:]}")
+            raise PluginError(f"tutorials/{path.name} failed when run for the docs "
+                              f"({' '.join(cmd)}: exit {code_rc}):\n" + "\n".join(failed)
+                              + f"\n--- launcher output (end):\n{output[-4000:]}")
+        for index, cell in enumerate(code):
+            cell.execution_count = index + 1
+            cell.outputs = []
+            for suffix, name in (("out", "stdout"), ("err", "stderr")):
+                files = [outputs / f"rank{r}" / f"cell{index}.{suffix}" for r in range(run.ranks)]
+                text = merge_ranks([f.read_text(errors="replace") for f in files])
+                if text:
+                    cell.outputs.append(nbformat.v4.new_output("stream", name=name, text=text))
+            for png in sorted((outputs / "figures").glob(f"cell{index}-*.png")):
+                data = base64.b64encode(png.read_bytes()).decode("ascii")
+                name = png.name.partition("-")[2]
+                cell.outputs.append(nbformat.v4.new_output(
+                    "display_data", data={"image/png": data, "text/plain": f"<{name}>"}))
+    notebook.cells.insert(1, _note(run))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     nbformat.write(notebook, str(tmp))
@@ -202,22 +340,65 @@ def tutorials_index(tutorials: list[Path]) -> str:
              "Step-through scripts in `tutorials/`, each a [Jupytext](https://jupytext.readthedocs.io) "
              "percent-format file: run it as a script, under `mpiexec` with the rank count its header "
              "names, or open it as a notebook (`jupytext --to notebook tutorials/03_halo_exchange.py`). "
-             "The pages below were executed when this site was built, in one process "
-             "(every tutorial also runs on one rank); what a cell prints and the pictures it saves "
-             "are shown under it.", "",
+             "The pages below were executed when this site was built, each as its header says "
+             "(`mpiexec -n 4` for most); under each cell the page shows what rank 0 printed and the "
+             "pictures the run saved, and where the ranks printed different lines, every rank's "
+             "lines, each marked `[rank r]`.", "",
              "```bash",
-             "mpiexec -n 4 python tutorials/03_halo_exchange.py   # 4 ranks",
-             "python tutorials/03_halo_exchange.py                # 1 rank",
+             "mpiexec -n 4 --oversubscribe python tutorials/03_halo_exchange.py   # 4 ranks, more than cores",
+             "python tutorials/03_halo_exchange.py                                # 1 rank",
              "```", "",
              "| | tutorial | run with |", "|---|---|---|"]
-    run_line = re.compile(r"^#\s+((?:mpiexec -n \d+ )?python tutorials/\S+\.py)", re.M)
     for t in tutorials:
-        match = run_line.search(t.read_text(encoding="utf-8"))
         title = tutorial_title(t)
         number, _, name = title.partition("—") if "—" in title else ("", "", title)
         lines.append(f"| {t.stem[:2]} | [{name.strip() or title}]({t.stem}.ipynb) | "
-                     f"`{match.group(1) if match else 'python tutorials/' + t.name}` |")
+                     f"`{tutorial_run(t).command}` |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ offline site
+
+#: MathJax 3 (its es5 build), served from the site: the files the page loads (tex-mml-chtml.js
+#: in mkdocs.yml's extra_javascript) and those it fetches on demand (TeX extensions, fonts, the
+#: menu's accessibility tools); from the django-static-mathjax wheel (the ``docs`` extra)
+MATHJAX_SITE_DIR = "assets/mathjax"
+MATHJAX_PARTS = ("tex-mml-chtml.js", "input", "output/chtml", "ui", "a11y", "adaptors", "sre")
+
+
+def mathjax_dir() -> Path:
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        es5 = Path(distribution("django-static-mathjax").locate_file("mathjax/static/mathjax/es5"))
+    except PackageNotFoundError:
+        es5 = None
+    if es5 is None or not (es5 / "tex-mml-chtml.js").is_file():
+        raise PluginError("MathJax not found: pip install -e '.[docs]' (django-static-mathjax "
+                          "ships the MathJax the site serves itself)")
+    return es5
+
+
+def mathjax_files(config) -> list[File]:
+    es5, files = mathjax_dir(), []
+    for part in MATHJAX_PARTS:
+        root = es5 / part
+        found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in found:
+            files.append(File.generated(config, f"{MATHJAX_SITE_DIR}/{path.relative_to(es5).as_posix()}",
+                                        abs_src_path=str(path)))
+    return files
+
+
+# nbconvert's page template loads mermaid.js from a CDN when a notebook holds a mermaid diagram;
+# no tutorial does, and the site must not name a script on another host
+MERMAID_LOADER = re.compile(r'<script type="module">(?:(?!</script>).)*?mermaid(?:(?!</script>).)*?</script>',
+                            re.S)
+
+
+def on_post_page(output, page, config):
+    if page.file.src_uri.endswith(".ipynb"):
+        output = MERMAID_LOADER.sub("", output)
+    return output
 
 
 _SRC_DIR: Path | None = None
@@ -233,6 +414,8 @@ def on_files(files, config):
     tutorials = tutorial_files()
     files.append(File.generated(config, "reference/cli.md", content=cli_reference()))
     files.append(File.generated(config, "tutorials/index.md", content=tutorials_index(tutorials)))
+    for file in mathjax_files(config):
+        files.append(file)
     if os.environ.get("DOCS_TUTORIALS", "1") == "0":
         scratch = CACHE / "plain"
         notebooks = {t: plain_notebook(t, scratch / f"{t.stem}.ipynb") for t in tutorials}

@@ -109,5 +109,29 @@ def test_gpu_check_script(tmp_path):
     except Exception:                                   # noqa: BLE001 - no CuPy or no CUDA
         has_gpu = False
     if not has_gpu:
-        assert real.returncode == 2 and "CuPy finds no CUDA device" in real.stderr
+        assert real.returncode == 2 and "finds no CUDA device" in real.stderr
         assert "+ " not in real.stdout
+        assert not (tmp_path / "out").exists()          # no empty output folder left behind
+
+
+@pytest.mark.parametrize("fake_cupy, says, not_says", [
+    ("raise ImportError('no module named cupy_backends')", "CuPy is not installed", "finds no CUDA device"),
+    ("def is_available():\n    return False\n", "CuPy is installed but finds no CUDA device", "pip install"),
+    ("def is_available():\n    raise RuntimeError('CUDA driver version is insufficient')\n",
+     "CuPy is installed but finds no CUDA device", "pip install"),
+], ids=["cupy-missing", "no-device", "broken-driver"])
+def test_gpu_check_says_what_is_missing(tmp_path, fake_cupy, says, not_says):
+    """Without a usable GPU, gpu_check.sh names what is missing, CuPy itself (then: how to
+    install it) or a device CuPy can see (then: not an install problem), runs nothing and
+    creates no output folder.  A stand-in ``cupy`` module first on PYTHONPATH plays each case."""
+    import os
+    import subprocess
+    fake = tmp_path / "fake"
+    (fake / "cupy").mkdir(parents=True)
+    (fake / "cupy" / "__init__.py").write_text(fake_cupy)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and not_says not in proc.stderr and "nothing was run" in proc.stderr, proc.stderr
+    assert "+ " not in proc.stdout and not (tmp_path / "out").exists()

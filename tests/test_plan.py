@@ -209,7 +209,8 @@ def test_large_rank_counts_answer_within_seconds(ranks, batch, runnable):
         assert proc.returncode == 2 and "more than the 1048576" in proc.stderr, proc.stderr
         return
     assert proc.returncode == 0, proc.stderr
-    assert f"ranks, {runnable} can run it," in proc.stdout.splitlines()[0]
+    first = proc.stdout.splitlines()[:3]              # the machine's line, then the search's
+    assert any(f"ranks, {runnable} can run it," in line for line in first), first
     if runnable > 24:
         assert "priced the 24 whose blocks cut the fewest voxels (--max-grids N for more)" in proc.stdout
 
@@ -303,3 +304,70 @@ def test_optimizer_sharding_divides_the_state():
         state = 2 * plain.grad_bytes
         assert plain.memory_bytes - shard.memory_bytes == state - -(-state // group)
         assert shard.step_s == plain.step_s
+
+
+PAPER_SCALE = ("--model", "cosmoflow", "--preset", "mlperf", "--sample", "512", "--batch", "64", "--ranks", "2048",
+               "--mem-per-rank", "16GiB")
+
+
+def test_first_lines_say_uncalibrated_and_tie():
+    """The README's paper-scale plan says in its first lines that it runs on default constants
+    (and how to calibrate), and that its top grids are a tie at the model's resolution, with
+    how to pick among them; a --machine file's plan does not call itself uncalibrated."""
+    proc = cli(*PAPER_SCALE)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[:3]
+    assert first[0].startswith("uncalibrated: default machine constants") and \
+        "refimpl plan --calibrate" in first[0], first
+    tie = next(line for line in first if line.startswith("tie: "))
+    count, spread = re.search(r"the top (\d+) grids are within ([\d.]+) % of the best", tie).groups()
+    assert int(count) >= 10 and float(spread) < 1, tie
+    assert "fewer spatial ranks" in tie and "less memory" in tie and "calibrate" in tie, tie
+
+
+def test_tie_rule():
+    """A tie is the grids within TIE of the best; among them the fewest spatial ranks, then the
+    least memory, is the suggestion; a clear winner gets no tie line."""
+    from types import SimpleNamespace as G
+
+    from refimpl.commands.plan import TIE, tie_note
+    a = G(dims=(1, 4, 1, 1, 1), step_s=1.0, memory_bytes=10)
+    b = G(dims=(2, 2, 1, 1, 1), step_s=1.0 + TIE / 2, memory_bytes=20)
+    c = G(dims=(4, 1, 1, 1, 1), step_s=1.0 + TIE / 2, memory_bytes=30)
+    far = G(dims=(4, 1, 1, 1, 1), step_s=1.0 + 2 * TIE, memory_bytes=5)
+    assert tie_note([a, far]) is None
+    note = tie_note([a, b, c, far])
+    assert "the top 3 grids" in note and "(4, 1, 1, 1, 1)" in note, note
+
+
+def test_progress_on_stderr_only_for_a_long_search(monkeypatch, capsys):
+    """A search past PROGRESS_AFTER_S reports how many grids are priced on stderr (stdout stays
+    the plan); a quick one prints nothing there."""
+    from refimpl import backend
+    from refimpl import cli as refimpl_cli
+    from refimpl.commands import plan as plan_command
+    monkeypatch.setattr(backend, "_backend", backend._backend)     # main() sets numpy: undone after the test
+    argv = ["plan", "--preset", "small", "--batch", "8", "--ranks", "8", "--max-grids", "6"]
+    assert refimpl_cli.main(argv) == 0
+    quick = capsys.readouterr()
+    assert "of 6 grids" not in quick.err and "grids of 8 ranks" in quick.out
+    monkeypatch.setattr(plan_command, "PROGRESS_AFTER_S", 0.0)
+    assert refimpl_cli.main(argv) == 0
+    slow = capsys.readouterr()
+    lines = [line for line in slow.err.splitlines() if line.startswith("refimpl plan: search: priced")]
+    assert lines and lines[-1].startswith("refimpl plan: search: priced 6 of 6 grids"), slow.err
+    assert "of 6 grids" not in slow.out
+
+
+def test_cupy_backend_setting_does_not_block_the_planner():
+    """REFIMPL_BACKEND=cupy (set for a GPU job) leaves the planner, which works on host arrays,
+    running where CuPy finds no GPU; a misspelt value is still refused."""
+    env = dict(ENV, REFIMPL_BACKEND="cupy")
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "plan", "--preset", "small", "--batch", "8",
+                           "--ranks", "8", "--grid", "2,2,2,1"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and "slowest rank" in proc.stdout, proc.stderr
+    env["REFIMPL_BACKEND"] = "cuda"
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "plan", "--batch", "8", "--ranks", "8"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "REFIMPL_BACKEND must be one of" in proc.stderr, proc.stderr

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 1 — A 3D convolution by hand
 #
-#     mpiexec -n 4 python tutorials/01_conv_by_hand.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/01_conv_by_hand.py     (any number of ranks; 1 works too)
 #
 # Everything else in refimpl (halo exchanges, spatial and model parallelism, U-Net) is built
 # around one piece of math: a 3D convolution and its two backward passes. This tutorial

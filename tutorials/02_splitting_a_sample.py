@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 2 — Splitting a sample: blocks, needed ranges and halos
 #
-#     mpiexec -n 4 python tutorials/02_splitting_a_sample.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/02_splitting_a_sample.py     (any number of ranks; 1 works too)
 #
 # A 3D CNN sample (say 4 x 128^3 voxels) can be too big for one device, and one sample per rank
 # leaves ranks idle when the batch is small. Spatial parallelism cuts **one sample** into blocks,

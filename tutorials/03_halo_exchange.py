@@ -3,7 +3,7 @@
 #
 # Run it with any number of ranks:
 #
-#     mpiexec -n 4 python tutorials/03_halo_exchange.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/03_halo_exchange.py     (any number of ranks; 1 works too)
 #
 # A spatially parallel convolution splits every sample into blocks, one per rank. A 3×3×3
 # kernel at the edge of a block reads voxels that a *neighbour* owns: before computing, each

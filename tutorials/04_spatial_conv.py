@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 4 — A spatially partitioned convolution equals the unpartitioned one
 #
-#     mpiexec -n 4 python tutorials/04_spatial_conv.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/04_spatial_conv.py     (any number of ranks; 1 works too)
 #
 # A partitioned layer is: **halo exchange → pad at the domain edge → local conv** in forward,
 # and **local backward → crop → adjoint exchange** in backward. The weight gradient of each
@@ -70,5 +70,5 @@ if comm.rank == 0:
 # %% [markdown]
 # The same check for any layer, shape and grid is one command:
 #
-#     mpiexec -n 4 refimpl check-layer conv_transpose3d --input 2,3,7,5,6 --kernel 3 \
+#     mpiexec -n 4 --oversubscribe refimpl check-layer conv_transpose3d --input 2,3,7,5,6 --kernel 3 \
 #         --stride 2 --padding 1 --output-padding 1 --grid 1,2,2,1

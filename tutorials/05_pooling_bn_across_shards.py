@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 5 — Pooling, transposed convolution and batch norm across shards
 #
-#     mpiexec -n 4 python tutorials/05_pooling_bn_across_shards.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/05_pooling_bn_across_shards.py     (any number of ranks; 1 works too)
 #
 # Tutorial 04 split a convolution over a spatial grid. A 3D U-Net has three more layer kinds that
 # see more than one voxel at a time, and each needs something different when a sample is cut
@@ -100,7 +100,8 @@ show_table("rank: owns depth [a, b) -> computes outputs [o0, o1) -> reads inputs
 # %% [markdown]
 # A picture of the depth axis for 2 and 3 spatial ranks (pure index math, the same on any world
 # size): cells are input planes coloured by owner, bars are pooling windows coloured by the rank
-# that computes them; a hatched cell is a ghost, read by a rank that does not own it.
+# that computes them; a hatched cell is a ghost, read by a rank that does not own it. Rank 0
+# saves it as `05_pooling_bn_across_shards.png` in the directory you run the tutorial from.
 
 # %%
 if comm.rank == 0:

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 6 — A 3D U-Net across a partitioned domain
 #
-#     mpiexec -n 4 python tutorials/06_unet_partitioned.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/06_unet_partitioned.py     (any number of ranks; 1 works too)
 #
 # Tutorial 05 split each U-Net layer kind (max pooling, transposed convolution, batch norm) over
 # a spatial grid on its own. Here the layers form the whole network, every activation split
@@ -481,10 +481,11 @@ if comm.rank == 0:
 #   pooling and up-sampling halo-free (the 3³ convs always exchange one plane);
 # - with batch norm over the global batch and losses reduced over the grid, the partitioned
 #   network *is* the one-process network. `tests/mpi/test_models_grid_invariance.py` checks this
-#   over several steps on a selection of grids of 1, 2, 3, 4 and 8 ranks. The widest, smallest
-#   activations, those of the bottleneck, can also be split by channels over a model axis
-#   (config `"model_parallel": "filter"` or `"channel"`, on a 5-entry grid; tutorial 11 shows
-#   those layers).
+#   over several steps on data x spatial grids of 1, 2, 3, 4 and 8 ranks (pure data, pure spatial
+#   and mixed; uneven and empty blocks included) and on grids with a model axis of 2, 3, 4, 6 and
+#   8 ranks. The widest, smallest activations, those of the bottleneck, can also be split by
+#   channels over a model axis (config `"model_parallel": "filter"` or `"channel"`, on a 5-entry
+#   grid; tutorial 11 shows those layers).
 
 # %%
 grid.free()

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 7 — Allreduce algorithms, from point-to-point messages
 #
-#     mpiexec -n 4 python tutorials/07_allreduce.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/07_allreduce.py     (any number of ranks; 1 works too)
 #
 # Data-parallel training sums gradients over ranks. `refimpl.parallel.collectives` runs the
 # classic algorithms built from `Isend`/`Irecv` (each a short generator in its own module of

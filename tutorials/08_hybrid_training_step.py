@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 8 — One hybrid-parallel training step, and why it equals the one-process step
 #
-#     mpiexec -n 4 python tutorials/08_hybrid_training_step.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/08_hybrid_training_step.py     (any number of ranks; 1 works too)
 #
 # The grid `(Pn, Pd, Ph, Pw)` combines **data parallelism** (Pn groups, each with its own samples)
 # and **spatial parallelism** (each sample split over Pd x Ph x Pw ranks). One training step is:
@@ -28,7 +28,8 @@ from refimpl.parallel.grid import ProcessGrid
 comm = MPI.COMM_WORLD
 say = print if comm.rank == 0 else (lambda *a, **k: None)
 P = comm.size
-dims = {1: (1, 1, 1, 1), 2: (1, 2, 1, 1), 3: (1, 3, 1, 1), 4: (2, 2, 1, 1)}.get(P, (2, P // 2, 1, 1))
+pn = 2 if P % 2 == 0 and P > 2 else 1          # two sample groups when P is even (P > 2),
+dims = (pn, P // pn, 1, 1)                     # each sample split over the rest along depth
 grid = ProcessGrid(comm, dims)
 say(f"grid (Pn, Pd, Ph, Pw) = {dims}")
 
@@ -91,5 +92,7 @@ assert worst < 1e-10
 
 # %% [markdown]
 # The same holds for any grid and for the 3D U-Net (batch norm then reduces its statistics
-# over the whole grid); `tests/mpi/test_models_grid_invariance.py` checks it on grids of
-# 1, 2, 3, 4, 6 and 8 ranks (pure data, pure spatial and mixed; uneven blocks included). To train for real: `refimpl train --help`.
+# over the whole grid); `tests/mpi/test_models_grid_invariance.py` checks it on data x spatial
+# grids of 1, 2, 3, 4 and 8 ranks (pure data, pure spatial and mixed; uneven and empty blocks
+# included) and on grids with a model axis of 2, 3, 4, 6 and 8 ranks. To train for real:
+# `refimpl train --help`.

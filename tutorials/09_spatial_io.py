@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 9 — Spatially parallel I/O: each rank reads its hyperslab
 #
-#     mpiexec -n 4 python tutorials/09_spatial_io.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/09_spatial_io.py     (any number of ranks; 1 works too)
 #
 # Spatial parallelism (tutorials 02–04) splits one sample over a `(Pd, Ph, Pw)` group of ranks
 # because the sample is too big for one device. That argument holds for *reading* it too: a

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 10 — Fail-stop: no rank waits forever
 #
-#     mpiexec -n 4 python tutorials/10_fail_stop.py        (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/10_fail_stop.py        (any number of ranks; 1 works too)
 #
 # In an SPMD program every rank runs the same code and meets the others in collectives
 # (allreduce, halo exchange, broadcast). That makes failures dangerous: if one rank raises
@@ -117,7 +117,7 @@ if comm.rank == 0:
 # kept coming but no rank had moved on: the rank in the odd phase is named, and where the others
 # wait. Then, as if the last rank had also fallen silent. Each is the line `refimpl train` prints
 # before it ends every rank with exit status 5. (For real:
-# `mpiexec -n 2 python -m refimpl train --stall-timeout 5 ...`, then `kill -STOP` one rank.)
+# `mpiexec -n 2 --oversubscribe python -m refimpl train --stall-timeout 5 ...`, then `kill -STOP` one rank.)
 
 # %%
 if comm.rank == 0:

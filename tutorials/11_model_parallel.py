@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 11 — Model parallelism: filters, channels and Gholami's 1.5-D dense layers
 #
-#     mpiexec -n 4 python tutorials/11_model_parallel.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/11_model_parallel.py     (any number of ranks; 1 works too)
 #
 # Spatial parallelism splits a sample's voxels; data parallelism splits the batch. Both stop
 # paying where the activations are small and the weights are big: CosmoFlow's deep blocks

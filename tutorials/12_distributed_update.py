@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Tutorial 12 — The gradient exchange: distributed weight update, compression, priorities
 #
-#     mpiexec -n 4 python tutorials/12_distributed_update.py     (any number of ranks; 1 works too)
+#     mpiexec -n 4 --oversubscribe python tutorials/12_distributed_update.py     (any number of ranks; 1 works too)
 #
 # Data parallelism ends every step with an allreduce of the gradients, then every rank runs the
 # same optimizer update on every parameter. An allreduce of n numbers over p ranks is two

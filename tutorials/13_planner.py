@@ -286,7 +286,7 @@ for g, b in (((1, 1, 1, 1, 1), 1), ((8, 1, 1, 1, 1), 8), ((1, 2, 2, 2, 1), 1), (
 #     refimpl plan --model cosmoflow --preset small --batch 8 --ranks 8 --grid 2,2,2,1        # one grid, explained
 #     refimpl plan --model unet3d --preset small --batch 4 --ranks 8 --plot scaling.png --json plan.json
 #     refimpl plan --preset small --batch 256 --ranks 64 --base-batch 32 --critical-batch 128  # batch advice
-#     mpiexec -n 2 refimpl plan --calibrate --preset small --save-machine here.toml         # this machine's constants
+#     mpiexec -n 2 --oversubscribe refimpl plan --calibrate --preset small --save-machine here.toml         # this machine's constants
 #     refimpl plan --machine here.toml --preset small --batch 8 --ranks 8
 #
 # docs/planner.md has the formulas and their sources, the machine file, and the limits of the

@@ -2,7 +2,7 @@
 
 Examples::
 
-    refimpl datagen cosmoflow --out data/cosmo --samples 64 --val-samples 16 --size 64
+    refimpl datagen cosmoflow --out data/cosmo64 --samples 64 --val-samples 16 --size 64
     refimpl datagen segmentation --out data/seg --size 64,64,32 --channels 1 --classes 4
     refimpl datagen cosmoflow --out data/lbann --layout per-sample    # LBANN-style directories
 
@@ -22,7 +22,7 @@ import sys
 
 EPILOG = """\
 examples:
-  refimpl datagen cosmoflow --out data/cosmo --samples 64 --val-samples 16 --size 64
+  refimpl datagen cosmoflow --out data/cosmo64 --samples 64 --val-samples 16 --size 64
   refimpl datagen segmentation --out data/seg --size 64,64,32 --classes 4
   refimpl datagen cosmoflow --out data/lbann --layout per-sample --chunk 32
 

@@ -19,13 +19,15 @@ Examples:
     refimpl plan --model cosmoflow --preset mlperf --sample 512 --batch 64 --ranks 2048 --mem-per-rank 16GiB
     refimpl plan --model cosmoflow --preset small --batch 8 --ranks 8 --grid 2,2,2,1
     refimpl plan --model unet3d --preset default --batch 4 --ranks 64 --plot scaling.png --json plan.json
-    mpiexec -n 2 refimpl plan --calibrate --save-machine here.toml     (measures this machine)
+    mpiexec -n 2 --oversubscribe refimpl plan --calibrate --save-machine here.toml     (measures this machine)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
+import time
 
 from ..failstop import DEFAULT_STALL_TIMEOUT
 
@@ -33,14 +35,18 @@ from ..failstop import DEFAULT_STALL_TIMEOUT
 def add_arguments(parser):
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow")
-    parser.add_argument("--preset", default=None, help="a preset of the model (default: mlperf / default)")
+    required = parser.add_argument_group("required arguments (both, except with --calibrate alone)")
+    required.add_argument("--batch", type=int, required=False, default=None, metavar="B", help="global batch")
+    required.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks (at most 2^20)")
+    parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow",
+                        help="the network to plan for (default cosmoflow)")
+    parser.add_argument("--preset", default=None,
+                        help="a preset of the model: cosmoflow tiny, small, mlperf (default mlperf); "
+                             "unet3d tiny, small, default (default default)")
     parser.add_argument("--config", default=None, metavar="FILE.toml",
                         help="model config keys (as [model_config] of refimpl train) instead of --preset")
     parser.add_argument("--sample", type=int, default=None, metavar="S",
                         help="cubic sample extent S (overrides the preset's D = H = W)")
-    parser.add_argument("--batch", type=int, required=False, default=None, metavar="B", help="global batch")
-    parser.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks (at most 2^20)")
     parser.add_argument("--mem-per-rank", default=None, metavar="SIZE",
                         help="memory per rank, e.g. 16GiB (default: the machine file's, else no limit)")
     parser.add_argument("--machine", default=None, metavar="FILE.toml", help="machine constants (docs/planner.md)")
@@ -56,7 +62,8 @@ def add_arguments(parser):
                              "a few seconds; each grid takes 10 to 250 ms); the output says how many were left out")
     parser.add_argument("--model-parallel", choices=("filter", "channel", "off"), default="filter",
                         help="how grids with Pm > 1 split the model (default filter); off: no model axis")
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="the optimizer whose state counts in the memory per rank (default sgd)")
     parser.add_argument("--optimizer-sharding", action="store_true",
                         help="the distributed weight update (refimpl train --optimizer-sharding): each rank "
                              "holds 1/|G| of the optimizer state")
@@ -72,6 +79,64 @@ def add_arguments(parser):
     parser.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
                         help="with --calibrate under mpiexec: end the job (exit 5) when a rank has sent no "
                              "heartbeat, or no rank has moved on, for this long (default 600; 0 = off)")
+
+
+#: Grids whose predicted step times are within this fraction of the best one are a tie.  Measured
+#: on this machine (one rank per core), the planner ordered alike every pair of grids whose
+#: measured times differ by more than 5 %, while grids measured 0.7 % apart swapped places from
+#: one run to the next, and its predicted/measured ratio varies by about 3 % between the grids
+#: of one model (docs/planner.md, "Predicted vs measured on this machine").  Below this the
+#: ranking is not a result of the model.
+TIE = 0.05
+#: A search (or a --plot's searches) that has run this long reports its progress on stderr.
+PROGRESS_AFTER_S = 3.0
+UNCALIBRATED = ("uncalibrated: default machine constants (a typical cluster node, not this machine); "
+                "run 'refimpl plan --calibrate' for this machine (--save-machine FILE.toml keeps them for "
+                "--machine FILE.toml)")
+
+
+class Progress:
+    """``search``'s progress callback: once a search has run ``PROGRESS_AFTER_S`` seconds, how
+    many grids are priced, on ``stream`` (stderr: the table on stdout stays clean), rewritten
+    in place on a terminal, else one line every few seconds.  Rank 0 only (``answer``)."""
+
+    def __init__(self, stream=None, after=None, clock=time.monotonic):
+        self.stream = stream if stream is not None else sys.stderr
+        self.after = PROGRESS_AFTER_S if after is None else after
+        self.clock, self.start, self.last, self.shown = clock, clock(), None, False
+        self.label = "search"
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def __call__(self, done, total):
+        now = self.clock()
+        elapsed = now - self.start
+        final = done >= total
+        if elapsed < self.after or (final and not self.shown):
+            return
+        if not final and self.last is not None and now - self.last < (0.5 if self.tty else 5.0):
+            return
+        self.last, self.shown = now, True
+        line = f"refimpl plan: {self.label}: priced {done} of {total} grids ({elapsed:.0f} s)"
+        self.stream.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
+        self.stream.flush()
+        if final:
+            self.shown = False
+
+
+def tie_note(feasible):
+    """The line that says when the best grids are a tie at the planner's resolution, and how to
+    choose among them (None: the best grid is ahead by more than ``TIE``)."""
+    best = feasible[0].step_s
+    tied = [p for p in feasible if p.step_s <= best * (1 + TIE)]
+    if len(tied) < 2:
+        return None
+    spread = (tied[-1].step_s / best - 1) * 100
+    pick = min(tied, key=lambda p: (math.prod(p.dims[1:4]), p.memory_bytes, p.step_s))
+    return (f"tie: the top {len(tied)} grids are within {spread:.2g} % of the best, below this model's "
+            f"resolution (measured, it orders grids reliably only when they differ by more than {TIE * 100:g} %: "
+            f"docs/planner.md); among them pick by fewer spatial ranks Pd*Ph*Pw (larger blocks, fewer halo "
+            f"messages), then less memory per rank: {pick.dims}; or calibrate ('refimpl plan --calibrate') "
+            f"and time the tied grids (scripts/bench_plan.py)")
 
 
 def layers_of(args, model_parallel=None):
@@ -250,6 +315,8 @@ def plot_scaling(args, path, machine, layers, searching):
     families = ("data", "spatial", "model", "hybrid")
     series = {f: ([], [], []) for f in families}
     for p in ps:
+        if searching.get("progress") is not None:
+            searching["progress"].label = f"--plot, P = {p}"
         plans = search(layers, p, args.batch, machine, **searching)
         for family in families:
             best = next((g for g in plans if g.feasible and (g.family.startswith(family) or
@@ -311,8 +378,11 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
             print(f"wrote {args.save_machine}")
         if args.batch is None or args.ranks is None:
             return
+    if not args.calibrate and not args.machine:
+        print(UNCALIBRATED)
     kw = dict(optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding, algorithm=args.allreduce)
     searching = dict(kw, layers_mp=layers_mp, max_grids=args.max_grids or MAX_PRICED)
+    progress = Progress()
     searched = None                      # what the search looked at (not for an explicit --grid)
     if dims is not None:
         phase(f"pricing grid {dims}")
@@ -322,7 +392,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
             explain(chosen)
         plans = [chosen]
     else:
-        plans = search(layers, args.ranks, args.batch, machine, **searching)
+        plans = search(layers, args.ranks, args.batch, machine, progress=progress, **searching)
         searched = {"grids": plans.grids, "runnable": plans.runnable, "priced": plans.priced}
         feasible = [p for p in plans if p.feasible]
         left_out = (f"priced the {plans.priced} whose blocks cut the fewest voxels (--max-grids N for more)"
@@ -330,6 +400,9 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
         print(f"{args.model}: {plans.grids} grids of {args.ranks} ranks, {plans.runnable} can run it, {left_out}; "
               f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; "
               f"{machine.summary()}")
+        tie = tie_note(feasible) if feasible else None
+        if tie:
+            print(tie)
         print_table(plans[:args.top])
         if feasible:
             explain(feasible[0])
@@ -344,4 +417,4 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
         phase(f"writing {args.json}")
         atomic_write(args.json, lambda f: f.write(text))
     if args.plot:
-        plot_scaling(args, args.plot, machine, layers, searching)
+        plot_scaling(args, args.plot, machine, layers, dict(searching, progress=progress))

@@ -13,11 +13,11 @@ written (disk full, ...); 5 a rank stopped answering for --stall-timeout seconds
 rank ends every rank within seconds with one message (docs/training.md, "Faults").
 
 Examples:
-    mpiexec -n 4 refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 300 --lr 0.003 --out runs/quickstart
-    mpiexec -n 4 refimpl train --out runs/quickstart --resume --steps 400
-    mpiexec -n 2 refimpl train --model unet3d --grid 1,2,1,1 --optimizer adam --lr 0.01 --steps 20 --out runs/unet
+    mpiexec -n 4 --oversubscribe refimpl train --model cosmoflow --preset tiny --grid 2,2,1,1 --steps 300 --lr 0.003 --out runs/quickstart
+    mpiexec -n 4 --oversubscribe refimpl train --out runs/quickstart --resume --steps 400
+    mpiexec -n 2 --oversubscribe refimpl train --model unet3d --grid 1,2,1,1 --optimizer adam --lr 0.01 --steps 20 --out runs/unet
     refimpl datagen cosmoflow --out data/c32 --size 32 --samples 128 && \\
-        mpiexec -n 8 refimpl train --config run.toml --data data/c32 --grid 2,1,2,2
+        mpiexec -n 8 --oversubscribe refimpl train --config run.toml --data data/c32 --grid 2,1,2,2
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def add_arguments(parser):
     a = parser.add_argument
     a("--config", metavar="FILE.toml", help="TOML file of settings (flags given override it)")
     a("--model", choices=CHOICES["model"], help="network (default cosmoflow)")
-    a("--preset", help="model preset: tiny, small, mlperf (cosmoflow) / default (unet3d) (default tiny)")
+    a("--preset", help="model preset (default tiny): cosmoflow tiny, small, mlperf; unet3d tiny, small, default")
     a("--data", metavar="DIR", help="directory with train.h5 (+ val.h5) from 'refimpl datagen' "
       "(default: generate a small dataset into OUT/data)")
     a("--generate", dest="generate", action="store_const", const=True,
