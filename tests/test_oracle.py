@@ -215,15 +215,38 @@ def spoil_and_check(good, spoil):
     return proc.stderr
 
 
-def test_missing_dataset(good):
-    assert "missing dataset(s) ['dx']" in spoil_and_check(good, lambda h5: h5.__delitem__("float64/global/dx"))
+def check_spoilt(good, spoil, *flags):
+    """A spoilt file that can still be checked: exit 1 (or 0), no traceback, the report on stdout."""
+    case_path, path = good
+    with h5py.File(path, "a") as h5:
+        spoil(h5)
+    proc = cli("check", case_path, str(path), *flags)
+    assert "Traceback" not in proc.stderr and not proc.stderr.strip(), proc.stderr
+    return proc
+
+
+def test_missing_dataset_is_not_provided(good):
+    """Partial results are judged as far as they go; --require makes a gap a failure."""
+    proc = check_spoilt(good, lambda h5: h5.__delitem__("float64/global/dx"))
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout
+    case_path, path = good
+    with h5py.File(path, "a") as h5:
+        for r in range(4):
+            del h5[f"float64/rank/{r}/dx"]
+    proc = cli("check", case_path, str(path))
+    assert proc.returncode == 0 and "not provided: float64 dx" in proc.stdout, proc.stdout
+    proc = cli("check", case_path, str(path), "--require", "all")
+    assert proc.returncode == 1 and "missing (--require): float64 dx" in proc.stdout, proc.stdout
+    assert cli("check", case_path, str(path), "--require", "forward,params").returncode == 0
 
 
 def test_wrong_shape(good):
     def spoil(h5):
         del h5["float64/rank/2/y"]
         h5["float64/rank/2/y"] = np.ones((2, 4, 3, 3, 3))
-    assert "/float64/rank/2/y: shape (2, 4, 3, 3, 3), expected" in spoil_and_check(good, spoil)
+    proc = check_spoilt(good, spoil)
+    assert proc.returncode == 1 and "FAIL" in proc.stdout
+    assert "rank 2's y has 3 outputs along D; the case's block of rank 2 has 4 there" in proc.stdout, proc.stdout
 
 
 def test_wrong_dtype(good):
@@ -234,10 +257,14 @@ def test_wrong_dtype(good):
     assert "dtype float64, expected float32" in spoil_and_check(good, spoil)
 
 
-def test_nan(good):
+def test_nan(good, tmp_path):
     def spoil(h5):
         h5["float64/rank/1/dx"][0, 0, 0, 0, 0] = np.nan
-    assert "NaN/inf" in spoil_and_check(good, spoil)
+    proc = check_spoilt(good, spoil, "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1 and "NaN" in proc.stdout
+    bad = [f for c in json.loads((tmp_path / "r.json").read_text())["cases"] for f in c["findings"] if not f["ok"]]
+    f, = [f for f in bad if f["tensor"] == "dx"]
+    assert f["rank"] == 1 and f["nonfinite"] == 1 and f["first_index"] == [0, 0, 0, 4, 0] and f["owner"] == 1
 
 
 def test_unknown_dataset(good):
@@ -352,13 +379,14 @@ def test_write_case_is_deterministic(tmp_path):
 
 
 def test_only_the_adapter_imports_torch():
-    """refimpl's math never calls PyTorch: the one torch import in refimpl/ is the run-torch
-    adapter (the implementation under test), and importing the oracle does not load it."""
+    """refimpl's math never calls PyTorch: the torch imports in refimpl/ are the peers under test
+    (the run-torch adapter, and DTensor's runner for run-dtensor), and importing the oracle does
+    not load torch."""
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent / "refimpl"
     importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if "import torch" in p.read_text() or "from torch" in p.read_text())
-    assert importers == ["oracle/torch_adapter.py"]
+    assert importers == ["oracle/dtensor_runner.py", "oracle/torch_adapter.py"]
     code = "import sys, refimpl.oracle, refimpl.commands.oracle; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV).stdout.strip()
     assert out == "False"

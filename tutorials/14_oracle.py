@@ -334,5 +334,107 @@ for path, bug, expected in ((paths[0], "ghost-clear", "doubled gradient on ghost
 # the file layouts, a minimal results writer using h5py only, the tolerance rule, and the
 # table of diagnoses.
 
+# %% [markdown]
+# ## 7. A real partitioned implementation: PyTorch DTensor
+# So far PyTorch only *played* a partitioned implementation, inside one process.
+# `refimpl oracle run-dtensor` checks a real one: PyTorch's DTensor
+# (`torch.distributed.tensor`), one process per rank, talking gloo on the CPU. Per case,
+# the adapter (`refimpl.oracle.dtensor_adapter`) starts the ranks. Each rank builds a
+# `DeviceMesh` shaped like the case's grid and shards x with `Shard(dim)` along the split
+# axes. The parameters stay `Replicate`. Then it runs the layer's `torch.nn.functional`
+# call on the DTensors, and a backward with the case's dy.
+#
+# Each rank writes its local shards in **DTensor's own layout**. DTensor splits like
+# `torch.chunk` does (W = 6 over 4 ranks is 2, 2, 2, 0), not like refimpl's balanced
+# blocks (2, 2, 1, 1). So every dataset carries an `offset` attribute, the global index of
+# its first element, and `compare` checks each block at that place. dw and db are written
+# once. What DTensor refuses (`NotImplementedError`, or its own `RuntimeError` for a
+# sharding it does not support) or crashes on is left out of the results file. It is
+# recorded in a summary instead, with the exception's first line.
+#
+# Three 2-process cases from the suite in docs/peers.md:
+#
+# - a conv split over the **batch**: the one conv sharding DTensor supports;
+# - the same conv split over **W**;
+# - a max pooling split over **D**.
+
+# %%
+from refimpl.oracle import dtensor_adapter
+
+dtensor_suite = """
+seed = 1
+dtypes = ["float64"]
+
+[[case]]
+name = "conv_batch_split"
+layer = "conv3d"
+input = [2, 2, 4, 4, 5]
+out_channels = 3
+padding = 1
+grids = [[2, 1, 1, 1]]
+
+[[case]]
+name = "conv_w_split"
+layer = "conv3d"
+input = [1, 2, 4, 4, 6]
+out_channels = 3
+padding = 1
+grids = [[1, 1, 1, 2]]
+
+[[case]]
+name = "maxpool_d_split"
+layer = "max_pool3d"
+input = [1, 2, 6, 4, 4]
+kernel = 2
+grids = [[1, 2, 1, 1]]
+"""
+dt_cases = os.path.join(workdir, "dtensor-cases")
+dt_out = os.path.join(workdir, "dtensor")
+os.makedirs(dt_cases)
+dt_paths = [write_case(spec, dt_cases) for spec in parse_suite(tomllib.loads(dtensor_suite), "dtensor-2")]
+dt_loaded = [load_case(path) for path in dt_paths]
+dt_entries = dtensor_adapter.run_cases(dt_loaded, dt_out)   # 2 rank processes; a results file per case
+dt_verdicts = {}
+for c, entry in zip(dt_loaded, dt_entries):
+    r = compare(c, load_results(os.path.join(dt_out, c.name), c))
+    dt_verdicts[c.name] = dtensor_adapter.verdicts(entry, r.as_dict())
+    print(f"{c.name:<28} {dt_verdicts[c.name]}")
+    for rec in entry["tensors"]:
+        if rec["status"] != "ok":
+            print(f"    {rec['tensor']:<3} {rec['status']}: {rec['error']}")
+    for f in r.findings:
+        if not f.ok and f.rank is not None:
+            print(f"    {f.tensor:<3} rank {f.rank}: {f.mismatches} off, first at {list(f.first_index)}")
+            break
+
+assert dt_verdicts["conv_batch_split.2-1-1-1.h5"] == {"y": "pass", "dx": "pass", "dw": "pass", "db": "pass"}
+assert dt_verdicts["conv_w_split.1-1-1-2.h5"]["y"] == "fail"
+assert dt_verdicts["maxpool_d_split.1-2-1-1.h5"] == {"y": "pass", "dx": "refused"}
+
+# %% [markdown]
+# How to read this:
+#
+# - Split over the batch, the conv passes: every sample is computed whole on one rank,
+#   and dw and db come back as `Partial` sums that `full_tensor()` reduces.
+# - Split over W, y is wrong. DTensor's conv strategy accepts only a batch split, so it
+#   asks for x to be gathered and calls y `Replicate`. But its conv handler runs the
+#   local conv on the un-gathered shard: each rank's "whole" y is the conv of its own
+#   block, with no halo, and the shape is wrong too. `compare` places each block at its
+#   offset and shows where it first goes wrong: rank 0's last output column, the first
+#   one whose window reaches rank 1's cells.
+# - Its backward does exchange halos along W. But the function that adds the ghost
+#   gradients back never returns its result, so x gets no gradient at all (dx crashed),
+#   and dw and db are computed from the wrong blocks.
+# - The max pooling's forward is right: DTensor gathers x and pools the whole tensor on
+#   every rank. It has no sharding strategy for the pooling backward, so dx is refused.
+#
+# The same from the command line (the world size defaults to each case's rank count):
+#
+#     refimpl oracle run-dtensor cases/ --out dtensor/ --nproc 2
+#     refimpl oracle check cases/ dtensor/
+#
+# docs/peers.md has the whole `hard` suite under DTensor, case by case, with what a fix
+# must satisfy. It also shows how to write an adapter for another library.
+
 # %%
 shutil.rmtree(workdir)

@@ -7,23 +7,35 @@
   run-torch CASES --out DIR    run PyTorch on the cases (global, and per rank by slicing with
                                the cases' ranges) and write results files: the model for
                                your own adapter; --plant injects a known mistake.
+  run-dtensor CASES --out DIR  run PyTorch DTensor (torch.distributed.tensor, gloo, CPU) on
+                               the cases, one process per rank, and write each rank's
+                               local shards in DTensor's own layout (an 'offset' per
+                               dataset) plus DIR/dtensor_summary.json: per case and
+                               tensor ok / refused / crashed (docs/peers.md).
   check CASES RESULTS          compare results with the cases, per tensor and rank: errors,
                                tolerance and why, first mismatching global index and its
-                               rank, and a diagnosis of known mistakes.
+                               rank, and a diagnosis of known mistakes.  Results may be in
+                               any block layout (an 'offset' attribute per block) and
+                               partial (some tensors, some ranks, some cases: the rest is
+                               'not provided' / 'not run'; --require makes it a failure).
 
 CASES is a case file or a directory of them; RESULTS a results file or a directory with
 the same file names.  Layout of both files, the tolerances and a minimal writer:
 docs/oracle.md.  One process (no mpiexec needed).
 
-Exit status: 0 all passed; 1 a mismatch (check); 2 unusable input (a bad flag or suite,
-a missing, truncated or mismatched results file, NaNs, wrong shapes or dtypes); 4 an
-output could not be written; 70 an internal error.
+Exit status: 0 all passed (check: everything provided passed); 1 a mismatch (NaN/inf
+and wrong shapes included), or a piece --require asks for is missing; 2 unusable input
+(a bad flag or suite, a results or case file that cannot be checked: truncated, for
+another case, a wrong dtype, an unknown dataset; every other case is still judged and
+reported); 4 an output could not be written; 70 an internal error.
 
 Examples:
     refimpl oracle generate hard --out cases/
     refimpl oracle run-torch cases/ --out torch/
     refimpl oracle check cases/ torch/ --json report.json
+    refimpl oracle check cases/ mine/ --require forward     # y must be there for every case
     refimpl oracle run-torch cases/ --out bad/ --plant halo:1 && refimpl oracle check cases/ bad/
+    refimpl oracle run-dtensor cases/ --out dtensor/ && refimpl oracle check cases/ dtensor/
 """
 from __future__ import annotations
 
@@ -33,7 +45,7 @@ import os
 import sys
 import time
 
-ACTIONS = ("generate", "run-torch", "check")
+ACTIONS = ("generate", "run-torch", "run-dtensor", "check")
 
 
 def add_arguments(parser):
@@ -60,6 +72,37 @@ def add_arguments(parser):
                      help="global results: PyTorch on the whole tensor (default), the ranks' blocks "
                           "gathered, or none")
     run.add_argument("--no-ranks", action="store_true", help="write no per-rank results")
+    # --- run-dtensor (refimpl/oracle/dtensor_adapter.py) ---
+    dt = sub.add_parser(
+        "run-dtensor", help="PyTorch DTensor's results on the cases (a peer under test)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run PyTorch DTensor (torch.distributed.tensor: DeviceMesh, Shard, Replicate,
+distribute_tensor; gloo on the CPU) on every case, as the implementation under test:
+N processes (N: the case's rank count), a mesh shaped like the case's grid, x sharded
+along the split axes with Shard(dim), parameters Replicate (sharded on the model axis
+for model-parallel cases), the layer's torch.nn.functional call on the DTensors, then a
+backward with the case's dy.
+
+Each rank's local shards of y and dx are written in DTensor's own layout: every dataset
+has an 'offset' attribute, the global index of its first element (torch.chunk splits:
+W = 6 over 4 ranks is 2, 2, 2, 0); dw and db are written once (/<dtype>/global).
+Forward and backward run in separate try blocks.  What DTensor refused or crashed on is
+left out of the results file and listed in DIR/dtensor_summary.json (case, dtype,
+tensor, ok / refused / crashed, the exception's first line).
+
+Then: refimpl oracle check CASES DIR.  What it finds in DTensor: docs/peers.md.""")
+    dt.add_argument("cases", metavar="CASES", help="a case file or a directory of case files")
+    dt.add_argument("--out", required=True, metavar="DIR", help="directory for the results files (created)")
+    dt.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="world size; default: each case's rank count.  Cases whose grid has another "
+                         "rank count are skipped (listed as such)")
+    dt.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                    help="seconds one case's ranks may take before they are killed (default 120); "
+                         "what they wrote before stays, the rest is reported crashed")
+    dt.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                    help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
+    # --- end run-dtensor ---
     chk = sub.add_parser("check", help="compare results with the cases",
                          description="Compare RESULTS with CASES tensor by tensor and rank by rank.")
     chk.add_argument("cases", metavar="CASES", help="a case file or a directory of case files")
@@ -68,6 +111,10 @@ def add_arguments(parser):
     chk.add_argument("--tolerance-factor", type=float, default=1.0, metavar="F",
                      help="multiply every tolerance by F (>= 1; for inexact algorithms such as Winograd)")
     chk.add_argument("--verbose", action="store_true", help="one line per tensor, passing ones too")
+    chk.add_argument("--require", default=None, metavar="WHAT",
+                     help="make missing results a failure: all (y, dx and the parameter gradients in every "
+                          "dtype of the case), forward (y), backward (dx, dw, db), params (dw, db), or tensor "
+                          "names y, dx, dw, db; comma-separated.  Default: judge what is there")
     for p in (gen, run, chk):           # --debug after the action too ('refimpl oracle check ... --debug')
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
@@ -153,62 +200,176 @@ def run_torch(args) -> int:
     return 0
 
 
+def run_dtensor(args) -> int:
+    """refimpl oracle run-dtensor: DTensor on every case, results in DIR, a summary of refusals."""
+    from ..failstop import check_writable
+    from ..oracle import casefile, dtensor_adapter
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    dtensor_adapter.torch_version()                      # exit 2 without PyTorch
+    cases = [casefile.load_case(p) for p in case_paths(args.cases)]
+    run_cases = [c for c in cases if args.nproc is None or c.spec.ranks == args.nproc]   # in CASES order
+    if not run_cases:
+        raise ValueError(f"--nproc {args.nproc}: none of the {len(cases)} case(s) has a grid of "
+                         f"{args.nproc} rank(s)")
+    make_out_dir(args.out)
+    check_writable(os.path.join(args.out, run_cases[0].name), "--out")
+    entries = [{"case": c.name, "layer": c.spec.layer, "grid": list(c.spec.grid), "world": c.spec.ranks,
+                "skipped": f"grid needs {c.spec.ranks} ranks, --nproc {args.nproc}", "tensors": []}
+               for c in cases if c.spec.ranks != args.nproc and args.nproc is not None]
+    for entry in entries:
+        print(f"skipped {entry['case']} (grid {entry['grid']}: {entry['world']} ranks)", flush=True)
+
+    def report(entry):
+        status = dtensor_adapter.tensor_status(entry)
+        print(f"wrote {os.path.join(args.out, entry['case'])}  ({entry['world']} ranks; "
+              + ", ".join(f"{t} {s}" for t, s in status.items()) + ")", flush=True)
+        for rec in entry["tensors"]:
+            if rec["status"] != "ok":
+                print(f"    {rec['dtype']} {rec['tensor']:<3} {rec['status']}: {rec['error']}", flush=True)
+    entries += dtensor_adapter.run_cases(run_cases, args.out, args.timeout, report=report)
+    print(f"summary: {dtensor_adapter.write_summary(args.out, entries, args.nproc)}")
+    return 0
+
+
 def _fmt(finding) -> str:
     where = "global" if finding.rank is None else f"rank {finding.rank}"
-    text = (f"    {finding.dtype} {finding.tensor:<13} {where:<8} max_rel {finding.max_rel:.2e} "
+    if finding.problem == "shape":
+        text = (f"    {finding.dtype} {finding.tensor:<13} {where:<8} wrong shape {list(finding.shape)}"
+                f"\n        {finding.message}")
+        if finding.diagnosis and finding.diagnosis != finding.message:
+            text += f"\n        diagnosis: {finding.diagnosis}"
+        return text
+    error = (f"max_rel {finding.max_rel:.2e}" if not finding.nonfinite else
+             f"max_rel inf ({finding.nonfinite} NaN/inf; finite values: {finding.max_rel:.2e})")
+    text = (f"    {finding.dtype} {finding.tensor:<13} {where:<8} {error} "
             f"{'<=' if finding.ok else '>'} tol {finding.tolerance:.2e} ({finding.why})")
     if not finding.ok:
+        owner = "no rank of the results" if finding.owner is None else f"rank {finding.owner}"
         text += (f"\n        {finding.mismatches} element(s) off; first at global index "
-                 f"{list(finding.first_index)}, owned by rank {finding.owner}")
+                 f"{list(finding.first_index)}, owned by {owner}")
         text += f"\n        diagnosis: {finding.diagnosis or 'no known pattern'}"
     return text
 
 
+def _gaps(entries) -> str:
+    """'float64 dx, dw; float32 (nothing)' from coverage entries."""
+    by_dtype = {}
+    for g in entries:
+        part = g["tensor"] if not g["covered"] else f"{g['tensor']} ({g['covered']} of {g['total']} elements)"
+        by_dtype.setdefault(g["dtype"], []).append(part)
+    return "; ".join(f"{d} {', '.join(parts)}" for d, parts in by_dtype.items())
+
+
+def _print_case(report, verbose):
+    from ..oracle.compare import root_cause
+    if report.status == "unusable":
+        print(f"UNUSABLE {report.case}\n    {report.error}")
+        return
+    if not report.run:
+        print(f"{'FAIL' if report.missing else 'NOT RUN'} {report.case}: no results file")
+        if report.missing:
+            print(f"    missing (--require): {_gaps(report.missing)}")
+        return
+    print(f"{'PASS' if report.ok else 'FAIL'} {report.case}")
+    if report.layout_note:
+        print(f"    note: {report.layout_note}")
+    cause = root_cause(report)
+    if cause is not None:
+        where = "global" if cause.rank is None else f"rank {cause.rank}"
+        print(f"    most likely cause ({cause.dtype} {cause.tensor}, {where}): {cause.diagnosis}")
+    worst, consequences = {}, {}
+    for f in report.findings:                 # compare() lists them in causal order
+        ratio = f.max_rel / f.tolerance if f.tolerance and f.max_rel is not None else 0.0
+        if f.ok and (f.dtype not in worst or ratio > worst[f.dtype][0]):
+            worst[f.dtype] = (ratio, f)
+        if not f.ok and f.diagnosis and f.diagnosis.startswith("follows") and not verbose:
+            consequences.setdefault((f.dtype, f.tensor, f.diagnosis), []).append(
+                "global" if f.rank is None else f"rank {f.rank}")
+        elif not f.ok or verbose:
+            print(_fmt(f))
+    for (dtype, tensor, diagnosis), where in consequences.items():
+        print(f"    {dtype} {tensor:<13} {', '.join(where)}: {diagnosis}")
+    if report.missing:
+        print(f"    missing (--require): {_gaps(report.missing)}")
+    elif report.not_provided:
+        print(f"    not provided: {_gaps(report.not_provided)}")
+    if report.unchecked:
+        print("    not checked: " + "; ".join(f"{u['dtype']} {u['tensor']} rank {u['rank']} ({u['why']})"
+                                              for u in report.unchecked[:4])
+              + (f"; ... ({len(report.unchecked)} in all)" if len(report.unchecked) > 4 else ""))
+    if report.ok and not verbose and worst:
+        print("    " + "; ".join(f"{d}: worst {f.tensor}{'' if f.rank is None else f'[rank {f.rank}]'} "
+                                 f"max_rel {f.max_rel:.1e} = {r:.2f} of its tolerance"
+                                 for d, (r, f) in worst.items()))
+
+
 def check(args) -> int:
-    from ..failstop import EXIT_CHECK_FAILED, atomic_write, check_writable
+    """Judge every case that has results; a case without is 'not run', a file that cannot be
+    checked makes its case 'unusable' (exit 2 at the end), the others are still judged."""
+    from ..failstop import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, atomic_write, check_writable
     from ..oracle import casefile
-    from ..oracle.compare import compare, root_cause
+    from ..oracle.compare import CaseReport, apply_require, compare, parse_require
     if not args.tolerance_factor >= 1.0:
         raise ValueError(f"--tolerance-factor must be >= 1, got {args.tolerance_factor}")
+    require = parse_require(args.require)
     if args.json:
         check_writable(args.json, "--json")
     paths = case_paths(args.cases)
     single = not os.path.isdir(args.cases)
     if not os.path.exists(args.results):
         raise ValueError(f"{args.results}: no such results file or directory")
-    loaded = []
-    for path in paths:     # everything is read and validated before anything is reported
-        case = casefile.load_case(path)
-        loaded.append((case, casefile.load_results(results_path(args.results, path, single), case)))
-    reports = [compare(case, results, args.tolerance_factor) for case, results in loaded]
+    reports, absent = [], []
+    for path in paths:
+        report = CaseReport(os.path.basename(path))
+        try:
+            case = casefile.load_case(path)
+        except casefile.UnusableInput as err:
+            report.error = str(err)
+            reports.append(report)
+            continue
+        where = results_path(args.results, path, single)
+        if not single and not os.path.exists(where):
+            report.run = False
+            absent.append(where)
+            apply_require(case, report, require, None)
+            reports.append(report)
+            continue
+        try:
+            results = casefile.load_results(where, case)
+        except casefile.UnusableInput as err:
+            report.error = str(err)
+            reports.append(report)
+            continue
+        report = compare(case, results, args.tolerance_factor)
+        apply_require(case, report, require, results)
+        reports.append(report)
+    if len(absent) == len(reports):
+        raise ValueError(f"results directory {args.results} holds none of the {len(reports)} case(s)' results "
+                         f"files (no such file: {absent[0]}{', ...' if len(absent) > 1 else ''})")
+    if single and len(reports) == 1 and reports[0].error is not None:
+        raise ValueError(reports[0].error)      # one file, unusable: one line, as ever
+    quiet = [r.case for r in reports if r.status == "not run" and not args.verbose]
     for report in reports:
-        print(f"{'PASS' if report.ok else 'FAIL'} {report.case}")
-        cause = root_cause(report)
-        if cause is not None:
-            where = "global" if cause.rank is None else f"rank {cause.rank}"
-            print(f"    most likely cause ({cause.dtype} {cause.tensor}, {where}): {cause.diagnosis}")
-        worst, consequences = {}, {}
-        for f in report.findings:                 # compare() lists them in causal order
-            ratio = f.max_rel / f.tolerance if f.tolerance else 0.0
-            if f.dtype not in worst or ratio > worst[f.dtype][0]:
-                worst[f.dtype] = (ratio, f)
-            if not f.ok and f.diagnosis and f.diagnosis.startswith("follows") and not args.verbose:
-                consequences.setdefault((f.dtype, f.tensor, f.diagnosis), []).append(
-                    "global" if f.rank is None else f"rank {f.rank}")
-            elif not f.ok or args.verbose:
-                print(_fmt(f))
-        for (dtype, tensor, diagnosis), where in consequences.items():
-            print(f"    {dtype} {tensor:<13} {', '.join(where)}: {diagnosis}")
-        if report.ok and not args.verbose:
-            print("    " + "; ".join(f"{d}: worst {f.tensor}{'' if f.rank is None else f'[rank {f.rank}]'} "
-                                     f"max_rel {f.max_rel:.1e} = {r:.2f} of its tolerance"
-                                     for d, (r, f) in worst.items()))
-    failed = sum(not r.ok for r in reports)
-    print(f"{len(reports)} case(s): {len(reports) - failed} passed, {failed} failed")
+        if report.case in quiet:
+            continue
+        _print_case(report, args.verbose)
+        if report.error is not None:
+            print(f"refimpl oracle check: error: {report.error}", file=sys.stderr, flush=True)
+    if quiet:
+        print(f"NOT RUN (no results file in {args.results}): {', '.join(quiet)}")
+    counts = {s: sum(r.status == s for r in reports) for s in ("pass", "fail", "not run", "unusable")}
+    line = f"{len(reports)} case(s): {counts['pass']} passed, {counts['fail']} failed"
+    line += "".join(f", {counts[s]} {s}" for s in ("not run", "unusable") if counts[s])
+    print(line)
+    code = EXIT_BAD_INPUT if counts["unusable"] else EXIT_CHECK_FAILED if counts["fail"] else 0
     if args.json:
-        text = json.dumps({"ok": not failed, "cases": [r.as_dict() for r in reports]}, indent=1)
+        text = json.dumps({"ok": code == 0, "exit": code, "require": args.require, "summary": counts,
+                           "cases": [r.as_dict() for r in reports]}, indent=1)
         atomic_write(args.json, lambda f: f.write(text))
-    return EXIT_CHECK_FAILED if failed else 0
+    return code
 
 
 def run(args) -> int:
@@ -219,7 +380,8 @@ def run(args) -> int:
         if launcher_size() > 1:
             raise InputError("refimpl oracle runs in one process: start it without mpiexec", agreed=True)
         try:
-            return {"generate": generate, "run-torch": run_torch, "check": check}[args.action](args)
+            return {"generate": generate, "run-torch": run_torch, "run-dtensor": run_dtensor,
+                    "check": check}[args.action](args)
         except ValueError as err:          # UnusableInput included: exit 2, one line
             raise InputError(str(err), agreed=True) from None
     return run_command(f"oracle {args.action}", None, body)

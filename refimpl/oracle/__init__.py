@@ -20,6 +20,10 @@ Python API::
     write_results("mine.h5", case, global_={"float64": {"y": y, "dx": dx, "dw": dw, "db": db}})
     report = compare(case, load_results("mine.h5", case))
     print(report.ok, [f.as_dict() for f in report.findings if not f.ok])
+
+Results may be partial (any tensors, ranks, dtypes: ``report.not_provided``) and in any
+block layout: a rank's tensor given as ``(array, offset)`` to ``write_results`` is placed at
+``offset`` (``report.layout == "results"``: ranks are the results' own).
 """
 from .casefile import Case, Results, UnusableInput, load_case, load_results, write_case, write_results
 from .compare import CaseReport, Finding, compare, tolerance

@@ -15,20 +15,26 @@ Case file ``NAME.GRID.h5`` (written by ``refimpl oracle generate``)::
                                              (coords, samples, channels, owned, outputs, needed)
 
 ``<dtype>`` is ``float64`` and/or ``float32``.  A results file has the same layout,
-holds only what an implementation computed, and carries the case's ``digest`` as its
-root attribute ``case_digest``::
+holds what an implementation computed (any subset of it), and carries the case's
+``digest`` as its root attribute ``case_digest``::
 
     /  attrs  case_digest = <the case's digest>
-    /<dtype>/global/{y, dx, dw, db}          optional: the gathered global results
-    /<dtype>/rank/<r>/{y, dx, dw, db, ...}   optional: every rank's blocks (all ranks)
+    /<dtype>/global/{y, dx, dw, db}          optional: the gathered global results (any of them)
+    /<dtype>/rank/<r>/{y, dx, dw, db, ...}   optional: rank blocks (any ranks, any tensors)
 
-Anything unusable (unreadable or truncated file, a case from another refimpl version, a
-missing or unknown dataset, a wrong shape or dtype, NaN/inf where a finite value is
-expected) raises ``UnusableInput`` naming the file and dataset; the CLI exits 2.  Both
-files are untrusted: every dataset's dtype and shape are checked against what the case
-implies (``case_shapes``; for results, the case's arrays), and its declared size against
-the bytes the file stores (``data.reader.check_stored``), before it is read: a 6 KB file
-declaring a 700 GB dataset is refused, not allocated.
+A rank block with an ``offset`` attribute (the global index of its first element: 5
+entries, or 3 spatial ones for a 5-d block) is placed there, whatever split produced it
+(empty blocks included); without one it is the case's block of rank r.  Parameter
+gradients may be given by one rank, or in ``global``.
+
+Structurally unusable input (unreadable or truncated file, a case from another refimpl
+version, an unknown dataset, a wrong dtype, a bad ``offset``) raises ``UnusableInput``
+naming the file and dataset.  Values are not judged here: NaN/inf values and blocks whose
+shape cannot be placed are mismatches, which ``compare`` locates (``Results.shape_errors``).
+Both files are untrusted: every dataset's dtype is checked, its shape is placed inside the
+global tensor, and its declared size is checked against the bytes the file stores
+(``data.reader.check_stored``) before it is read: a 6 KB file declaring a 700 GB dataset is
+refused, not allocated.
 """
 from __future__ import annotations
 
@@ -51,6 +57,10 @@ GLOBAL_TENSORS = ("y", "dx", "dw", "db")
 #: has parameters, are required; the rest are compared when present)
 RANK_TENSORS = ("y", "dx", "dw", "db", "x_needed", "dx_needed", "y_partial", "dw_partial", "db_partial",
                 "sum_partial", "sumsq_partial")
+
+
+#: per-rank tensors that are blocks of an activation (placed by the rank's spatial block)
+ACTIVATIONS = ("y", "dx", "x_needed", "dx_needed", "y_partial")
 
 
 class UnusableInput(ValueError):
@@ -226,52 +236,105 @@ def _load_case(path: str) -> Case:
 
 @dataclass
 class Results:
-    """What an implementation reported for one case: dtype -> global {name: array} and
-    dtype -> {rank: {name: array}} (either may be empty, not both)."""
+    """What an implementation reported for one case (any subset of it).
+
+    ``global_``: dtype -> {name: array}; ``ranks``: dtype -> {rank: {name: array}} (the
+    results' own rank numbers); ``offsets``: dtype -> {rank: {name: offset}}, the global index
+    of each block's first element (its ``offset`` attribute, or the case's block of that rank
+    when it has none); ``given``: the (dtype, rank, name) whose offset the file gave;
+    ``shape_errors``: tensors whose shape cannot be placed in the global tensor (not read;
+    ``compare`` reports them as mismatches), as dicts (dtype, tensor, rank (None: global),
+    shape, offset (None: not given))."""
     path: str
     global_: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
+    offsets: dict = field(default_factory=dict)
+    given: set = field(default_factory=set)
+    shape_errors: list = field(default_factory=list)
 
-
-def _check_finite(array, want, where):
-    bad = ~numpy.isfinite(array) & numpy.isfinite(want)
-    if bad.any():
-        index = tuple(int(i) for i in numpy.argwhere(bad)[0])
-        raise UnusableInput(f"{where}: {int(bad.sum())} NaN/inf value(s) where the expectation is finite "
-                            f"(first at local index {index})")
+    def own_layout(self, case, dtype) -> bool:
+        """True when the per-rank blocks of ``dtype`` are not the case's (another split, other
+        ranks): then ranks are named by the results' layout."""
+        expected = case.ranks.get(dtype, [])
+        for r, names in self.offsets.get(dtype, {}).items():
+            for name, offset in names.items():
+                if r >= len(expected) or name not in expected[r]:
+                    return True
+                want, want_offset = expected[r][name]
+                if tuple(offset) != tuple(want_offset) or self.ranks[dtype][r][name].shape != want.shape:
+                    return True
+        return any(e["dtype"] == dtype and e["rank"] is not None and e["offset"] is not None
+                   for e in self.shape_errors)
 
 
 def required(case: Case) -> tuple:
+    """The tensors every case has results for: y and dx, and dw, db for layers with parameters."""
     return ("y", "dx") + (("dw", "db") if "dw" in next(iter(case.expected.values())) else ())
 
 
-def _read_tensors(h5, path, where, need, expected) -> dict:
-    """The datasets of group ``where``: every name in ``need`` present, none outside
-    ``expected`` ({name: expected array}), each of the expected dtype and shape (checked before
-    it is read) and finite."""
+def domain_shape(case: Case, dtype: str, name: str) -> tuple:
+    """The global tensor a (per-rank) results tensor is a block of."""
+    expected = case.expected[dtype]
+    if name in ("y", "y_partial"):
+        return expected["y"].shape
+    if name in ("dx", "x_needed", "dx_needed"):
+        return expected["dx"].shape
+    if name in ("dw", "dw_partial"):
+        return expected["dw"].shape
+    return expected["db"].shape          # db, db_partial, sum_partial, sumsq_partial: per channel
+
+
+def _offset_attr(dataset, ndim, where):
+    """The ``offset`` attribute of a results dataset (a global start per axis; for a 5-d block
+    3 entries are spatial, samples and channels then start at 0); None if absent."""
+    if "offset" not in dataset.attrs:
+        return None
+    raw = numpy.asarray(dataset.attrs["offset"])
+    if raw.ndim != 1 or raw.dtype.kind not in "iu" or len(raw) not in ((ndim, 3) if ndim == 5 else (ndim,)):
+        raise UnusableInput(f"{where}: attribute 'offset' must be {ndim} integers (the global index of the "
+                            f"block's first element" + (", or 3 spatial ones" if ndim == 5 else "")
+                            + f"), got {raw.tolist()!r}")
+    offset = tuple(int(o) for o in raw)
+    return (0, 0) + offset if len(offset) < ndim else offset
+
+
+def _read_group(h5, path, where, allowed, dtype, place):
+    """The datasets of group ``where`` (any subset of ``allowed``): ``place(name, shape,
+    offset)`` says where each goes: (offset, True) to read it, or (offset, False) for a shape
+    that cannot be placed (recorded, not read)."""
     import h5py
     if not isinstance(h5[where], h5py.Group):
         raise UnusableInput(f"results file {path}: /{where} must be a group of datasets, found a dataset")
-    names = set(h5[where])
-    unknown = sorted(names - set(expected))
-    missing = [n for n in need if n not in names]
-    if unknown or missing:
-        raise UnusableInput(f"results file {path}: /{where}: "
-                            + (f"missing dataset(s) {missing}" if missing else "")
-                            + ("; " if missing and unknown else "")
-                            + (f"unknown dataset(s) {unknown} (this case has: {sorted(expected)})"
-                               if unknown else ""))
-    arrays = {}
-    for name in sorted(names):
-        want = expected[name]
-        array = numpy.asarray(_read(h5, f"{where}/{name}", path, "results file", want.dtype, want.shape))
-        _check_finite(array, want, f"results file {path}: /{where}/{name}")
-        arrays[name] = array
-    return arrays
+    unknown = sorted(set(h5[where]) - set(allowed))
+    if unknown:
+        raise UnusableInput(f"results file {path}: /{where}: unknown dataset(s) {unknown} (this case has: "
+                            f"{sorted(allowed)})")
+    out = {}
+    for name in sorted(h5[where]):
+        dataset = h5[f"{where}/{name}"]
+        full = f"results file {path}: /{where}/{name}"
+        if not isinstance(dataset, h5py.Dataset):
+            raise UnusableInput(f"{full} must be a dataset")
+        if dataset.dtype != numpy.dtype(dtype):
+            raise UnusableInput(f"{full}: dtype {dataset.dtype}, expected {dtype}")
+        if dataset.shape is None:
+            raise UnusableInput(f"{full}: no shape (an empty dataspace)")
+        offset, fits = place(name, dataset.shape, _offset_attr(dataset, len(dataset.shape), full))
+        array = _read(h5, f"{where}/{name}", path, "results file", numpy.dtype(dtype), dataset.shape) \
+            if fits else None
+        out[name] = (array, offset, "offset" in dataset.attrs)
+    return out
+
+
+def _fits(shape, offset, domain) -> bool:
+    return (offset is not None and len(shape) == len(domain)
+            and all(0 <= o and o + n <= m for o, n, m in zip(offset, shape, domain)))
 
 
 def load_results(path: str, case: Case) -> Results:
-    """Read a results file for ``case`` and validate it against the case's expectations."""
+    """Read a results file for ``case`` and validate its structure (``UnusableInput`` if it
+    cannot be checked).  Values are not judged here: NaN/inf and wrong shapes are
+    mismatches that ``compare`` locates."""
     try:
         return _load_results(path, case)
     except (TypeError, AttributeError, KeyError, OSError) as err:    # e.g. a dataset where a group belongs
@@ -300,7 +363,6 @@ def _load_results(path: str, case: Case) -> Results:
         if not len(h5):
             raise UnusableInput(f"results file {path}: holds no results (expected a group per dtype: "
                                 f"{list(case.spec.dtypes)})")
-        need = required(case)
         for dtype in h5:
             group = h5[dtype]
             if not isinstance(group, h5py.Group):
@@ -311,25 +373,62 @@ def _load_results(path: str, case: Case) -> Results:
                                     f"found {sorted(group)}")
             if "global" in group:
                 expected = case.expected[dtype]
-                results.global_[dtype] = _read_tensors(h5, path, f"{dtype}/global", need,
-                                                       {k: expected[k] for k in GLOBAL_TENSORS if k in expected})
+
+                def place_global(name, shape, offset, expected=expected, dtype=dtype):
+                    if offset is not None and any(offset):
+                        raise UnusableInput(f"results file {path}: /{dtype}/global/{name}: a global tensor "
+                                            f"starts at 0, its 'offset' is {list(offset)}")
+                    fits = tuple(shape) == expected[name].shape
+                    if not fits:
+                        results.shape_errors.append({"dtype": dtype, "tensor": name, "rank": None,
+                                                     "shape": tuple(shape), "offset": None})
+                    return (0,) * len(shape), fits
+                read = _read_group(h5, path, f"{dtype}/global", [k for k in GLOBAL_TENSORS if k in expected],
+                                   dtype, place_global)
+                results.global_[dtype] = {k: a for k, (a, _, _) in read.items() if a is not None}
             if "rank" in group:
-                present = sorted(group["rank"], key=lambda s: (len(s), s))
-                expected_ranks = [str(r) for r in range(case.spec.ranks)]
-                if present != expected_ranks:
-                    raise UnusableInput(f"results file {path}: /{dtype}/rank must hold groups "
-                                        f"0..{case.spec.ranks - 1} (one per rank of grid "
-                                        f"{list(case.spec.grid)}), found {present}")
-                results.ranks[dtype] = {
-                    r: _read_tensors(h5, path, f"{dtype}/rank/{r}", need,
-                                     {k: a for k, (a, _) in case.ranks[dtype][r].items() if k in RANK_TENSORS})
-                    for r in range(case.spec.ranks)}
+                if not isinstance(group["rank"], h5py.Group):
+                    raise UnusableInput(f"results file {path}: /{dtype}/rank must be a group of rank groups")
+                bad = [r for r in group["rank"] if not r.isdigit() or (len(r) > 1 and r[0] == "0")]
+                if bad:
+                    raise UnusableInput(f"results file {path}: /{dtype}/rank holds {sorted(bad)}: rank groups "
+                                        f"are named by their rank number (0, 1, ...)")
+                allowed = sorted({k for arrays in case.ranks[dtype] for k in arrays if k in RANK_TENSORS})
+                results.ranks[dtype], results.offsets[dtype] = {}, {}
+                for r in sorted(int(name) for name in group["rank"]):
+                    mine = case.ranks[dtype][r] if r < case.spec.ranks else {}
+
+                    def place_rank(name, shape, offset, r=r, mine=mine, dtype=dtype):
+                        where = f"results file {path}: /{dtype}/rank/{r}/{name}"
+                        if offset is None and name not in mine and name not in ACTIVATIONS:
+                            offset = (0,) * len(shape)      # a parameter tensor of a rank the case lacks: whole
+                        if offset is None:
+                            if name not in mine:
+                                raise UnusableInput(f"{where}: no 'offset' attribute, and the case has no rank "
+                                                    f"{r} to place it by (ranks 0..{case.spec.ranks - 1}): "
+                                                    f"give each block of another split its 'offset'")
+                            want, at = mine[name]
+                            fits = tuple(shape) == want.shape
+                            at = tuple(at)
+                        else:
+                            at = offset
+                            fits = _fits(shape, offset, domain_shape(case, dtype, name))
+                        if not fits:
+                            results.shape_errors.append({"dtype": dtype, "tensor": name, "rank": r,
+                                                         "shape": tuple(shape), "offset": offset})
+                        return at, fits
+                    read = _read_group(h5, path, f"{dtype}/rank/{r}", allowed, dtype, place_rank)
+                    results.ranks[dtype][r] = {k: a for k, (a, _, _) in read.items() if a is not None}
+                    results.offsets[dtype][r] = {k: o for k, (a, o, _) in read.items() if a is not None}
+                    results.given |= {(dtype, r, k) for k, (a, _, given) in read.items() if given}
     return results
 
 
 def write_results(path: str, case: Case, global_: dict | None = None, ranks: dict | None = None) -> None:
     """Write a results file for ``case``: ``global_`` = {dtype: {name: array}},
-    ``ranks`` = {dtype: {rank: {name: array}}} (atomically; what ``run-torch`` uses)."""
+    ``ranks`` = {dtype: {rank: {name: array}}} (atomically; what ``run-torch`` uses).  A rank's
+    value may be ``(array, offset)``: the block is then written with its ``offset``
+    attribute (a block of another split than the case's)."""
     import h5py
 
     from ..failstop import atomic_write
@@ -343,6 +442,9 @@ def write_results(path: str, case: Case, global_: dict | None = None, ranks: dic
             for dtype, per_rank in (ranks or {}).items():
                 for r, arrays in per_rank.items():
                     for name, array in arrays.items():
-                        h5.create_dataset(f"{dtype}/rank/{r}/{name}", data=array)
+                        array, offset = array if isinstance(array, tuple) else (array, None)
+                        dataset = h5.create_dataset(f"{dtype}/rank/{r}/{name}", data=array)
+                        if offset is not None:
+                            dataset.attrs["offset"] = numpy.asarray(offset, dtype=numpy.int64)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, write, binary=True)

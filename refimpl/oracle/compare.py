@@ -23,13 +23,14 @@ known mistake.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy
 
-from .. import layers
-from . import diagnose
+from .. import functional as F, layers
+from . import casefile, diagnose, expect
 from .casefile import Case, Results
 
 SAFETY = 16.0
@@ -55,39 +56,75 @@ def tolerance(case: Case, dtype: str, tensor: str, factor: float = 1.0) -> tuple
 
 @dataclass
 class Finding:
-    """The comparison of one tensor (global, or one rank's block) in one dtype."""
+    """The comparison of one tensor (global, or one rank's block) in one dtype.
+
+    ``max_abs``/``max_rel`` are over the finite errors; ``nonfinite`` counts NaN/inf values
+    where the expectation differs (each one a mismatch).  A block whose shape cannot be placed
+    has ``problem`` "shape", its ``message``, and None for the error measures."""
     dtype: str
     tensor: str
-    rank: int | None            # None: the global tensor
-    max_abs: float
-    max_rel: float
+    rank: int | None            # None: the global tensor; else the results' rank number
+    max_abs: float | None
+    max_rel: float | None
     tolerance: float
     why: str
     ok: bool
     mismatches: int = 0
     first_index: tuple | None = None     # global index of the first mismatch
-    owner: int | None = None             # the rank that owns it
+    owner: int | None = None             # the rank that owns it (in the results' layout)
     diagnosis: str | None = None
+    nonfinite: int = 0
+    problem: str | None = None           # "shape": the block cannot be placed (see message)
+    message: str | None = None
+    offset: tuple | None = None          # where the block was placed (global index of its first element)
+    shape: tuple | None = None
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.ok else "fail"
 
     def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        out["status"] = self.status
+        return out
 
 
 @dataclass
 class CaseReport:
+    """One case's verdict.  ``status``: pass, fail (a mismatch, or a piece ``--require``
+    asks for is missing), not run (no results), unusable (``error``)."""
     case: str
     findings: list = field(default_factory=list)
+    not_provided: list = field(default_factory=list)   # {"dtype", "tensor", "covered", "total"}
+    missing: list = field(default_factory=list)        # the not_provided entries --require asks for
+    unchecked: list = field(default_factory=list)      # {"dtype", "tensor", "rank", "why"}
+    layout: str = "case"                               # "case", or "results": the results' own split
+    layout_note: str | None = None
+    error: str | None = None                           # unusable: why
+    run: bool = True
 
     @property
     def ok(self) -> bool:
-        return all(f.ok for f in self.findings)
+        return self.error is None and not self.missing and all(f.ok for f in self.findings)
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return "unusable"
+        if not self.run:
+            return "fail" if self.missing else "not run"
+        return "pass" if self.ok else "fail"
 
     def as_dict(self) -> dict:
-        return {"case": self.case, "ok": self.ok, "findings": [f.as_dict() for f in self.findings]}
+        return {"case": self.case, "ok": self.ok, "status": self.status,
+                "findings": [f.as_dict() for f in self.findings], "not_provided": self.not_provided,
+                "missing": self.missing, "unchecked": self.unchecked, "layout": self.layout,
+                "layout_note": self.layout_note, "error": self.error}
 
 
 def _errors(got, want):
-    """|got - want| with equal entries (two -inf windows of max pooling) counting as 0."""
+    """|got - want| with equal entries (two -inf windows of max pooling) counting as 0; NaN
+    where got is NaN, inf where one side is infinite and the other is not."""
     got = numpy.asarray(got, dtype=numpy.float64)
     want = numpy.asarray(want, dtype=numpy.float64)
     with numpy.errstate(invalid="ignore"):
@@ -99,8 +136,22 @@ def _scale(arrays) -> float:
     return float(max(values)) if values else 0.0
 
 
-def owner_of(case: Case, tensor: str, index) -> int | None:
-    """The lowest rank holding global element ``index`` of ``tensor``."""
+def _inside(index, piece) -> bool:
+    array, offset = piece
+    return all(o <= i < o + n for i, o, n in zip(index, offset, array.shape))
+
+
+def owner_of(case: Case, tensor: str, index, results: Results | None = None, dtype: str | None = None):
+    """The lowest rank holding global element ``index`` of ``tensor`` (x_needed, dx_needed:
+    of the input).  With ``results`` in their own layout, the results' rank whose block of the
+    tensor (dx for the input; y for the output) holds it (None: no results block does)."""
+    if results is not None and dtype is not None and results.own_layout(case, dtype):
+        name = "dx" if tensor in ("x_needed", "dx_needed") else tensor
+        for r in sorted(results.ranks[dtype]):
+            if name in results.ranks[dtype][r] and _inside(index, (results.ranks[dtype][r][name],
+                                                                   results.offsets[dtype][r][name])):
+                return r
+        return None
     if tensor in ("dw", "db"):
         holders = [lo.rank for lo, arrays in zip(case.layouts, case.ranks[case.spec.dtypes[0]])
                    if _inside(index, arrays[tensor])]
@@ -112,56 +163,419 @@ def owner_of(case: Case, tensor: str, index) -> int | None:
     return None
 
 
-def _inside(index, piece) -> bool:
-    array, offset = piece
-    return all(o <= i < o + n for i, o, n in zip(index, offset, array.shape))
-
-
 def _finding(dtype, tensor, rank, got, want, scale, tol, why, offset):
     err = _errors(got, want)
-    max_abs = float(err.max()) if err.size else 0.0
+    finite = numpy.isfinite(err)
+    max_abs = float(err[finite].max()) if finite.any() else 0.0
     max_rel = max_abs / scale if scale > 0 else max_abs
-    bad = err > tol * (scale if scale > 0 else 1.0)
-    finding = Finding(dtype, tensor, rank, max_abs, max_rel, tol, why, not bad.any(), int(bad.sum()))
+    with numpy.errstate(invalid="ignore"):
+        bad = ~(err <= tol * (scale if scale > 0 else 1.0))       # NaN and inf errors included
+    finding = Finding(dtype, tensor, rank, max_abs, max_rel, tol, why, not bad.any(), int(bad.sum()),
+                      nonfinite=int((bad & ~finite).sum()), offset=tuple(int(o) for o in offset),
+                      shape=tuple(int(n) for n in numpy.shape(got)))
     if bad.any():
         finding.first_index = tuple(int(i) + int(o) for i, o in zip(numpy.argwhere(bad)[0], offset))
     return finding, bad
 
 
+AXIS_NAMES = ("N", "C", "D", "H", "W")
+
+
+def _what(tensor) -> str:
+    if tensor in ("y", "y_partial"):
+        return "outputs"
+    if tensor in ("dx", "x_needed", "dx_needed"):
+        return "inputs"
+    return "elements"
+
+
+def shape_message(case: Case, error: dict) -> tuple[str, tuple | None]:
+    """(what is wrong with a block's shape, the global index where it first goes wrong)."""
+    dtype, tensor, rank, shape, offset = (error[k] for k in ("dtype", "tensor", "rank", "shape", "offset"))
+    who = "the global" if rank is None else f"rank {rank}'s"
+    domain = casefile.domain_shape(case, dtype, tensor)
+    names = AXIS_NAMES if len(domain) == 5 else tuple(f"axis {a}" for a in range(len(domain)))
+    if len(shape) != len(domain):
+        return f"{who} {tensor} has {len(shape)} dimensions {list(shape)}; it needs {len(domain)}", None
+    if offset is None and rank is not None:              # the case's block of this rank
+        want, at = case.ranks[dtype][rank][tensor]
+        a = next(a for a in range(len(shape)) if shape[a] != want.shape[a])
+        index = tuple(at[:a]) + (at[a] + min(shape[a], want.shape[a]),) + tuple(at[a + 1:])
+        return (f"{who} {tensor} has {shape[a]} {_what(tensor)} along {names[a]}; the case's block of rank {rank} "
+                f"has {want.shape[a]} there ([{at[a]}, {at[a] + want.shape[a]}) of {domain[a]}): a wrong "
+                f"output-size rule, or another split (then give each block an 'offset' attribute)", index)
+    if rank is None:                                     # a global tensor
+        a = next(a for a in range(len(shape)) if shape[a] != domain[a])
+        index = (0,) * a + (min(shape[a], domain[a]),) + (0,) * (len(shape) - a - 1)
+        text = f"the global {tensor} has {shape[a]} {_what(tensor)} along {names[a]}; the layer has {domain[a]}"
+        if tensor == "y" and a >= 2:
+            text += (" (the output-size rule: (n-1)s - 2p + d(k-1) + output_padding + 1 for a transposed conv)"
+                     if case.spec.layer == "conv_transpose3d" else
+                     " (the output-size rule: floor((n + 2p - d(k-1) - 1)/s) + 1 for a conv or pooling)")
+        return text, index
+    a = next(a for a in range(len(shape)) if offset[a] < 0 or offset[a] + shape[a] > domain[a])
+    index = tuple(offset[:a]) + (offset[a] if offset[a] < 0 else domain[a],) + tuple(offset[a + 1:])
+    have = max(0, domain[a] - offset[a])
+    text = f"{who} {tensor} has {shape[a]} {_what(tensor)} along {names[a]} at offset {offset[a]}, "
+    if offset[a] < 0:
+        text += f"{-offset[a]} of them before the domain [0, {domain[a]})"
+    else:
+        noun = "layer" if tensor in ("y", "y_partial") else "input" if _what(tensor) == "inputs" else "tensor"
+        text += f"the {noun} has {have} there"
+    if tensor in ("x_needed", "dx_needed") and a >= 2:
+        text += ": cells outside the domain are padding, not data; cut them off before writing " + tensor
+    return text, index
+
+
+# ---------------------------------------------------------------- expectations in the results' layout
+
+def _window_range(case, axis, o0, o1):
+    """The input range [i0, i1) outputs [o0, o1) read along ``axis`` (clipped to the domain)."""
+    kind = layers.lookup(case.spec.layer)
+    lo, hi = None, None
+    for o in range(o0, o1):
+        a, b = kind.input_window(case.spec, axis, o)
+        if a < b:
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    return (o0, o0) if lo is None else (lo, hi)
+
+
+def _span(offsets, arrays, name, axis):
+    off, shape = offsets[name], arrays[name].shape
+    return int(off[axis]), int(off[axis] + shape[axis])
+
+
+def results_layout(case: Case, dtype: str, r: int, arrays: dict, offsets: dict):
+    """(RankLayout, complete) of results rank r, from where its blocks lie; ``complete``:
+    its output block and its owned input block are both known (else placeholders)."""
+    spec, kind = case.spec, layers.lookup(case.spec.layer)
+    base = case.layouts[r] if r < len(case.layouts) else None
+    c, f = spec.input[1], expect.output_shape(spec)[1]
+    first = next((n for n in ("y", "dx", "y_partial", "x_needed", "dx_needed") if n in arrays), None)
+    samples = _span(offsets, arrays, first, 0) if first else (base.samples if base else (0, spec.input[0]))
+    out_channels = _span(offsets, arrays, "y", 1) if "y" in arrays else (base.out_channels if base else (0, f))
+    in_channels = _span(offsets, arrays, "dx", 1) if "dx" in arrays else (base.in_channels if base else (0, c))
+    comp = next((_span(offsets, arrays, n, 1) for n in ("x_needed", "dx_needed") if n in arrays), None)
+    if comp is None:
+        comp = base.compute_channels if base else (in_channels if spec.model_parallel == "channel" else (0, c))
+    out_name = next((n for n in ("y", "y_partial") if n in arrays), None)
+    outputs = tuple(_span(offsets, arrays, out_name, 2 + a) for a in range(3)) if out_name else None
+    owned = tuple(_span(offsets, arrays, "dx", 2 + a) for a in range(3)) if "dx" in arrays else None
+    if not kind.has_halo:             # pointwise in space: the output block is the input block
+        outputs = outputs or owned
+        owned = owned or outputs
+    needed = tuple(_window_range(case, a, *outputs[a]) for a in range(3)) if outputs else None
+    complete = outputs is not None and owned is not None
+    empty = ((0, 0),) * 3
+    layout = expect.RankLayout(r, (0, 0, 0, 0, 0), tuple(samples), tuple(in_channels), tuple(out_channels),
+                               tuple(comp), owned or needed or empty, outputs or empty, needed or empty)
+    return layout, complete, outputs is not None
+
+
+def _reference64(case, dtype):
+    a = {k: numpy.asarray(v, numpy.float64) for k, v in case.inputs[dtype].items()}
+    with F.reference_only():
+        glob = layers.lookup(case.spec.layer).reference(case.spec, a["x"], a.get("w"), a.get("b"), a["dy"])
+    return a, glob
+
+
+class _OwnLayout:
+    """Expectations of every results rank's blocks where the results use their own split."""
+
+    SLICES = {"y": "y", "dx": "dx", "x_needed": None, "dw": "dw", "db": "db"}   # slices of a global array
+
+    def __init__(self, case, dtype, results):
+        self.case, self.dtype, self.results = case, dtype, results
+        self.layouts, self.complete, self.has_outputs, self._partials = {}, {}, {}, {}
+        self._ref = None
+        for r, arrays in results.ranks[dtype].items():
+            lo, complete, has_out = results_layout(case, dtype, r, arrays, results.offsets[dtype][r])
+            self.layouts[r], self.complete[r], self.has_outputs[r] = lo, complete, has_out
+        if case.spec.model_parallel != "none":     # the model coordinate: which channel slice a rank holds
+            which = "out_channels" if case.spec.model_parallel == "filter" else "in_channels"
+            slices = sorted({getattr(lo, which) for lo in self.layouts.values()})
+            for r, lo in self.layouts.items():
+                self.layouts[r] = dataclasses.replace(lo, coords=(0, 0, 0, 0, slices.index(getattr(lo, which))))
+
+    def partials(self, r):
+        """{name: (array, offset)} of rank r's rank-specific tensors (float64), from its layout."""
+        if r not in self._partials:
+            if self._ref is None:
+                self._ref = _reference64(self.case, self.dtype)
+            a, glob = self._ref
+            with F.reference_only():
+                self._partials[r] = expect.rank_arrays(self.case.spec, a, glob, self.layouts[r])
+        return self._partials[r]
+
+    def expected(self, r, name, got, offset):
+        """The expectation of rank r's block ``name`` at ``offset`` (None: not derivable, and why)."""
+        index = tuple(slice(o, o + n) for o, n in zip(offset, got.shape))
+        dt = numpy.dtype(self.dtype)
+        if name == "x_needed":
+            return self.case.inputs[self.dtype]["x"][index], None
+        if name in self.SLICES:
+            return self.case.expected[self.dtype][name][index], None
+        if not self.has_outputs[r]:
+            return None, (f"{name} of rank {r} depends on the rank's output block: the results give rank {r} "
+                          f"no y (or y_partial) to place it")
+        try:
+            pieces = self.partials(r)
+        except (RuntimeError, ValueError) as err:       # blocks that no partitioned run could produce
+            return None, f"rank {r}'s blocks do not make a layout the layer can run on ({err})"
+        if name not in pieces:
+            return None, f"the layer has no {name}"
+        whole = expect.embed(casefile.domain_shape(self.case, self.dtype, name), [pieces[name]])
+        return whole[index].astype(dt), None
+
+    def view(self):
+        """A Case whose layouts and rank blocks are the results' (for diagnose.py), or None
+        when the results' ranks are not 0..R-1 with known blocks."""
+        ranks = sorted(self.layouts)
+        if ranks != list(range(len(ranks))) or not all(self.complete.values()):
+            return None
+        blocks = [{k: (numpy.asarray(v).astype(self.dtype), o) for k, (v, o) in self.partials(r).items()}
+                  for r in ranks]
+        return dataclasses.replace(self.case, layouts=[self.layouts[r] for r in ranks],
+                                   ranks={**self.case.ranks, self.dtype: blocks})
+
+
+def _diagnose(call, *args):
+    """A diagnosis, or None where diagnose.py cannot make sense of the input (it must never
+    stop a report)."""
+    try:
+        return call(*args)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, ArithmeticError,
+            numpy.linalg.LinAlgError):
+        return None
+
+
+HALO_CLAIM = "halo exchange"
+
+
+def _unconfirmed_halo(text, has_x_needed) -> str | None:
+    """A forward-halo diagnosis of y needs the results' x_needed to stand; without it the
+    pattern is reported, the cause only as a possibility."""
+    if not text or has_x_needed or HALO_CLAIM not in text or "forward" not in text:
+        return text
+    pattern = text.split(": the forward halo exchange")[0]
+    return (f"{pattern}: possibly a wrong halo (forward exchange), not confirmed: the results hold no "
+            f"x_needed (report it to tell the halo from the local computation)")
+
+
+def _describe_nonfinite(finding, got, bad, pad_value=0.0):
+    values = numpy.asarray(got)[bad & ~numpy.isfinite(numpy.asarray(got, numpy.float64))]
+    if not values.size:
+        return None
+    kinds = ", ".join(k for k, m in (("NaN", numpy.isnan(values)), ("-inf", values == -numpy.inf),
+                                     ("+inf", values == numpy.inf)) if m.any())
+    text = f"{finding.nonfinite} non-finite value(s) ({kinds}) where the expectation is finite"
+    if (values == -numpy.inf).any() and pad_value == -numpy.inf:
+        text += " (a cell left at -inf: max pooling's padding value, as a halo that was never filled leaves it)"
+    return text
+
+
 def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> CaseReport:
-    """Every tensor the results hold, global and per rank, against the case."""
+    """Every tensor the results hold, global and per rank, against the case (a tensor or a
+    rank the results leave out is simply not judged: ``coverage`` lists what is missing)."""
     report = CaseReport(case.name)
+    x_needed_given = {d: any("x_needed" in a for a in per.values()) for d, per in results.ranks.items()}
+    own = {d: _OwnLayout(case, d, results) for d in results.ranks if results.own_layout(case, d)}
+    views = {d: o.view() for d, o in own.items()}
     for dtype, arrays in results.global_.items():
         for tensor, got in arrays.items():
             want = case.expected[dtype][tensor]
             tol, why = tolerance(case, dtype, tensor, tolerance_factor)
             finding, bad = _finding(dtype, tensor, None, got, want, _scale([want]), tol, why, (0,) * want.ndim)
             if not finding.ok:
-                finding.owner = owner_of(case, tensor, finding.first_index)
-                finding.diagnosis = diagnose.global_tensor(case, dtype, tensor, got, want, bad,
-                                                           tol * _scale([want]))
+                finding.owner = owner_of(case, tensor, finding.first_index, results, dtype)
+                if dtype in own and (views[dtype] is None or tensor in ("dw", "db")):
+                    # no whole layout to split by (or, for dw and db, no grid to group the ranks by):
+                    # the patterns of the whole tensor only
+                    finding.diagnosis = _diagnose(_global_only, case, dtype, tensor, got, want, bad,
+                                                  tol * _scale([want]))
+                else:
+                    finding.diagnosis = _diagnose(diagnose.global_tensor, views.get(dtype) or case, dtype, tensor,
+                                                  got, want, bad, tol * _scale([want]))
+                if tensor == "y":
+                    finding.diagnosis = _unconfirmed_halo(finding.diagnosis, x_needed_given.get(dtype, False))
+                finding.nonfinite and _note_nonfinite(finding, got, bad, case)
             report.findings.append(finding)
     for dtype, per_rank in results.ranks.items():
         expected = case.ranks[dtype]
+        layout = own.get(dtype)
+        order = list(expected[0])
         names = sorted({t for arrays in per_rank.values() for t in arrays},
-                       key=lambda t: (list(expected[0]).index(t) if t in expected[0] else 99, t))
+                       key=lambda t: (order.index(t) if t in order else 99, t))
         for tensor in names:
-            scale = _scale([expected[r][tensor][0] for r in per_rank if tensor in per_rank[r]])
             tol, why = tolerance(case, dtype, tensor, tolerance_factor)
+            wants = {}
             for r, arrays in per_rank.items():
                 if tensor not in arrays:
                     continue
-                want, offset = expected[r][tensor]
-                finding, bad = _finding(dtype, tensor, r, arrays[tensor], want, scale, tol, why, offset)
+                if layout is None:
+                    wants[r] = expected[r][tensor]
+                    continue
+                want, reason = layout.expected(r, tensor, arrays[tensor], results.offsets[dtype][r][tensor])
+                if want is None:
+                    report.unchecked.append({"dtype": dtype, "tensor": tensor, "rank": r, "why": reason})
+                else:
+                    wants[r] = (want, results.offsets[dtype][r][tensor])
+            scale = _scale([w for w, _ in wants.values()])
+            for r, (want, offset) in wants.items():
+                got = per_rank[r][tensor]
+                finding, bad = _finding(dtype, tensor, r, got, want, scale, tol, why, offset)
                 if not finding.ok:   # a ghost cell's owner is the rank that sent it
-                    finding.owner = owner_of(case, "dx", finding.first_index) if tensor.endswith("needed") else r
-                    finding.diagnosis = diagnose.rank_tensor(case, dtype, tensor, r, arrays[tensor], want,
-                                                             bad, tol * scale)
+                    finding.owner = (owner_of(case, tensor, finding.first_index, results, dtype)
+                                     if tensor.endswith("needed") or layout is not None else r)
+                    if layout is None:
+                        finding.diagnosis = _diagnose(diagnose.rank_tensor, case, dtype, tensor, r, got, want, bad,
+                                                      tol * scale)
+                        if tensor == "y":
+                            finding.diagnosis = _unconfirmed_halo(finding.diagnosis, "x_needed" in per_rank[r])
+                    else:
+                        finding.diagnosis = _own_layout_diagnosis(layout, views[dtype], dtype, tensor, r, got, want,
+                                                                  bad, tol * scale, "x_needed" in per_rank[r])
+                    finding.nonfinite and _note_nonfinite(finding, got, bad, case)
                 report.findings.append(finding)
+    for error in results.shape_errors:
+        tol, why = tolerance(case, error["dtype"], error["tensor"], tolerance_factor)
+        message, index = shape_message(case, error)
+        rule = getattr(diagnose, "output_size", None)      # the output-size rule that gives the wrong extent
+        rule = rule and _diagnose(rule, case, error["dtype"], error["tensor"], error["rank"], tuple(error["shape"]),
+                                  error["offset"])
+        report.findings.append(Finding(error["dtype"], error["tensor"], error["rank"], None, None, tol, why, False,
+                                       first_index=index, owner=error["rank"], problem="shape", message=message,
+                                       diagnosis=f"{message}; {rule}" if rule else message,
+                                       offset=error["offset"], shape=tuple(error["shape"])))
+    if own:
+        report.layout = "results"
+        report.layout_note = _layout_note(case, results, own)
     report.findings.sort(key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor), f.rank is not None,
                                         f.rank or 0))
     trace_consequences(report)
+    report.not_provided = coverage(case, results)
     return report
+
+
+def _note_nonfinite(finding, got, bad, case):
+    text = _describe_nonfinite(finding, got, bad, getattr(layers.lookup(case.spec.layer), "pad_value", 0.0))
+    if text:
+        finding.message = text
+        finding.diagnosis = f"{text}; {finding.diagnosis}" if finding.diagnosis else text
+
+
+def _global_only(case, dtype, tensor, got, want, bad, atol):
+    """The patterns of a whole tensor that need no rank layout."""
+    if tensor in ("dw", "db"):
+        return None
+    everything = (slice(None),) * want.ndim
+    return diagnose.known_mistake(case, dtype, tensor, numpy.asarray(got), want, everything, atol) \
+        or diagnose.shift(numpy.asarray(got), want, bad, atol)
+
+
+def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, has_x_needed):
+    """diagnose.py's patterns for a block of the results' own layout: those that need only the
+    block, and (with a whole view of the results' layout) the halo patterns; reductions of dw
+    and db need the case's grid and are not tried."""
+    got = numpy.asarray(got)
+    lo = layout.layouts[r]
+    if tensor in ("dw", "db", "dw_partial", "db_partial", "sum_partial", "sumsq_partial"):
+        return None
+    if tensor == "x_needed":
+        return _diagnose(diagnose.ghost_cells, view, lo, bad) if view is not None else None
+    if tensor in ("y", "dx") and layout.complete[r]:
+        index = lo.index("y" if tensor == "y" else "x")
+        found = _diagnose(diagnose.known_mistake, view or layout.case, dtype, tensor, got, want, index, atol) \
+            or _diagnose(diagnose.shift, got, want, bad, atol)
+        if found:
+            return found
+        if view is None:
+            return None
+        if tensor == "y":
+            found = _diagnose(diagnose.halo_forward, view, lo, bad)
+            found = found and found.format(who=f"rank {r}")
+            return _unconfirmed_halo(found, has_x_needed)
+        found = _diagnose(diagnose.halo_adjoint, view, dtype, lo, got, want, bad, atol)
+        return found and found.format(who=f"rank {r}")
+    return _diagnose(diagnose.shift, got, want, bad, atol)
+
+
+def _layout_note(case, results, own) -> str:
+    """Where the results' blocks differ from the case's (the first dtype's; the others
+    use the same split as a rule)."""
+    dtype = next(iter(own))
+    layout, diffs = own[dtype], []
+    for r in sorted(layout.layouts):
+        lo = layout.layouts[r]
+        base = case.layouts[r] if r < len(case.layouts) else None
+        if not layout.has_outputs[r]:
+            continue
+        if base is None:
+            diffs.append(f"rank {r} (not in the case)")
+            continue
+        axes = [f"{AXIS_NAMES[2 + a]} [{lo.outputs[a][0]}, {lo.outputs[a][1]})"
+                + (" empty" if lo.outputs[a][0] == lo.outputs[a][1] else "")
+                + f" (case: [{base.outputs[a][0]}, {base.outputs[a][1]}))"
+                for a in range(3) if lo.outputs[a] != base.outputs[a]]
+        if axes or lo.samples != base.samples or lo.out_channels != base.out_channels:
+            diffs.append(f"rank {r} outputs " + (", ".join(axes) or f"samples {list(lo.samples)}, channels "
+                                                 f"{list(lo.out_channels)}"))
+    text = (f"ranks are the results' own: {len(layout.layouts)} rank(s) whose blocks are not the case's split of "
+            f"grid {list(case.spec.grid)}")
+    return text + (": " + "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "") if diffs else "")
+
+
+def coverage(case: Case, results: Results) -> list:
+    """The required tensors (y, dx, and the parameter gradients) the results do not cover,
+    per dtype of the case: neither globally nor by the union of the ranks' blocks."""
+    out = []
+    for dtype in case.spec.dtypes:
+        for tensor in casefile.required(case):
+            total = int(numpy.prod(case.expected[dtype][tensor].shape))
+            if tensor in results.global_.get(dtype, {}):
+                continue
+            seen = numpy.zeros(case.expected[dtype][tensor].shape, bool)
+            for r, arrays in results.ranks.get(dtype, {}).items():
+                if tensor in arrays:
+                    offset = results.offsets[dtype][r][tensor]
+                    seen[tuple(slice(o, o + n) for o, n in zip(offset, arrays[tensor].shape))] = True
+            covered = int(seen.sum())
+            if covered < total:
+                out.append({"dtype": dtype, "tensor": tensor, "covered": covered, "total": total})
+    return out
+
+
+#: --require: what must be provided (the levels, and single tensors)
+REQUIRE = {"all": ("y", "dx", "dw", "db"), "forward": ("y",), "backward": ("dx", "dw", "db"),
+           "params": ("dw", "db"), "y": ("y",), "dx": ("dx",), "dw": ("dw",), "db": ("db",)}
+
+
+def parse_require(text) -> tuple | None:
+    """``--require`` (comma-separated levels or tensors) as (tensors, every dtype of the case?)."""
+    if text is None or text == "none":
+        return None
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in words if w not in REQUIRE]
+    if bad or not words:
+        raise ValueError(f"--require must be a comma-separated list of {', '.join(REQUIRE)} (or none), got {text!r}")
+    tensors = tuple(dict.fromkeys(t for w in words for t in REQUIRE[w]))
+    return tensors, "all" in words
+
+
+def apply_require(case: Case, report: CaseReport, require, results: Results | None) -> None:
+    """Mark as missing what ``--require`` asks for and the results do not cover: in every
+    dtype of the case for ``all``, else in every dtype the results hold (all of them when the
+    case was not run)."""
+    if require is None:
+        return
+    tensors, every_dtype = require
+    present = set() if results is None else set(results.global_) | set(results.ranks)
+    dtypes = set(case.spec.dtypes) if every_dtype or not present else present
+    params = casefile.required(case)
+    gaps = report.not_provided if results is not None else [
+        {"dtype": d, "tensor": t, "covered": 0, "total": int(numpy.prod(case.expected[d][t].shape))}
+        for d in case.spec.dtypes for t in params]
+    report.missing = [g for g in gaps if g["tensor"] in tensors and g["tensor"] in params and g["dtype"] in dtypes]
 
 
 #: the order in which a partitioned layer computes its tensors: an error upstream spoils

@@ -28,35 +28,90 @@ registry (refimpl/layers: ``torch_forward``, ``torch_block``, ``torch_ranks``).
     bn-local-stats  batch norm statistics over each rank's own block (no allreduce)
     dw-unsummed     dw and db allreduced over the sample groups only, not over the
                     spatial shards
+    dx-missing      the input gradient is never computed: dx and dx_needed all zero
+    far-halo:R      the halo exchange serves direct neighbours only: rank R receives
+                    zeros for the cells it needs from ranks past its neighbours, and its
+                    ghost gradients for them are never sent back
+    stride-phase:R  rank R's strided windows restart at its own block: its outputs are
+                    those of windows starting at its block's first cell less the padding
+                    (not on the global stride grid; visible on uneven blocks)
+    inner-padding   every rank pads its own block at its internal faces instead of
+                    reading the neighbours' cells (no halo: the results hold no x_needed,
+                    dx_needed)
+    pool-no-halo    pooling: every rank pools its own block alone (likewise no x_needed)
+    output-size     the output-size rule ignores output_padding (transposed conv) or
+                    dilation: y of the wrong shape (the global y, and the blocks at its end)
 """
 from __future__ import annotations
 
 import numpy
 
 from .. import layers
-from . import expect
+from . import diagnose, expect
 
-PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "bn-local-stats", "dw-unsummed")
+PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "bn-local-stats", "dw-unsummed", "dx-missing", "far-halo:R",
+          "stride-phase:R", "inner-padding", "pool-no-halo", "output-size")
+#: plants that take a rank number
+RANKED = ("halo", "far-halo", "stride-phase")
 
 
 def parse_plant(text, case=None):
-    """('halo', R) / ('padding', axis) / (name, None); ValueError for anything else."""
+    """('halo', R) / ('padding', axis) / (name, None); ValueError for anything else, or for a
+    plant the case cannot show."""
     if text is None:
         return None
     name, _, arg = text.partition(":")
-    if name == "halo":
+    if name in RANKED:
         if not arg.isdigit():
-            raise ValueError(f"--plant halo:R needs a rank number R, got {text!r}")
+            raise ValueError(f"--plant {name}:R needs a rank number R, got {text!r}")
         if case is not None and int(arg) >= case.spec.ranks:
             raise ValueError(f"--plant {text}: case {case.name} has ranks 0..{case.spec.ranks - 1}")
-        return name, int(arg)
-    if name == "padding":
+        plant = name, int(arg)
+    elif name == "padding":
         if arg not in ("D", "H", "W"):
             raise ValueError(f"--plant padding:AXIS needs AXIS = D, H or W, got {text!r}")
         return name, "DHW".index(arg)
-    if name in ("ghost-clear", "bn-local-stats", "dw-unsummed") and not arg:
-        return name, None
-    raise ValueError(f"--plant must be one of {', '.join(PLANTS)}, got {text!r}")
+    elif name in ("ghost-clear", "bn-local-stats", "dw-unsummed", "dx-missing", "inner-padding", "pool-no-halo",
+                  "output-size") and not arg:
+        plant = name, None
+    else:
+        raise ValueError(f"--plant must be one of {', '.join(PLANTS)}, got {text!r}")
+    if case is not None:
+        _check_plant(case, plant, text)
+    return plant
+
+
+def _check_plant(case, plant, text):
+    """ValueError where the case cannot show the plant's mistake."""
+    name, r = plant
+    kind = layers.lookup(case.spec.layer)
+    why = None
+    if name in ("far-halo", "inner-padding", "stride-phase") and not kind.has_halo:
+        why = f"layer {case.spec.layer} has no halo"
+    elif name == "far-halo" and not diagnose.far_cells(case, case.layouts[r])[1]:
+        why = f"rank {r}'s windows read no cells past its neighbours' blocks"
+    elif name == "stride-phase" and (not hasattr(kind, "torch_window") or
+                                     (case.spec.model_parallel == "channel" and kind.mixes_channels)):
+        why = f"its {case.spec.layer} layer has no strided windows to misplace here"
+    elif name == "pool-no-halo" and not kind.no_halo_mistake:
+        why = f"layer {case.spec.layer} is not a pooling"
+    elif name == "output-size" and _wrong_extents(case) is None:
+        why = "its layer has neither output_padding nor dilation"
+    if why:
+        raise ValueError(f"--plant {text}: case {case.name}: {why}")
+
+
+def _wrong_extents(case):
+    """The output extents (D, H, W) of a rule that ignores output_padding or dilation (None: the
+    case's layer has neither)."""
+    kind = layers.lookup(case.spec.layer)
+    extents, changed = [], False
+    for a in range(3):
+        rule = next((e for what, e in kind.output_size_rules(case.spec, a)
+                     if what.startswith(("ignores output_padding", "ignores dilation"))), None)
+        changed |= rule is not None
+        extents.append(expect.output_shape(case.spec)[2 + a] if rule is None else rule)
+    return extents if changed else None
 
 
 def _torch():
@@ -86,20 +141,31 @@ def run_ranks(case, dtype, torch, plant=None):
     g = {k: torch.tensor(v) for k, v in case.inputs[dtype].items()}
     results = kind.torch_ranks(case, g, torch, plant)
     if results is not None:
+        if plant and plant[0] == "dx-missing":
+            for r in results.values():
+                r["dx"] = numpy.zeros_like(r["dx"])
         return results
     tf = torch.nn.functional
     shift_axis = plant[1] if plant and plant[0] == "padding" else None
+    name, planted = plant if plant else (None, None)
     partial_sums = spec.model_parallel == "channel" and kind.mixes_channels
     out = {lo.rank: {} for lo in case.layouts}
     leaves = {}
     for lo in case.layouts:
         xn = g["x"][lo.index("needed")].clone()
-        if plant and plant[0] == "halo" and plant[1] == lo.rank:     # ghosts never arrive
+        own = tuple(slice(max(a0, n0) - n0, min(a1, n1) - n0) for (a0, a1), (n0, n1) in zip(lo.owned, lo.needed))
+        if name == "halo" and planted == lo.rank:                  # ghosts never arrive
             keep = torch.zeros_like(xn)
-            own = tuple(slice(max(a0, n0) - n0, min(a1, n1) - n0) for (a0, a1), (n0, n1) in zip(lo.owned, lo.needed))
             keep[(slice(None), slice(None)) + own] = 1
             xn = xn * keep
+        if name == "far-halo" and planted == lo.rank:              # nothing from past the neighbours
+            xn = xn * torch.tensor(~diagnose.far_cells(case, lo)[0], dtype=xn.dtype)
         xn.requires_grad_(True)
+        used = xn
+        if name in ("inner-padding", "pool-no-halo"):              # the own block, padded at every face
+            keep = torch.zeros(xn.shape, dtype=torch.bool)
+            keep[(slice(None), slice(None)) + own] = True
+            used = torch.where(keep, xn, torch.full_like(xn, float(getattr(kind, "pad_value", 0.0))))
         w = b = None
         if "w" in g:
             shard = expect.weight_shard(spec, lo)
@@ -111,9 +177,11 @@ def run_ranks(case, dtype, torch, plant=None):
         if any(o0 == o1 for o0, o1 in lo.outputs) or lo.samples[0] == lo.samples[1]:
             continue
         if partial_sums:                                             # partial sums, no bias
-            out[lo.rank]["y_partial"] = kind.torch_block(spec, tf, lo, xn, w, None, shift_axis)
+            out[lo.rank]["y_partial"] = kind.torch_block(spec, tf, lo, used, w, None, shift_axis)
+        elif name == "stride-phase" and planted == lo.rank:
+            out[lo.rank]["y"] = _local_phase_block(case, g["x"], lo, used, w, b, tf)
         else:
-            out[lo.rank]["y"] = kind.torch_block(spec, tf, lo, xn, w, b, shift_axis)
+            out[lo.rank]["y"] = kind.torch_block(spec, tf, lo, used, w, b, shift_axis)
     if partial_sums:                                                 # the reduce-scatter
         for lo in case.layouts:
             if "y_partial" not in out[lo.rank]:
@@ -139,10 +207,37 @@ def run_ranks(case, dtype, torch, plant=None):
             r["dw_partial"] = w.grad.numpy() if w.grad is not None else numpy.zeros(tuple(w.shape), dtype)
             r["db_partial"] = b.grad.numpy() if b.grad is not None else numpy.zeros(tuple(b.shape), dtype)
         result[lo.rank] = r
+    if name == "dx-missing":
+        for r in result.values():
+            r["dx_needed"] = numpy.zeros_like(r["dx_needed"])
     _adjoint_exchange(case, dtype, result, plant)
     if "w" in g:
         _allreduce_params(case, result, plant)
+    if name in ("inner-padding", "pool-no-halo"):              # no halo: nothing was exchanged
+        for r in result.values():
+            r.pop("x_needed")
+            r.pop("dx_needed")
     return result
+
+
+def _local_phase_block(case, x, lo, used, w, b, tf):
+    """Rank lo's outputs from windows starting at its block's first cell less the padding,
+    on its own stride grid (the stride-phase plant): the values of those windows (read from
+    the whole input, so the halo is right), the gradients of x as the right windows have them."""
+    spec, kind = case.spec, layers.lookup(case.spec.layer)
+    k, s, d = spec.kernel, spec.stride, spec.dilation
+    pads = diagnose._pads(spec)
+    reach = max(s) + max(dd * (kk - 1) for kk, dd in zip(k, d)) + max(max(p) for p in pads) + 1
+    xs = x[slice(*lo.samples), slice(*lo.compute_channels)]
+    xp = tf.pad(xs, [reach] * 6, value=float(getattr(kind, "pad_value", 0.0)))
+    window = [slice(None), slice(None)]
+    for a in range(3):
+        first = lo.owned[a][0] - pads[a][0]
+        count = lo.outputs[a][1] - lo.outputs[a][0]
+        window.append(slice(first + reach, first + reach + s[a] * (count - 1) + d[a] * (k[a] - 1) + 1))
+    y = kind.torch_window(spec, tf, xp[tuple(window)], w, b, 0)
+    right = kind.torch_block(spec, tf, lo, used, None if w is None else w.detach(), None)
+    return y + (right - right.detach())
 
 
 def _shape(lo, which):
@@ -163,6 +258,8 @@ def _adjoint_exchange(case, dtype, result, plant):
         for q in _peers(case, lo):
             start = [s.start for s in q.index("needed")]
             piece = (result[q.rank]["dx_needed"].astype(numpy.float64), start)
+            if plant and plant[0] == "far-halo" and plant[1] == q.rank:    # never sent past the neighbours
+                piece[0][:, :, diagnose.far_cells(case, q)[0]] = 0
             pieces.append(piece)
             if q.rank == lo.rank:
                 own = expect.embed(shape, [piece])
@@ -214,6 +311,28 @@ def run_case(case, plant=None, global_mode="whole", per_rank=True):
             glob[dtype] = run_global(case, dtype, torch)
         elif global_mode == "gathered":
             glob[dtype] = gathered(case, dtype, ranks[dtype])
+        if plant and plant[0] == "output-size":
+            _wrong_size(case, glob.get(dtype, {}), ranks.get(dtype, {}))
     if not per_rank:
         ranks = {}
     return glob, ranks
+
+
+def _resize(array, extents):
+    """array cut, or zero-extended, to ``extents`` along its three spatial axes."""
+    out = array[(slice(None), slice(None)) + tuple(slice(0, e) for e in extents)]
+    grow = [(0, 0), (0, 0)] + [(0, max(0, e - n)) for e, n in zip(extents, out.shape[2:])]
+    return numpy.pad(out, grow) if any(g for _, g in grow) else out
+
+
+def _wrong_size(case, glob, ranks):
+    """The output-size plant: y sized by a rule that ignores output_padding or dilation (the
+    global y, and each rank's block cut or extended to that rule's end)."""
+    extents = _wrong_extents(case)
+    full = expect.output_shape(case.spec)[2:]
+    if "y" in glob:
+        glob["y"] = _resize(glob["y"], extents)
+    for lo in case.layouts:
+        if lo.rank in ranks and "y" in ranks[lo.rank]:
+            ends = [max(0, (e if o1 == n else min(o1, e)) - o0) for (o0, o1), e, n in zip(lo.outputs, extents, full)]
+            ranks[lo.rank]["y"] = _resize(ranks[lo.rank]["y"], ends)

@@ -1,0 +1,279 @@
+"""``refimpl oracle run-dtensor``: PyTorch DTensor as the implementation under test.
+
+Where ``run-torch`` (torch_adapter.py) plays a partitioned implementation inside one
+process, this adapter hands each case to a real one: ``torch.distributed.tensor``
+(DeviceMesh, Shard, Replicate, distribute_tensor) on N processes talking gloo on the
+CPU.  It starts N ranks (``python -m refimpl.oracle.dtensor_runner``; N is the case's
+rank count; consecutive cases with the same N share a launch), waits for them
+(``--timeout`` a case; a hung rank is killed), and merges what they wrote into one
+results file per case, in DTensor's *own* layout:
+
+    /  attrs  case_digest
+    /<dtype>/rank/<r>/{y, dx}    rank r's local shards, each with attribute ``offset``: the
+                                 global index of its first element (N, C, D, H, W), from
+                                 DTensor's placements: torch.chunk splits, so W = 6 over 4
+                                 ranks is 2, 2, 2, 0 (an empty shard's offset is where it
+                                 would start), not refimpl's balanced 2, 2, 1, 1
+    /<dtype>/global/{dw, db}     parameter gradients, given once (rank 0's full_tensor())
+
+Whatever a rank could not compute is left out (partial results); each (case, dtype,
+tensor) gets a status in ``DIR/dtensor_summary.json``: ``ok``, ``refused`` (DTensor
+raised NotImplementedError or one of its own RuntimeErrors: an op or sharding it does not
+support), ``crashed`` (any other error, a rank that died or hung), with the exception's
+first line.  The forward and the backward run in separate ``try`` blocks, so a failing
+backward still leaves y.  ``verdicts`` folds a case's statuses and its ``oracle check``
+report into one word per tensor (pass / fail / refused / crashed: docs/peers.md's tables).
+
+torch is imported only by the rank processes (dtensor_runner.py), never here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SUMMARY = "dtensor_summary.json"
+STATUSES = ("ok", "refused", "crashed")
+
+
+def torch_version() -> str:
+    """PyTorch's version without importing it (ValueError if it is not installed)."""
+    from importlib import metadata
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        raise ValueError("run-dtensor needs PyTorch: pip install 'refimpl[oracle]'") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(parts: str, world: int, timeout_s: float, jobs: list) -> dict:
+    """Start ``world`` rank processes on ``jobs`` ([case path, dtype], in order); {rank: exit
+    description, or None for exit status 0 or 3 (stopped after a recorded failure)}."""
+    port = _free_port()
+    jobs_file = os.path.join(parts, "jobs.json")
+    with open(jobs_file, "w") as f:
+        json.dump(jobs, f)
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    procs = []
+    for r in range(world):
+        log = open(os.path.join(parts, f"rank{r}.log"), "a")
+        procs.append((subprocess.Popen(
+            [sys.executable, "-m", "refimpl.oracle.dtensor_runner", parts, str(timeout_s / 2), jobs_file],
+            env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True), log))
+    deadline = time.monotonic() + timeout_s * len({path for path, _ in jobs})
+    exits = {}
+    for r, (proc, log) in enumerate(procs):
+        try:
+            code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            exits[r] = None if code in (0, 3) else (f"rank {r} killed by signal {-code}" if code < 0 else
+                                                   f"rank {r} exited with status {code}")
+        except subprocess.TimeoutExpired:
+            exits[r] = f"rank {r} did not finish in time (--timeout {timeout_s:g} s a case; killed)"
+        log.close()
+    for proc, _ in procs:                    # only the processes started here, by their ids
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return exits
+
+
+def _progress(parts: str, world: int) -> set:
+    """The (case name, dtype) jobs every rank finished."""
+    done = None
+    for r in range(world):
+        try:
+            with open(os.path.join(parts, f"rank{r}.progress")) as f:
+                mine = {tuple(line.rstrip("\n").split("\t")) for line in f if line.strip()}
+        except OSError:
+            mine = set()
+        done = mine if done is None else done & mine
+    return done or set()
+
+
+def _tail(parts: str, rank: int) -> str:
+    try:
+        with open(os.path.join(parts, f"rank{rank}.log")) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def merge(case, parts: str, exits: dict):
+    """(global_, ranks, records) from the ranks' part files (``parts``: the case's folder;
+    ``exits``: how ranks ended, with the rank logs one level up): arrays with their
+    offsets, and one status record per (dtype, tensor)."""
+    import h5py
+    import numpy
+    tensors = ["y", "dx"] + (["dw", "db"] if "w" in case.inputs[case.spec.dtypes[0]] else [])
+    status = {}
+    for r in range(case.spec.ranks):
+        try:
+            with open(os.path.join(parts, f"rank{r}.json")) as f:
+                status[r] = {(s["dtype"], s["tensor"]): s for s in json.load(f)}
+        except (OSError, ValueError):
+            status[r] = {}
+    glob, ranks, records = {}, {}, []
+    for dtype in case.spec.dtypes:
+        for name in tensors:
+            per = [status[r].get((dtype, name)) for r in range(case.spec.ranks)]
+            missing = [r for r, s in enumerate(per) if s is None]
+            bad = [(r, s) for r, s in enumerate(per) if s is not None and s["status"] != "ok"]
+            refused = [(r, s) for r, s in bad if s["status"] == "refused"]
+            primary = [(r, s) for r, s in bad if not s.get("secondary")]
+            died = [r for r in range(case.spec.ranks) if exits.get(r)]
+            if refused:                          # the first cause wins over its consequences
+                verdict, error = "refused", f"rank {refused[0][0]}: {refused[0][1]['error']}"
+            elif primary:
+                verdict, error = "crashed", f"rank {primary[0][0]}: {primary[0][1]['error']}"
+            elif bad or missing:                 # a peer died or hung: its own words, from its log
+                r = (died or missing or [bad[0][0]])[0]
+                said = _tail(os.path.dirname(parts), r) if r in died or r in missing else ""
+                verdict, error = "crashed", (f"{exits.get(r) or f'rank {r} wrote no status'}: {said}" if said or
+                                             r in missing else f"rank {r}: {bad[0][1]['error']}")
+            else:
+                verdict, error = "ok", ""
+            ok_rec = next((s for s in per if s is not None and s["status"] == "ok"), None) or {}
+            records.append({"dtype": dtype, "tensor": name, "status": verdict, "error": error,
+                            "placements": ok_rec.get("placements"),
+                            "shape_disagrees": sorted({r for r, s in enumerate(per) if s and s["status"] == "ok"
+                                                       and s["local_shape"] != s["claimed_shape"]})})
+    for r in range(case.spec.ranks):
+        path = os.path.join(parts, f"rank{r}.h5")
+        if not os.path.exists(path):
+            continue
+        with h5py.File(path, "r") as h5:
+            for dtype in h5:
+                for name in h5[dtype]:
+                    ds = h5[f"{dtype}/{name}"]
+                    item = (numpy.asarray(ds[()]), [int(o) for o in ds.attrs["offset"]])
+                    if name in ("dw", "db"):
+                        glob.setdefault(dtype, {})[name] = item
+                    else:
+                        ranks.setdefault(dtype, {}).setdefault(r, {})[name] = item
+    return glob, ranks, records
+
+
+def write_results(path: str, case, glob: dict, ranks: dict) -> None:
+    """The results file: the case's digest, rank shards with ``offset``, parameters once."""
+    import h5py
+
+    from ..failstop import atomic_write
+
+    def write(f):
+        with h5py.File(f, "w") as h5:
+            h5.attrs["case_digest"] = case.digest
+            h5.attrs["about"] = "refimpl oracle run-dtensor: PyTorch DTensor's own layout (docs/peers.md)"
+            for dtype, arrays in glob.items():
+                for name, (array, offset) in arrays.items():
+                    h5.create_dataset(f"{dtype}/global/{name}", data=array).attrs["offset"] = offset
+            for dtype, per_rank in ranks.items():
+                for r, arrays in per_rank.items():
+                    for name, (array, offset) in arrays.items():
+                        h5.create_dataset(f"{dtype}/rank/{r}/{name}", data=array).attrs["offset"] = offset
+    atomic_write(path, write, binary=True)
+
+
+def run_cases(cases: list, out_dir: str, timeout_s: float = 120.0, keep_parts: bool = False, report=None) -> list:
+    """Run DTensor on ``cases``; writes ``out_dir/<case file name>`` for each; returns their
+    summary entries.  Consecutive cases with the same rank count share one launch (torch
+    starts in seconds, a case runs in milliseconds); after a failure that may have left
+    the ranks out of step, fresh ranks take the jobs left.  ``report(entry)`` is called as
+    each case is written."""
+    entries = []
+    os.makedirs(out_dir, exist_ok=True)
+    groups = []
+    for case in cases:
+        if groups and groups[-1][0].spec.ranks == case.spec.ranks:
+            groups[-1].append(case)
+        else:
+            groups.append([case])
+    for group in groups:
+        world = group[0].spec.ranks
+        parts = tempfile.mkdtemp(prefix=".run-dtensor.", dir=out_dir)
+        try:
+            start = time.perf_counter()
+            todo = [(os.path.abspath(c.path), c.name, d) for c in group for d in c.spec.dtypes]
+            exits = {c.name: {} for c in group}              # how ranks ended, by the case they failed on
+            while todo:
+                launched = launch(parts, world, timeout_s, [[path, d] for path, _, d in todo])
+                done = _progress(parts, world)
+                left = [i for i, (_, name, d) in enumerate(todo) if (name, d) not in done]
+                if left:                                      # the first job not done failed: skip it
+                    exits[todo[left[0]][1]].update({r: e for r, e in launched.items() if e})
+                todo = todo[left[0] + 1:] if left else []
+            seconds = (time.perf_counter() - start) / len(group)
+            for case in group:
+                folder = os.path.join(parts, case.name)
+                os.makedirs(folder, exist_ok=True)
+                glob, ranks, records = merge(case, folder, exits[case.name])
+                write_results(os.path.join(out_dir, case.name), case, glob, ranks)
+                entry = {"case": case.name, "layer": case.spec.layer, "grid": list(case.spec.grid),
+                         "world": world, "seconds": round(seconds, 2), "tensors": records}
+                entries.append(entry)
+                if report is not None:
+                    report(entry)
+        finally:
+            if not keep_parts:
+                shutil.rmtree(parts, ignore_errors=True)
+    return entries
+
+
+def run_case(case, out_dir: str, timeout_s: float = 120.0) -> dict:
+    """Run DTensor on one case (its own launch); its summary entry."""
+    return run_cases([case], out_dir, timeout_s)[0]
+
+
+def tensor_status(entry: dict) -> dict:
+    """{tensor: ok / refused / crashed} of one summary entry, over its dtypes (the worst)."""
+    worst = {}
+    for rec in entry["tensors"]:
+        old = worst.get(rec["tensor"], "ok")
+        worst[rec["tensor"]] = max(old, rec["status"], key=STATUSES.index)
+    return worst
+
+
+def write_summary(out_dir: str, entries: list, nproc) -> str:
+    from ..failstop import atomic_write
+    path = os.path.join(out_dir, SUMMARY)
+    flat = [{"case": e["case"], **{k: r[k] for k in ("dtype", "tensor", "status", "error")}}
+            for e in entries for r in e.get("tensors", [])]
+    text = json.dumps({"peer": f"torch.distributed.tensor (PyTorch {torch_version()}, gloo, CPU)",
+                       "nproc": nproc, "records": flat, "cases": entries}, indent=1)
+    atomic_write(path, lambda f: f.write(text))
+    return path
+
+
+VERDICTS = ("pass", "fail", "refused", "crashed")
+
+
+def verdicts(entry: dict, report: dict | None) -> dict:
+    """{tensor: pass / fail / refused / crashed} of one case over its dtypes (the worst):
+    DTensor's own status (``entry``: the case's summary entry) where it computed nothing,
+    else the verdict of ``refimpl oracle check`` (``report``: the case's entry of its
+    ``--json``): fail if any block mismatches, or if part of the tensor was not provided
+    although DTensor said it computed it."""
+    out = {}
+    for tensor, status in tensor_status(entry).items():
+        if status != "ok":
+            out[tensor] = status
+            continue
+        if report is None:
+            out[tensor] = "fail"
+            continue
+        bad = any(f["tensor"] == tensor and not f["ok"] for f in report.get("findings", ()))
+        gap = any(n["tensor"] == tensor for n in report.get("not_provided", ()))
+        out[tensor] = "fail" if bad or gap or report.get("error") else "pass"
+    return out
