@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy
 
 from . import layers, settings
-from .functional._args import triple
+from .functional._args import compact_padding, padding_sides, triple
 from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
 from .parallel.grid import check_dims
 
@@ -37,6 +37,20 @@ def _text(values) -> str:
     return ",".join(str(v) for v in values)
 
 
+def _window_padding(value, kind, kernel, dilation, stride):
+    """--padding: an int, 1, 3 or 6 ints ('p', 'pd,ph,pw', 'd_lo,d_hi,h_lo,h_hi,w_lo,w_hi'),
+    'valid' or 'same' -> (pd, ph, pw) when symmetric, else the 6-tuple (``compact_padding``).
+    A kind whose ``padding_forms`` is 'symmetric' (conv_transpose3d, as PyTorch) takes 1 or 3."""
+    values = value if isinstance(value, str) else (value,) if isinstance(value, int) else tuple(value)
+    if isinstance(values, tuple) and len(values) == 1:
+        values = values[0]
+    if kind.padding_forms == "symmetric" and (isinstance(values, str) or len(values if isinstance(values, tuple)
+                                                                                 else (values,)) not in (1, 3)):
+        raise ValueError(f"--padding of {kind.name} takes 1 or 3 comma-separated integers (as PyTorch's "
+                         f"{kind.name}), got {value!r}")
+    return compact_padding(padding_sides(values, kernel, dilation, stride, "--padding"))
+
+
 def _window_triple(value, name, minimum):
     """An int, or 1 or 3 ints (check-layer's 'k' or 'kd,kh,kw'), as a validated 3-tuple."""
     values = (value,) if isinstance(value, int) else tuple(value)
@@ -47,8 +61,10 @@ def _window_triple(value, name, minimum):
 
 @dataclass(frozen=True)
 class LayerCheck:
-    """A validated check: window arguments normalised to 3-tuples, ``stride`` None -> the
-    kind's default (1; pooling: the kernel), ``out_channels`` None -> C."""
+    """A validated check: window arguments normalised to 3-tuples (``padding``: a 3-tuple when
+    symmetric, else the per-side 6-tuple (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi); 'same' and
+    'valid' resolved), ``stride`` None -> the kind's default (1; pooling: the kernel),
+    ``out_channels`` None -> C."""
     layer: str
     input: tuple                     # global (N, C, D, H, W)
     grid: tuple                      # (Pn, Pd, Ph, Pw[, Pm]); comm must hold their product
@@ -58,6 +74,10 @@ class LayerCheck:
     padding: int | tuple = 0
     dilation: int | tuple = 1
     output_padding: int | tuple = 0
+    ceil_mode: bool = False          # pooling (PyTorch's)
+    count_include_pad: bool = True   # avg pooling (PyTorch's)
+    divisor_override: int | None = None   # avg pooling (PyTorch's)
+    groups: int = 1                  # conv3d / conv_transpose3d (PyTorch's)
     model_parallel: str = "none"
     dtype: str = "float64"
     seed: int = 0
@@ -80,8 +100,17 @@ class LayerCheck:
         normalise("kernel", _window_triple(self.kernel, "kernel", 1))
         normalise("stride", kind.default_stride(self.kernel) if self.stride is None
                   else _window_triple(self.stride, "stride", 1))
-        normalise("padding", _window_triple(self.padding, "padding", 0))
         normalise("dilation", _window_triple(self.dilation, "dilation", 1))
+        normalise("padding", _window_padding(self.padding, kind, self.kernel, self.dilation, self.stride))
+        for flag, value in (("--ceil-mode", self.ceil_mode), ("--count-include-pad", self.count_include_pad)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be true or false, got {value!r}")
+        if self.divisor_override is not None and (isinstance(self.divisor_override, bool) or
+                                                  not isinstance(self.divisor_override, int) or
+                                                  self.divisor_override == 0):
+            raise ValueError(f"--divisor-override must be a nonzero integer, got {self.divisor_override!r}")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"--groups must be a positive integer, got {self.groups!r}")
         normalise("output_padding", _window_triple(self.output_padding, "output-padding", 0))
         normalise("out_channels", shape[1] if self.out_channels is None else self.out_channels)
         if self.out_channels < 1:

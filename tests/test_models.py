@@ -73,7 +73,7 @@ def test_same_seed_same_weights_other_seed_other_weights():
     ("cosmoflow", {"input_shape": (4, 18, 16, 16)}, "18"),           # 2 blocks: divisible by 4
     ("cosmoflow", {"input_shape": (4, 16, 16, 12), "n_conv_layers": 3}, "12"),
     ("unet3d", {"input_shape": (1, 12, 16, 16), "levels": 3}, "12"),  # 3 levels: divisible by 8
-    ("cosmoflow", {"kernel_size": 2}, "kernel_size"),
+    ("cosmoflow", {"kernel_size": 0}, "kernel_size"),
     ("cosmoflow", {"dropout": 1.0}, "dropout"),
     ("cosmoflow", {"conv_sise": 4}, "conv_sise"),
     ("unet3d", {"loss": "focal"}, "loss"),
@@ -132,7 +132,7 @@ def torch_cosmoflow(torch, config):
     layers, c_in = [], config["input_shape"][0]
     for i in range(config["n_conv_layers"]):
         c_out = config["conv_size"] * 2 ** i
-        layers += [tnn.Conv3d(c_in, c_out, k, padding=k // 2), tnn.LeakyReLU(slope), tnn.MaxPool3d(2)]
+        layers += [tnn.Conv3d(c_in, c_out, k, padding="same"), tnn.LeakyReLU(slope), tnn.MaxPool3d(2)]
         c_in = c_out
     n_flat = c_in * int(np.prod([n // 2 ** config["n_conv_layers"] for n in config["input_shape"][1:]]))
 
@@ -204,6 +204,7 @@ def torch_soft_dice(torch, logits, labels, eps):
 ORACLE_CASES = [
     ("cosmoflow", {**TINY["cosmoflow"], "dropout": 0.0}),
     ("cosmoflow", {**TINY["cosmoflow"], "dropout": 0.0, "n_conv_layers": 3, "input_shape": (2, 8, 16, 8)}),
+    ("cosmoflow", {**PRESETS["cosmoflow"]["tiny-same"], "dropout": 0.0}),     # kernel 2 'same': 0 before, 1 after
     ("unet3d", {**TINY["unet3d"], "loss": "ce"}),
     ("unet3d", {**TINY["unet3d"], "loss": "ce+dice", "input_shape": (2, 8, 12, 16), "num_classes": 4, "class_weights": [0.5, 1.0, 2.0, 1.5]}),
     ("unet3d", {**TINY["unet3d"], "loss": "dice", "levels": 1}),
@@ -288,3 +289,44 @@ def test_sgd_steps_reduce_the_loss_on_a_fixed_batch(name):
         scores.append(metrics["dice"] if "dice" in metrics else -metrics["mae"])
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
     assert scores[-1] > scores[0], scores        # Dice up, MAE down
+
+
+# ---------------------------------------------------------------- the MLPerf HPC reference network
+#: github.com/mlcommons/hpc, cosmoflow/models/cosmoflow.py (build_model: Conv3D(conv_size * 2**i,
+#: kernel_size=2, padding='same') -> LeakyReLU -> MaxPool3D(2), five times; Flatten; Dense(fc1) ->
+#: LeakyReLU -> Dropout; Dense(fc2) -> LeakyReLU -> Dropout; Dense(4, tanh) * 1.2) with
+#: cosmoflow/configs/cosmo.yaml (128^3 x 4 samples, conv_size 32, fc1 128, fc2 64, dropout 0.5)
+MLPERF_REFERENCE = {"sample": (4, 128, 128, 128), "kernel": 2, "widths": [32, 64, 128, 256, 512],
+                    "dense": [128, 64, 4], "dropout": 0.5, "leaky_slope": 0.3, "output_scale": 1.2}
+
+
+def test_mlperf_preset_is_the_mlperf_reference_network():
+    """Kernel sizes, paddings ('same', TensorFlow's: 0 before, 1 after for kernel 2), widths, pools
+    and the dense head of ``--preset mlperf`` are the reference's; mlperf-k3 keeps kernel 3."""
+    from refimpl.functional._args import padding_sides
+    from refimpl.models.cosmoflow import CosmoFlow, check_config
+    ref = MLPERF_REFERENCE
+    config = check_config(PRESETS["cosmoflow"]["mlperf"])
+    assert tuple(config["input_shape"]) == ref["sample"] and config["dropout"] == ref["dropout"]
+    assert (config["leaky_slope"], config["output_scale"]) == (ref["leaky_slope"], ref["output_scale"])
+    layers = CosmoFlow.describe(PRESETS["cosmoflow"]["mlperf"])
+    convs = [lay for lay in layers if lay["kind"] == "conv3d"]
+    pools = [lay for lay in layers if lay["kind"] == "max_pool3d"]
+    same = padding_sides("same", (ref["kernel"],) * 3)
+    assert same == ((0, 1),) * 3
+    assert [c["c_out"] for c in convs] == ref["widths"]
+    assert all(c["kernel"] == (2, 2, 2) and c["stride"] == (1, 1, 1) and c["in_dhw"] == c["out_dhw"]
+               and padding_sides(c["padding"], c["kernel"]) == same for c in convs)
+    assert [p["kernel"] for p in pools] == [(2, 2, 2)] * 5 and [p["out_dhw"][0] for p in pools] == [64, 32, 16, 8, 4]
+    assert [lay["kind"] for lay in layers[:3]] == ["conv3d", "leaky_relu", "max_pool3d"]
+    dense = [lay for lay in layers if lay["kind"] in ("flatten_linear", "linear")]
+    assert [d["c_out"] for d in dense] == ref["dense"] and dense[0]["c_in"] == 512 * 4 ** 3
+    k3 = [lay for lay in CosmoFlow.describe(PRESETS["cosmoflow"]["mlperf-k3"]) if lay["kind"] == "conv3d"]
+    assert all(c["kernel"] == (3, 3, 3) and c["padding"] == (1, 1, 1) for c in k3)
+    assert [c["c_out"] for c in k3] == ref["widths"]
+
+
+def test_tiny_same_preset_builds_kernel_2_same_convs():
+    model = build_model("cosmoflow", "tiny-same", None, seed=0)
+    convs = [m for _, m in model.named_modules() if type(m).__name__ == "Conv3d"]
+    assert convs and all(c.kernel_size == (2, 2, 2) and c.padding == (0, 1, 0, 1, 0, 1) for c in convs)

@@ -44,6 +44,12 @@ def _ints(text, name):
         raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
 
 
+def _padding(text):
+    """'same', 'valid', or 1, 3 or 6 comma-separated integers (LayerCheck checks the count)."""
+    text = str(text).strip()
+    return text if text in ("same", "valid") else _ints(text, "padding")
+
+
 def _and(names) -> str:
     """'a', 'a and b', 'a, b and c'."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
@@ -72,11 +78,27 @@ def add_arguments(parser):
     parser.add_argument("--kernel", default="3", metavar="k|kd,kh,kw", help="kernel size (default 3)")
     parser.add_argument("--stride", default=None, metavar="s|sd,sh,sw",
                         help="stride (default 1; pooling: the kernel size)")
-    parser.add_argument("--padding", default="0", metavar="p|pd,ph,pw", help="padding (default 0)")
+    parser.add_argument("--padding", default="0", metavar="p|pd,ph,pw|d_lo,d_hi,h_lo,h_hi,w_lo,w_hi|same|valid",
+                        help="padding (default 0): one value, one per axis, one per side (asymmetric), "
+                             "'valid' (0) or 'same' (stride 1: total dilation*(k-1) per axis, the odd "
+                             "cell after; conv_transpose3d: 1 or 3 values)")
     parser.add_argument("--dilation", default="1", metavar="d|dd,dh,dw",
                         help=f"dilation ({', '.join(layers.names_taking('dilation'))}; default 1)")
     parser.add_argument("--output-padding", default="0", metavar="op|opd,oph,opw",
                         help=f"output_padding of {' / '.join(layers.names_taking('output_padding'))} (default 0)")
+    parser.add_argument("--ceil-mode", action=argparse.BooleanOptionalAction, default=False,
+                        help="ceil instead of floor for the output extent "
+                             f"({' / '.join(layers.names_taking('ceil_mode'))}; "
+                             "PyTorch's rule; default off)")
+    parser.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=True,
+                        help="the zero padding counts in the divisor "
+                             f"({' / '.join(layers.names_taking('count_include_pad'))}; "
+                             "default on, as PyTorch)")
+    parser.add_argument("--divisor-override", type=int, default=None, metavar="N",
+                        help=f"divide every window's sum by N ({' / '.join(layers.names_taking('divisor_override'))})")
+    parser.add_argument("--groups", type=int, default=1, metavar="G",
+                        help=f"channel groups of {' / '.join(layers.names_taking('groups'))} (PyTorch's; "
+                             "default 1; not with --model-parallel)")
     parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw[,Pm]",
                         help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw[*Pm] (Pm: model axis)")
     parser.add_argument("--model-parallel", choices=MODEL_MODES, default="none", help=_model_parallel_help())
@@ -103,8 +125,10 @@ def parse_check(args, world_size: int) -> LayerCheck:
     check = LayerCheck(
         layer=args.layer, input=shape, grid=grid, out_channels=args.out_channels,
         kernel=_ints(args.kernel, "kernel"), stride=None if args.stride is None else _ints(args.stride, "stride"),
-        padding=_ints(args.padding, "padding"), dilation=_ints(args.dilation, "dilation"),
+        padding=_padding(args.padding), dilation=_ints(args.dilation, "dilation"),
         output_padding=_ints(args.output_padding, "output-padding"),
+        ceil_mode=getattr(args, "ceil_mode", False), count_include_pad=getattr(args, "count_include_pad", True),
+        divisor_override=getattr(args, "divisor_override", None), groups=getattr(args, "groups", 1),
         model_parallel=getattr(args, "model_parallel", "none") or "none", dtype=args.dtype, seed=args.seed,
         algorithm=getattr(args, "algorithm", None))
     if args.save is not None:

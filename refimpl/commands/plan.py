@@ -41,7 +41,8 @@ def add_arguments(parser):
     parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow",
                         help="the network to plan for (default cosmoflow)")
     parser.add_argument("--preset", default=None,
-                        help="a preset of the model: cosmoflow tiny, small, mlperf (default mlperf); "
+                        help="a preset of the model: cosmoflow tiny, small, tiny-same, mlperf, mlperf-k3 "
+                             "(default mlperf); "
                              "unet3d tiny, small, default (default default)")
     parser.add_argument("--config", default=None, metavar="FILE.toml",
                         help="model config keys (as [model_config] of refimpl train) instead of --preset")

@@ -33,7 +33,8 @@ def add_arguments(parser):
     a = parser.add_argument
     a("--config", metavar="FILE.toml", help="TOML file of settings (flags given override it)")
     a("--model", choices=CHOICES["model"], help="network (default cosmoflow)")
-    a("--preset", help="model preset (default tiny): cosmoflow tiny, small, mlperf; unet3d tiny, small, default")
+    a("--preset", help="model preset (default tiny): cosmoflow tiny, small, tiny-same, mlperf, mlperf-k3; "
+      "unet3d tiny, small, default")
     a("--data", metavar="DIR", help="directory with train.h5 (+ val.h5) from 'refimpl datagen' "
       "(default: generate a small dataset into OUT/data)")
     a("--generate", dest="generate", action="store_const", const=True,

@@ -1,10 +1,16 @@
-"""3D convolution, forward and backward, as the math reads (PyTorch semantics, NCDHW, no groups).
+"""3D convolution, forward and backward, as the math reads (PyTorch semantics, NCDHW).
 
-    y[n, f, o] = b[f] + sum_{c, t} w[f, c, t] * x[n, c, o*s + t*dl - p]
+    y[n, f, o] = b[f] + sum_{c, t} w[f, c, t] * x[n, c, o*s + t*dl - p_lo]
 
-with zero padding ``p``, stride ``s`` and dilation ``dl`` per axis (each an int
-or a ``(d, h, w)`` tuple), ``t`` running over the kernel taps.  Output extent
-per axis: ``floor((n + 2p - dl(k-1) - 1)/s) + 1``.
+with zero padding ``p_lo`` before and ``p_hi`` after the input, stride ``s`` and
+dilation ``dl`` per axis (each an int or a ``(d, h, w)`` tuple), ``t`` running over
+the kernel taps.  Output extent per axis: ``floor((n + p_lo + p_hi - dl(k-1) - 1)/s) + 1``.
+``padding`` is an int, ``(pd, ph, pw)`` (``p_lo = p_hi``), a per-side 6-tuple
+``(d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)``, ``'valid'`` (0) or ``'same'`` (stride 1: total
+``dl(k-1)`` per axis, the odd cell of an even kernel on the hi side, as both PyTorch and
+TensorFlow place it; refimpl/functional/_args.py has the rules side by side).  The
+kernels take symmetric padding; an asymmetric one reaches them as an explicit zero pad of
+the difference (refimpl/kernels/conv.py).
 
 The reference (``algorithm="reference"``, or ``REFIMPL_CONV_ALGORITHM=reference``
 for a whole run) is three steps, each a few lines below:
@@ -20,7 +26,9 @@ for a whole run) is three steps, each a few lines below:
    copy is an add; overlapping windows add up), then drops the padding;
    ``db = sum of dY`` over (N, D, H, W).
 
-Transposed convolution is this conv's input adjoint (conv_transpose3d.py).
+Transposed convolution is this conv's input adjoint (conv_transpose3d.py).  ``groups``
+(PyTorch's) splits the channels in equal groups, each its own conv (weight ``(F, C/groups, ...)``):
+the public functions run one conv per group and concatenate.
 
 The other algorithms compute the same sums faster and live in
 ``refimpl/kernels/`` (tiled im2col without a padded copy, phase grids for
@@ -41,7 +49,7 @@ from math import prod
 
 from .. import settings
 from ..backend import array_module, check_same_dtype
-from ._args import triple
+from ._args import PADDING_FORMS, triple
 
 AXES = ("depth", "height", "width")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
@@ -59,10 +67,13 @@ def tap_windows(kernel, s, dl, out):
 
 
 def im2col(x, kernel, s, p, dl, out):
-    """``(N, C, D, H, W) -> (C*kd*kh*kw, N*Do*Ho*Wo)``: row ``(c, t)`` holds ``x_pad[n, c, o*s + t*dl]``."""
+    """``(N, C, D, H, W) -> (C*kd*kh*kw, N*Do*Ho*Wo)``: row ``(c, t)`` holds ``x_pad[n, c, o*s + t*dl]``.
+
+    ``p`` per axis: an int (both sides) or a ``(lo, hi)`` pair (asymmetric padding)."""
     xp = array_module(x)
     n, c = x.shape[:2]
-    x_pad = xp.pad(x, ((0, 0), (0, 0)) + tuple((q, q) for q in p))   # (N, C, D+2p, H+2p, W+2p)
+    sides = tuple(q if isinstance(q, tuple) else (q, q) for q in p)  # (lo, hi) per axis
+    x_pad = xp.pad(x, ((0, 0), (0, 0)) + sides)                       # (N, C, D+lo+hi, H+.., W+..)
     col = xp.empty((c, prod(kernel), n) + tuple(out), dtype=x.dtype)  # (C, taps, N, Do, Ho, Wo)
     for j, (_, window) in enumerate(tap_windows(kernel, s, dl, out)):
         col[:, j] = x_pad[(slice(None), slice(None)) + window].transpose(1, 0, 2, 3, 4)
@@ -73,12 +84,13 @@ def col2im(col, input_shape, kernel, s, p, dl, out):
     """The adjoint of ``im2col``: each entry of ``col`` added to the input point it came from."""
     xp = array_module(col)
     n, c = input_shape[:2]
-    padded = (n, c) + tuple(e + 2 * q for e, q in zip(input_shape[2:], p))
-    x_pad = xp.zeros(padded, dtype=col.dtype)                          # (N, C, D+2p, H+2p, W+2p)
+    sides = tuple(q if isinstance(q, tuple) else (q, q) for q in p)  # (lo, hi) per axis
+    padded = (n, c) + tuple(e + lo + hi for e, (lo, hi) in zip(input_shape[2:], sides))
+    x_pad = xp.zeros(padded, dtype=col.dtype)                          # (N, C, D+lo+hi, H+.., W+..)
     col = col.reshape((c, prod(kernel), n) + tuple(out))               # (C, taps, N, Do, Ho, Wo)
     for j, (_, window) in enumerate(tap_windows(kernel, s, dl, out)):
         x_pad[(slice(None), slice(None)) + window] += col[:, j].transpose(1, 0, 2, 3, 4)
-    inner = tuple(slice(q, q + e) for q, e in zip(p, input_shape[2:]))
+    inner = tuple(slice(lo, lo + e) for (lo, _), e in zip(sides, input_shape[2:]))
     return x_pad[(slice(None), slice(None)) + inner]                   # the padding dropped
 
 
@@ -124,7 +136,7 @@ LAYOUTS = {"x": "N, C, D, H, W", "w": "F, C, kd, kh, kw", "dy": "N, F, Do, Ho, W
 
 
 def conv_args(stride, padding, dilation, *, x=None, w=None, b=None, dy=None, input_shape=None,
-              weight_shape=None, first_outputs=False):
+              weight_shape=None, first_outputs=False, groups=1):
     """``(s, p, dl, out)`` of one conv call, after every rule the math above assumes is checked.
 
     Each given array is 5-D, floating point and of one dtype (``b``: one value per output
@@ -146,21 +158,41 @@ def conv_args(stride, padding, dilation, *, x=None, w=None, b=None, dy=None, inp
     w_shape = tuple(w.shape) if w is not None else _shape5(weight_shape, w_name)
     if min(w_shape[2:]) < 1:
         raise ValueError(f"{w_name} must have a kernel extent >= 1 on every axis, got shape {w_shape}")
-    if x_shape[1] != w_shape[1]:
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or w_shape[0] % groups:
+        raise ValueError(f"groups must be a positive integer dividing the {w_shape[0]} output channels "
+                         f"({w_name}[0]), got {groups!r}")
+    if x_shape[1] != w_shape[1] * groups:
         raise ValueError(f"channel mismatch: {x_name} has {x_shape[1]} channels (shape[1]) but "
-                         f"{w_name} expects {w_shape[1]} ({w_name}[1]); weights are ({LAYOUTS['w']})")
+                         f"{w_name} expects {w_shape[1]} ({w_name}[1]) x groups={groups}; weights are "
+                         f"({LAYOUTS['w']}), C the channels of one group")
     if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w_shape[0]):
         raise ValueError(f"b must have shape ({w_shape[0]},) (one value per output channel), "
                          f"got {getattr(b, 'shape', None)}")
-    s, p, dl = triple(stride, "stride", 1), triple(padding, "padding", 0), triple(dilation, "dilation", 1)
-    out = tuple((n + 2 * q - d * (k - 1) - 1) // st + 1
-                for n, k, st, q, d in zip(x_shape[2:], w_shape[2:], s, p, dl))
-    for ax, (o, n, k, q, d) in enumerate(zip(out, x_shape[2:], w_shape[2:], p, dl)):
+    s, dl = triple(stride, "stride", 1), triple(dilation, "dilation", 1)
+    # padding: int, (pd, ph, pw), (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi), 'valid' or 'same' (the
+    # table in refimpl/functional/_args.py) -> (lo, hi) per axis, written out here so that the
+    # reference reads in few functions
+    if isinstance(padding, str):
+        if padding not in ("valid", "same"):
+            raise ValueError(f"padding must be {PADDING_FORMS}, got {padding!r}")
+        if padding == "same" and s != (1, 1, 1):
+            raise ValueError(f"padding='same' needs stride 1 on every axis (as in PyTorch), got stride {s}")
+        total = [d * (k - 1) if padding == "same" else 0 for k, d in zip(w_shape[2:], dl)]
+        sides = tuple((t // 2, t - t // 2) for t in total)
+    elif isinstance(padding, (tuple, list)) and len(padding) == 6:
+        sides = tuple(zip(triple(padding[0::2], "padding", 0), triple(padding[1::2], "padding", 0)))
+    else:
+        sides = tuple((q, q) for q in triple(padding, "padding", 0))
+    # symmetric: (pd, ph, pw), the form every kernel takes; else the (lo, hi) pairs
+    p = tuple(lo for lo, _ in sides) if all(lo == hi for lo, hi in sides) else sides
+    out = tuple((n + lo + hi - d * (k - 1) - 1) // st + 1
+                for n, k, st, (lo, hi), d in zip(x_shape[2:], w_shape[2:], s, sides, dl))
+    for ax, (o, n, k, (lo, hi), d) in enumerate(zip(out, x_shape[2:], w_shape[2:], sides, dl)):
         if o < 1:
             raise ValueError(
                 f"kernel of {w_name} is larger than the padded input of {x_name} on the "
                 f"{AXES[ax]} axis: dilated kernel extent {d * (k - 1) + 1} > padded input "
-                f"extent {n + 2 * q} (output extent would be {o}, must be >= 1)")
+                f"extent {n + lo + hi} (output extent would be {o}, must be >= 1)")
     if dy is not None:
         expected = (x_shape[0], w_shape[0]) + out
         if not first_outputs and tuple(dy.shape) != expected:
@@ -188,13 +220,18 @@ def _shape5(value, name):
 
 # ---------------------------------------------------------------- the public functions
 
-def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None, algorithm=None):
-    """3D convolution ``(N, C, D, H, W) * (F, C, kd, kh, kw) -> (N, F, Do, Ho, Wo)``.
+def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1, *, max_temp_bytes=None, algorithm=None):
+    """3D convolution ``(N, C, D, H, W) * (F, C/groups, kd, kh, kw) -> (N, F, Do, Ho, Wo)``.
 
     ``algorithm``: "reference" (the math above), or "auto", "im2col", "winograd"
     (refimpl/kernels/conv.py); None: ``REFIMPL_CONV_ALGORITHM``, default "auto".
-    ``max_temp_bytes`` bounds the kernels' temporary buffers (the reference has no bound)."""
-    s, p, dl, out = conv_args(stride, padding, dilation, x=x, w=w, b=b)
+    ``max_temp_bytes`` bounds the kernels' temporary buffers (the reference has no bound).
+    ``groups`` (PyTorch's): input channel group ``g`` feeds output channel group ``g`` alone,
+    i.e. ``groups`` independent convs on channel slices (``_grouped``), concatenated."""
+    s, p, dl, out = conv_args(stride, padding, dilation, x=x, w=w, b=b, groups=groups)
+    if groups > 1:
+        return _grouped(lambda xg, wg, bg: conv3d(xg, wg, bg, stride, padding, dilation, max_temp_bytes=max_temp_bytes,
+                                                  algorithm=algorithm), groups, 1, (x, 1), (w, 0), (b, 0))
     if is_reference(algorithm):
         return forward(x, w, b, s, p, dl, out)
     from ..kernels import conv as kernel
@@ -202,14 +239,21 @@ def conv3d(x, w, b=None, stride=1, padding=0, dilation=1, *, max_temp_bytes=None
                                     algorithm, bias=b)
 
 
-def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, groups=1, *, max_temp_bytes=None,
                     algorithm=None):
     """``(dx, dw, db)`` of ``y = conv3d(x, w, b)`` given ``dy = dL/dy``.
 
     ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
     """
-    s, p, dl, _ = conv_args(stride, padding, dilation, x=x, w=w, dy=dy)
-    if is_reference(algorithm):
+    s, p, dl, _ = conv_args(stride, padding, dilation, x=x, w=w, dy=dy, groups=groups)
+    if groups > 1:
+        dx = _grouped(lambda dyg, xg, wg: conv3d_input_grad(dyg, wg, xg.shape, stride, padding, dilation,
+                                                            max_temp_bytes=max_temp_bytes, algorithm=algorithm),
+                      groups, 1, (dy, 1), (x, 1), (w, 0))
+        dw = _grouped(lambda dyg, xg, wg: conv3d_weight_grad(dyg, xg, wg.shape, stride, padding, dilation,
+                                                             max_temp_bytes=max_temp_bytes, algorithm=algorithm),
+                      groups, 0, (dy, 1), (x, 1), (w, 0))
+    elif is_reference(algorithm):
         dx, dw = input_grad(dy, w, x.shape, s, p, dl), weight_grad(dy, x, w.shape, s, p, dl)
     else:
         from ..kernels import conv as kernel
@@ -218,7 +262,7 @@ def conv3d_backward(dy, x, w, stride=1, padding=0, dilation=1, *, max_temp_bytes
     return dx, dw, dy.sum(axis=(0, 2, 3, 4))
 
 
-def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1, *, max_temp_bytes=None,
                       algorithm=None):
     """``dx`` (of shape ``input_shape``) of ``y = conv3d(x, w)`` given ``dy``.
 
@@ -226,8 +270,13 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
     ``input_shape`` (the first outputs per axis; the rest count as zero).
     """
     s, p, dl, out = conv_args(stride, padding, dilation, w=w, dy=dy, input_shape=input_shape,
-                              first_outputs=True)
+                              first_outputs=True, groups=groups)
     input_shape = _shape5(input_shape, "input_shape")
+    if groups > 1:
+        shape = (input_shape[0], input_shape[1] // groups) + input_shape[2:]
+        return _grouped(lambda dyg, wg: conv3d_input_grad(dyg, wg, shape, stride, padding, dilation,
+                                                          max_temp_bytes=max_temp_bytes, algorithm=algorithm),
+                        groups, 1, (dy, 1), (w, 0))
     if is_reference(algorithm):
         return input_grad(dy, w, input_shape, s, p, dl)
     from ..kernels import conv as kernel
@@ -235,21 +284,40 @@ def conv3d_input_grad(dy, w, input_shape, stride=1, padding=0, dilation=1, *, ma
                              algorithm, tuple(dy.shape[2:]) == out)
 
 
-def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, *, max_temp_bytes=None,
+def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, max_temp_bytes=None,
                        algorithm=None):
-    """``dW`` (of shape ``weight_shape`` = (F, C, kd, kh, kw)) of ``y = conv3d(x, w)`` given ``dy``.
+    """``dW`` (of shape ``weight_shape`` = (F, C/groups, kd, kh, kw)) of ``y = conv3d(x, w)`` given ``dy``.
 
     ``dy``'s spatial extent may be smaller than the conv output extent of ``x``
     (the first outputs per axis).
     """
     s, p, dl, out = conv_args(stride, padding, dilation, x=x, dy=dy, weight_shape=weight_shape,
-                              first_outputs=True)
+                              first_outputs=True, groups=groups)
     weight_shape = _shape5(weight_shape, "weight_shape")
+    if groups > 1:
+        shape = (weight_shape[0] // groups,) + weight_shape[1:]
+        return _grouped(lambda dyg, xg: conv3d_weight_grad(dyg, xg, shape, stride, padding, dilation,
+                                                           max_temp_bytes=max_temp_bytes, algorithm=algorithm),
+                        groups, 0, (dy, 1), (x, 1))
     if is_reference(algorithm):
         return weight_grad(dy, x, weight_shape, s, p, dl)
     from ..kernels import conv as kernel
     return kernel.weight_grad(dy, x, weight_shape, s, p, dl, kernel.budget_or_default(max_temp_bytes),
                               algorithm, tuple(dy.shape[2:]) == out)
+
+
+def _grouped(fn, groups, axis, *arrays):
+    """``concatenate([fn(slice g of each array) for g], axis)``: a grouped conv is ``groups``
+    ungrouped ones.  ``arrays``: ``(array, channel axis)`` pairs, cut in ``groups`` equal
+    contiguous slices along that axis (None stays None)."""
+    xp = array_module(*(a for a, _ in arrays if a is not None))
+
+    def piece(a, ax, g):
+        if a is None:
+            return None
+        n = a.shape[ax] // groups
+        return xp.ascontiguousarray(a[(slice(None),) * ax + (slice(g * n, (g + 1) * n),)])
+    return xp.concatenate([fn(*(piece(a, ax, g) for a, ax in arrays)) for g in range(groups)], axis=axis)
 
 
 __all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad", "im2col", "col2im",

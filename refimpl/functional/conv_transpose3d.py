@@ -18,21 +18,24 @@ read by no input's window, the conv's "inputs past the last window".
 """
 from __future__ import annotations
 
-from ..backend import check_same_dtype
+from ..backend import array_module, check_same_dtype
 from ._args import check_float, check_ndim, transposed_out_shape, triple
-from .conv3d import AXES, forward, input_grad, is_reference, weight_grad
+from .conv3d import AXES, _grouped, forward, input_grad, is_reference, weight_grad
 
 
-def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
+def _check(x, w, stride, padding, output_padding, dilation, x_name="x", groups=1):
     check_ndim(x, 5, x_name, "N, C_in, D, H, W")
     check_ndim(w, 5, "w", "C_in, C_out, kd, kh, kw")
     check_float(x_name, x)
     check_float("w", w)
     if min(w.shape[2:]) < 1:
         raise ValueError(f"w must have a kernel extent >= 1 on every axis, got shape {w.shape}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or w.shape[0] % groups:
+        raise ValueError(f"groups must be a positive integer dividing the {w.shape[0]} input channels "
+                         f"(w.shape[0]), got {groups!r}")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"channel mismatch: {x_name} has {x.shape[1]} channels (shape[1]) but w "
-                         f"expects {w.shape[0]} (w.shape[0]); weights are (C_in, C_out, kd, kh, kw)")
+                         f"expects {w.shape[0]} (w.shape[0]); weights are (C_in, C_out/groups, kd, kh, kw)")
     s, p, dl = triple(stride, "stride", 1), triple(padding, "padding", 0), triple(dilation, "dilation", 1)
     op = triple(output_padding, "output_padding", 0)
     for ax in range(3):
@@ -47,14 +50,21 @@ def _check(x, w, stride, padding, output_padding, dilation, x_name="x"):
     return s, p, dl, op, out
 
 
-def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, *,
+def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, groups=1, *,
                      max_temp_bytes=None, algorithm=None):
-    """``(N, C_in, D, H, W) -> (N, C_out, Do, Ho, Wo)`` with ``w`` of shape (C_in, C_out, kd, kh, kw)."""
-    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
+    """``(N, C_in, D, H, W) -> (N, C_out, Do, Ho, Wo)`` with ``w`` of shape (C_in, C_out/groups, kd, kh, kw).
+
+    ``groups`` as PyTorch's (which takes it before ``dilation``: here it comes after, keeping
+    refimpl's positional order): input channel group g feeds output channel group g alone."""
+    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation, groups=groups)
     check_same_dtype(x=x, w=w, b=b)
-    if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w.shape[1]):
-        raise ValueError(f"b must have shape ({w.shape[1]},) (one value per output channel), "
+    if b is not None and (getattr(b, "ndim", None) != 1 or b.shape[0] != w.shape[1] * groups):
+        raise ValueError(f"b must have shape ({w.shape[1] * groups},) (one value per output channel), "
                          f"got {getattr(b, 'shape', None)}")
+    if groups > 1:
+        return _grouped(lambda xg, wg, bg: conv_transpose3d(xg, wg, bg, stride, padding, output_padding, dilation,
+                                                            max_temp_bytes=max_temp_bytes, algorithm=algorithm),
+                        groups, 1, (x, 1), (w, 0), (b, 0))
     output_shape = (x.shape[0], w.shape[1]) + out
     if is_reference(algorithm):
         y = input_grad(x, w, output_shape, s, p, dl)            # x plays the conv's dy
@@ -67,19 +77,28 @@ def conv_transpose3d(x, w, b=None, stride=1, padding=0, output_padding=0, dilati
     return y
 
 
-def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, *,
+def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, dilation=1, groups=1, *,
                               max_temp_bytes=None, algorithm=None):
     """``(dx, dw, db)`` of ``y = conv_transpose3d(x, w, b)`` given ``dy = dL/dy``.
 
     ``db`` is ``dy`` summed over (N, D, H, W), returned whether or not the forward had a bias.
     """
-    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation)
+    s, p, dl, op, out = _check(x, w, stride, padding, output_padding, dilation, groups=groups)
     check_ndim(dy, 5, "dy", "N, C_out, Do, Ho, Wo")
     check_same_dtype(dy=dy, x=x, w=w)
-    expected = (x.shape[0], w.shape[1]) + out
+    expected = (x.shape[0], w.shape[1] * groups) + out
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have the transposed conv output shape {expected}, "
                          f"got {tuple(dy.shape)}")
+    if groups > 1:
+        def one(dyg, xg, wg):
+            return conv_transpose3d_backward(dyg, xg, wg, stride, padding, output_padding, dilation,
+                                             max_temp_bytes=max_temp_bytes, algorithm=algorithm)[:2]
+        parts = [one(*(array_module(x).ascontiguousarray(a[(slice(None),) * ax + (slice(g * a.shape[ax] // groups,
+                 (g + 1) * a.shape[ax] // groups),)]) for a, ax in ((dy, 1), (x, 1), (w, 0)))) for g in range(groups)]
+        xp = array_module(x)
+        return (xp.concatenate([d for d, _ in parts], axis=1), xp.concatenate([d for _, d in parts], axis=0),
+                dy.sum(axis=(0, 2, 3, 4)))
     # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
     if is_reference(algorithm):
         dx = forward(dy, w, None, s, p, dl, tuple(x.shape[2:]))  # its first D_in outputs per axis

@@ -80,15 +80,16 @@ def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
     return _per_block(block, x, x.shape, dy.dtype)[0]
 
 
-def avg_pool3d(forward, x, k, s, p, out):
-    """y: the reference's ``avg_pool_forward`` (``forward``) per block."""
-    return _per_block(lambda _, idx: (forward(x[idx], k, s, p, out), None),
+def avg_pool3d(forward, x, k, s, p, out, divisor):
+    """y: the reference's ``avg_pool_forward`` (``forward``) per block (``divisor``: a number or
+    (1, 1, Do, Ho, Wo), the same for every block)."""
+    return _per_block(lambda _, idx: (forward(x[idx], k, s, p, out, divisor), None),
                       x, tuple(x.shape[:2]) + out, x.dtype)[0]
 
 
-def avg_pool3d_backward(backward, dy, x, k, s, p):
+def avg_pool3d_backward(backward, dy, x, k, s, p, divisor):
     """dx: the reference's ``avg_pool_backward`` (``backward``) per block."""
-    return _per_block(lambda _, idx: (backward(dy[idx], x[idx].shape, k, s, p), None),
+    return _per_block(lambda _, idx: (backward(dy[idx], x[idx].shape, k, s, p, divisor), None),
                       x, x.shape, dy.dtype)[0]
 
 

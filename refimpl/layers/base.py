@@ -5,14 +5,33 @@ v only: no halo, the output keeps the input's extent) and has no parameters; a k
 what differs.  ``spec`` below is anything that carries a layer's arguments by check-layer's
 names (``refimpl.check.LayerCheck``, ``refimpl.oracle.suite.CaseSpec``): ``input`` (N, C, D,
 H, W), ``out_channels``, ``kernel``, ``stride``, ``padding``, ``dilation``,
-``output_padding`` (normalised 3-tuples) and ``model_parallel``.
+``output_padding`` (normalised 3-tuples; ``padding`` the per-side 6-tuple (d_lo, d_hi, h_lo,
+h_hi, w_lo, w_hi) where it is asymmetric: ``spec_padding`` reads either), ``model_parallel``
+and, where the spec has them, pooling's ``ceil_mode``, ``count_include_pad`` and
+``divisor_override`` (``spec_option``: PyTorch's defaults where it has not).
 
 Constructors import refimpl.nn inside the method: the oracle imports this registry in one
 process without MPI, and the partitioned layers import mpi4py.
 """
 from __future__ import annotations
 
+from ..functional._args import padding_sides
 from ..parallel.partition import conv_halo_plan, needed_input_range, window_output_extent
+
+#: pooling's options, the convs' groups, and PyTorch's defaults (a spec without them has the defaults)
+OPTION_DEFAULTS = {"ceil_mode": False, "count_include_pad": True, "divisor_override": None, "groups": 1}
+OPTION_FLAGS = {"ceil_mode": "--ceil-mode", "count_include_pad": "--no-count-include-pad",
+                "divisor_override": "--divisor-override", "groups": "--groups"}
+
+
+def spec_option(spec, name):
+    """``spec.<name>`` for one of ``OPTION_DEFAULTS``, its default where the spec has none."""
+    return getattr(spec, name, OPTION_DEFAULTS[name])
+
+
+def spec_padding(spec) -> tuple:
+    """``spec.padding`` (a 3-tuple, or the per-side 6-tuple) as (lo, hi) per axis."""
+    return padding_sides(spec.padding, spec.kernel, spec.dilation, spec.stride)
 
 
 class LayerKind:
@@ -34,6 +53,9 @@ class LayerKind:
     has_halo = False
     #: weight axes of the (output, input) channels: where a model-parallel weight is cut
     weight_axes = (0, 0)
+    #: the padding forms it takes: 'any' (int, 3-tuple, per-side 6-tuple, 'valid', 'same') or
+    #: 'symmetric' (an int or a 3-tuple: conv_transpose3d, as PyTorch)
+    padding_forms = "any"
 
     # ------------------------------------------------------------ hyper-parameters
 
@@ -43,9 +65,12 @@ class LayerKind:
     def validate(self, spec) -> None:
         """This kind's rules beyond the generic ones: ValueError, raised on every rank alike
         before any message (refimpl/check.py calls it on normalised arguments)."""
+        from . import names_taking
         if "output_padding" not in self.hyper_parameters and spec.output_padding != (0, 0, 0):
-            from . import names_taking
             raise ValueError(f"--output-padding applies to {' / '.join(names_taking('output_padding'))} only")
+        for name, default in OPTION_DEFAULTS.items():
+            if name not in self.hyper_parameters and spec_option(spec, name) != default:
+                raise ValueError(f"{OPTION_FLAGS[name]} applies to {' / '.join(names_taking(name))} only")
 
     def output_channels(self, spec) -> int:
         return spec.input[1]
@@ -133,6 +158,24 @@ class LayerKind:
     #: the cause of a per-channel affine error (got == a_c * want + b_c), where this kind can
     #: make one; None: no such diagnosis
     affine_mistake = None
+    #: the cause diagnose.py names where a rank's outputs are those of its own input block alone
+    #: (every cell beyond it read as padding), ``{who}`` the rank; None: named as padding applied
+    #: at the internal faces
+    no_halo_mistake = None
+
+    def window_values(self, spec, patches, w, b, counts):
+        """Outputs of windows from their cells, for diagnose.py to rebuild a rank's block with a
+        suspected mistake in the cells or in where the windows start: ``patches`` (N, C, Do, Ho,
+        Wo, kd, kh, kw) float64 with the padding filled (``pad_value``), ``counts`` the cells of
+        each window (Do, Ho, Wo) inside the padded domain and inside the domain.  None: this
+        kind's outputs are not windows of its input."""
+        return None
+
+    def output_size_rules(self, spec, axis: int) -> tuple:
+        """(what a wrong output-size rule does, the extent it gives along ``axis``): the rules
+        partitioned codes get wrong; diagnose.py names the one that gives a wrong-shaped
+        result's extent."""
+        return ()
 
     # ------------------------------------------------------------ PyTorch twin (torch passed in:
     # refimpl imports torch only in refimpl/oracle/torch_adapter.py)
@@ -245,27 +288,57 @@ class WindowKind(LayerKind):
     pad_value = 0.0
 
     def output_extent(self, spec) -> tuple:
-        return tuple(window_output_extent(spec.input[2 + a], spec.kernel[a], spec.stride[a], spec.padding[a],
-                                          spec.dilation[a]) for a in range(3))
+        p, ceil = spec_padding(spec), spec_option(spec, "ceil_mode")
+        return tuple(window_output_extent(spec.input[2 + a], spec.kernel[a], spec.stride[a], p[a],
+                                          spec.dilation[a], ceil) for a in range(3))
 
     def halo_plan(self, spec, spatial_dims):
-        return conv_halo_plan(spec.input[2:], spatial_dims, spec.kernel, spec.stride, spec.padding, spec.dilation)
+        return conv_halo_plan(spec.input[2:], spatial_dims, spec.kernel, spec.stride, spec.padding, spec.dilation,
+                              spec_option(spec, "ceil_mode"))
 
     def input_window(self, spec, axis, o):
-        return needed_input_range(o, o + 1, spec.kernel[axis], spec.stride[axis], spec.padding[axis],
-                                  spec.dilation[axis], spec.input[2 + axis])[0]
+        return needed_input_range(o, o + 1, spec.kernel[axis], spec.stride[axis], spec_padding(spec)[axis],
+                                  spec.dilation[axis], spec.input[2 + axis], spec_option(spec, "ceil_mode"))[0]
 
-    def torch_window(self, spec, tf, x, w, b, padding):
-        """The op with ``tf`` and an explicit padding (the global run's, or 0 on a padded block)."""
+    def output_size_rules(self, spec, axis):
+        n, k, s, d = spec.input[2 + axis], spec.kernel[axis], spec.stride[axis], spec.dilation[axis]
+        lo, hi = spec_padding(spec)[axis]
+        ceil = spec_option(spec, "ceil_mode")
+
+        def extent(k=k, s=s, p=lo + hi, d=d, ceil=ceil):
+            span = n + p - d * (k - 1) - 1
+            return (-(-span // s) if ceil else span // s) + 1
+        rules = []
+        if d > 1:
+            rules.append((f"ignores dilation (the dilated kernel spans {d * (k - 1) + 1}, not {k})", extent(d=1)))
+        if lo + hi:
+            rules.append((f"ignores padding ({lo} + {hi})", extent(p=0)))
+            if hi != lo:
+                rules.append((f"pads {lo} on both sides (the high side pads {hi})", extent(p=2 * lo)))
+        if s > 1:
+            rules.append(("rounds up (ceil_mode)" if not ceil else "rounds down (no ceil_mode)",
+                          extent(ceil=not ceil)))
+        return tuple(rules)
+
+    def torch_window(self, spec, tf, x, w, b, padding, ceil_mode=False):
+        """The op with ``tf`` and an explicit symmetric padding (the global run's, or 0 on a padded
+        block) and, for pooling, ``ceil_mode``."""
         raise NotImplementedError(f"layer kind {self.name} has no PyTorch twin")
 
     def torch_forward(self, spec, tf, x, w, b):
-        return self.torch_window(spec, tf, x, w, b, spec.padding)
+        """PyTorch takes symmetric padding only: an asymmetric one is padded explicitly first (then
+        PyTorch's ceil_mode may keep one window more than the per-side rule: cropped)."""
+        p, ceil = spec_padding(spec), spec_option(spec, "ceil_mode")
+        if all(lo == hi for lo, hi in p):
+            return self.torch_window(spec, tf, x, w, b, tuple(lo for lo, _ in p), ceil)
+        pads = [v for a in reversed(range(3)) for v in p[a]]     # torch's pad lists the last axis first
+        y = self.torch_window(spec, tf, tf.pad(x, pads, value=self.pad_value), w, b, 0, ceil)
+        return y[(Ellipsis,) + tuple(slice(0, n) for n in self.output_extent(spec))]
 
     def torch_block(self, spec, tf, lo, x_needed, w, b, shift_axis=None):
         """Pad the part of rank lo's windows that the clip to the domain removed, then run the
         op unpadded."""
-        k, s, p, d = spec.kernel, spec.stride, spec.padding, spec.dilation
+        k, s, p, d = spec.kernel, spec.stride, [q for q, _ in spec_padding(spec)], spec.dilation
         pads = []
         for a in reversed(range(3)):             # torch's pad lists the last axis first
             (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]

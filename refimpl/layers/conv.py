@@ -11,22 +11,33 @@ import math
 import numpy
 
 from .. import functional as F
+from ..functional._args import padding_sides
 from ..functional.conv3d import REFERENCE
 from ..parallel.partition import (conv_halo_plan, transposed_conv_halo_plan, transposed_needed_input_range,
                                  transposed_output_extent, window_output_extent)
-from .base import LayerKind, WindowKind, plan_window_cost
+from .base import LayerKind, WindowKind, plan_window_cost, spec_option
 
 
 class _Conv(LayerKind):
     """What conv3d and conv_transpose3d share: F output channels, each reading every input
     channel; a weight split by filter or by channel over the model axis."""
 
-    hyper_parameters = ("out_channels", "kernel", "stride", "padding", "dilation")
+    hyper_parameters = ("out_channels", "kernel", "stride", "padding", "dilation", "groups")
     model_modes = ("none", "filter", "channel")
     mixes_channels = True
 
     def output_channels(self, spec):
         return spec.out_channels
+
+    def validate(self, spec):
+        super().validate(spec)
+        groups = spec_option(spec, "groups")
+        if groups > 1 and (spec.input[1] % groups or spec.out_channels % groups):
+            raise ValueError(f"--groups {groups} must divide the input channels ({spec.input[1]}) and "
+                             f"--out-channels ({spec.out_channels})")
+        if groups > 1 and spec.model_parallel != "none":
+            raise ValueError(f"--groups {groups} is not supported with --model-parallel {spec.model_parallel} "
+                             "(the model-parallel convs split ungrouped weights)")
 
     def may_use_winograd(self, spec, algorithm):
         from ..kernels import routes
@@ -39,12 +50,13 @@ class _Conv(LayerKind):
         channels = [0, 0]
         out_axis, in_axis = self.weight_axes
         channels[out_axis], channels[in_axis] = spec.out_channels, spec.input[1]
+        channels[1] //= spec_option(spec, "groups")        # PyTorch: dim 1 holds one group's channels
         return tuple(channels) + tuple(spec.kernel), (spec.out_channels,)
 
     def draw_parameters(self, rng, spec):
-        """Weights of variance 1/(C·kd·kh·kw): outputs of the inputs' magnitude."""
+        """Weights of variance 1/(C/groups·kd·kh·kw): outputs of the inputs' magnitude."""
         w_shape, b_shape = self.parameter_shapes(spec)
-        fan_in = spec.input[1] * math.prod(spec.kernel)
+        fan_in = spec.input[1] // spec_option(spec, "groups") * math.prod(spec.kernel)
         return {"w": rng.standard_normal(w_shape) / numpy.sqrt(fan_in), "b": rng.standard_normal(b_shape)}
 
     def weight_grad_volume(self, spec, out_shape) -> int:
@@ -75,6 +87,7 @@ class _Conv(LayerKind):
         c_mac = c_local if layer.split == "channel" else layer.c_in
         f_mac = layer.c_out if layer.split == "channel" else f_local
         macs = n_r * f_mac * c_mac * math.prod(layer.kernel) * self.plan_mac_voxels(v_in, v_out)
+        macs //= getattr(layer, "groups", 1)            # a group's outputs read only its own inputs
         passes = 3 if layer.input_grad else 2          # forward, dW (, dX)
         cost.flops = 2.0 * macs * passes
         compute_s = cost.flops / (machine.conv_rate(layer, n_r * v_in) * 1e9)
@@ -98,11 +111,11 @@ class _Conv(LayerKind):
 
     def reduction_length(self, spec, tensor, out_shape):
         n, c = spec.input[:2]
-        kvol = math.prod(spec.kernel)
+        kvol, groups = math.prod(spec.kernel), spec_option(spec, "groups")
         if tensor in ("y", "y_partial"):
-            return c * kvol, "C·kd·kh·kw terms per output"
+            return c // groups * kvol, "C/groups·kd·kh·kw terms per output"
         if tensor in ("dx", "dx_needed"):
-            return out_shape[1] * kvol, "F·kd·kh·kw terms per input"
+            return out_shape[1] // groups * kvol, "F/groups·kd·kh·kw terms per input"
         if tensor in ("dw", "dw_partial"):
             return n * self.weight_grad_volume(spec, out_shape), "N·(conv output volume) terms per weight"
         return n * math.prod(out_shape[2:]), "N·Do·Ho·Wo terms per bias"
@@ -113,11 +126,13 @@ class Conv3dKind(_Conv, WindowKind):
     weight_axes = (0, 1)                 # (F, C, kd, kh, kw), as PyTorch
 
     def forward(self, spec, x, w, b):
-        return F.conv3d(x, w, b, spec.stride, spec.padding, spec.dilation, algorithm=REFERENCE), (x, w)
+        return F.conv3d(x, w, b, spec.stride, spec.padding, spec.dilation, spec_option(spec, "groups"),
+                        algorithm=REFERENCE), (x, w)
 
     def backward(self, spec, dy, saved):
         x, w = saved
-        return F.conv3d_backward(dy, x, w, spec.stride, spec.padding, spec.dilation, algorithm=REFERENCE)
+        return F.conv3d_backward(dy, x, w, spec.stride, spec.padding, spec.dilation, spec_option(spec, "groups"),
+                                 algorithm=REFERENCE)
 
     def weight_grad_volume(self, spec, out_shape):
         return math.prod(out_shape[2:])
@@ -125,17 +140,25 @@ class Conv3dKind(_Conv, WindowKind):
     def local(self, spec, *, rng, dtype):
         from ..nn import Conv3d
         return Conv3d(spec.input[1], spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dilation,
-                      rng=rng, dtype=dtype)
+                      groups=spec_option(spec, "groups"), rng=rng, dtype=dtype)
 
     def partitioned(self, spec, *, grid, rng, dtype):
         from ..nn import model_parallel, spatial
-        layer = {"none": spatial.SpatialConv3d, "filter": model_parallel.FilterParallelConv3d,
+        if spec.model_parallel == "none":
+            return spatial.SpatialConv3d(spec.input[1], spec.out_channels, spec.kernel, spec.stride, spec.padding,
+                                         spec.dilation, groups=spec_option(spec, "groups"), grid=grid, rng=rng,
+                                         dtype=dtype)
+        layer = {"filter": model_parallel.FilterParallelConv3d,
                  "channel": model_parallel.ChannelParallelConv3d}[spec.model_parallel]
         return layer(spec.input[1], spec.out_channels, spec.kernel, spec.stride, spec.padding, spec.dilation,
                      grid=grid, rng=rng, dtype=dtype)
 
-    def torch_window(self, spec, tf, x, w, b, padding):
-        return tf.conv3d(x, w, b, spec.stride, padding, spec.dilation)
+    def torch_window(self, spec, tf, x, w, b, padding, ceil_mode=False):
+        return tf.conv3d(x, w, b, spec.stride, padding, spec.dilation, spec_option(spec, "groups"))
+
+    def window_values(self, spec, patches, w, b, counts):
+        y = numpy.einsum("ncdhwijk,fcijk->nfdhw", patches, w)
+        return y + b.reshape(1, -1, 1, 1, 1)
 
     plan_label = "conv"
 
@@ -143,8 +166,9 @@ class Conv3dKind(_Conv, WindowKind):
         return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
 
     def plan_output_extent(self, layer, in_dhw):
+        pads = padding_sides(layer.padding, layer.kernel, (1, 1, 1), layer.stride)
         return tuple(window_output_extent(n, k, st, p, 1) for n, k, p, st in
-                     zip(in_dhw, layer.kernel, layer.padding, layer.stride))
+                     zip(in_dhw, layer.kernel, pads, layer.stride))
 
     def plan_time(self, layer, repeats, rng, best_time):
         x, dy = _plan_inputs(layer, rng)
@@ -164,6 +188,7 @@ class ConvTranspose3dKind(_Conv):
     hyper_parameters = _Conv.hyper_parameters + ("output_padding",)
     has_halo = True
     weight_axes = (1, 0)                 # (C, F, kd, kh, kw), as PyTorch
+    padding_forms = "symmetric"          # an int or 3 ints, as PyTorch's conv_transpose3d
 
     def output_extent(self, spec):
         return tuple(transposed_output_extent(spec.input[2 + a], spec.kernel[a], spec.stride[a], spec.padding[a],
@@ -171,13 +196,13 @@ class ConvTranspose3dKind(_Conv):
 
     def forward(self, spec, x, w, b):
         y = F.conv_transpose3d(x, w, b, spec.stride, spec.padding, spec.output_padding, spec.dilation,
-                               algorithm=REFERENCE)
+                               spec_option(spec, "groups"), algorithm=REFERENCE)
         return y, (x, w)
 
     def backward(self, spec, dy, saved):
         x, w = saved
         return F.conv_transpose3d_backward(dy, x, w, spec.stride, spec.padding, spec.output_padding,
-                                           spec.dilation, algorithm=REFERENCE)
+                                           spec.dilation, spec_option(spec, "groups"), algorithm=REFERENCE)
 
     def weight_grad_volume(self, spec, out_shape):
         return math.prod(spec.input[2:])
@@ -185,11 +210,16 @@ class ConvTranspose3dKind(_Conv):
     def local(self, spec, *, rng, dtype):
         from ..nn import ConvTranspose3d
         return ConvTranspose3d(spec.input[1], spec.out_channels, spec.kernel, spec.stride, spec.padding,
-                               spec.output_padding, spec.dilation, rng=rng, dtype=dtype)
+                               spec.output_padding, spec.dilation, groups=spec_option(spec, "groups"), rng=rng,
+                               dtype=dtype)
 
     def partitioned(self, spec, *, grid, rng, dtype):
         from ..nn import model_parallel, spatial
-        layer = {"none": spatial.SpatialConvTranspose3d, "filter": model_parallel.FilterParallelConvTranspose3d,
+        if spec.model_parallel == "none":
+            return spatial.SpatialConvTranspose3d(spec.input[1], spec.out_channels, spec.kernel, spec.stride,
+                                                  spec.padding, spec.output_padding, spec.dilation,
+                                                  groups=spec_option(spec, "groups"), grid=grid, rng=rng, dtype=dtype)
+        layer = {"filter": model_parallel.FilterParallelConvTranspose3d,
                  "channel": model_parallel.ChannelParallelConvTranspose3d}[spec.model_parallel]
         return layer(spec.input[1], spec.out_channels, spec.kernel, spec.stride, spec.padding,
                      spec.output_padding, spec.dilation, grid=grid, rng=rng, dtype=dtype)
@@ -197,6 +227,21 @@ class ConvTranspose3dKind(_Conv):
     def halo_plan(self, spec, spatial_dims):
         return transposed_conv_halo_plan(spec.input[2:], spatial_dims, spec.kernel, spec.stride, spec.padding,
                                          spec.dilation, spec.output_padding)
+
+    def output_size_rules(self, spec, axis):
+        n, k, s, d = spec.input[2 + axis], spec.kernel[axis], spec.stride[axis], spec.dilation[axis]
+        p, op = spec.padding[axis], spec.output_padding[axis]
+
+        def extent(p=p, d=d, op=op):
+            return (n - 1) * s - 2 * p + d * (k - 1) + op + 1
+        rules = []
+        if op:
+            rules.append((f"ignores output_padding ({op})", extent(op=0)))
+        if d > 1:
+            rules.append((f"ignores dilation (the dilated kernel spans {d * (k - 1) + 1}, not {k})", extent(d=1)))
+        if p:
+            rules.append((f"ignores padding ({p})", extent(p=0)))
+        return tuple(rules)
 
     def input_window(self, spec, axis, o):
         return transposed_needed_input_range(o, o + 1, spec.kernel[axis], spec.stride[axis], spec.padding[axis],
@@ -225,13 +270,15 @@ class ConvTranspose3dKind(_Conv):
                          repeats)
 
     def torch_forward(self, spec, tf, x, w, b):
-        return tf.conv_transpose3d(x, w, b, spec.stride, spec.padding, spec.output_padding, 1, spec.dilation)
+        return tf.conv_transpose3d(x, w, b, spec.stride, spec.padding, spec.output_padding, spec_option(spec, "groups"),
+                                   spec.dilation)
 
     def torch_block(self, spec, tf, lo, x_needed, w, b, shift_axis=None):
         """The whole transposed conv of the needed block, then the window of it that is lo's
         output block (cropped, or zero-padded where no input of the block reaches)."""
         s, p = spec.stride, spec.padding
-        y = tf.conv_transpose3d(x_needed, w, None, s, 0, 0, 1, spec.dilation) if all(x_needed.shape[2:]) else None
+        y = tf.conv_transpose3d(x_needed, w, None, s, 0, 0, spec_option(spec, "groups"),
+                                spec.dilation) if all(x_needed.shape[2:]) else None
         pads = []
         for a in reversed(range(3)):             # torch's pad lists the last axis first
             (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]

@@ -7,7 +7,7 @@ import numpy
 
 from .. import functional as F
 from ..parallel.partition import conv_halo_plan
-from .base import WindowKind, plan_window_cost
+from .base import WindowKind, plan_window_cost, spec_option, spec_padding
 
 
 class _Pool(WindowKind):
@@ -15,22 +15,26 @@ class _Pool(WindowKind):
     padding of at most half the kernel (as in PyTorch)."""
 
     model_modes = ("none", "channel")    # channel-split activations: each rank pools its own channels
+    no_halo_mistake = ("pooled locally without a halo: {who}'s outputs are those of pooling its own block alone "
+                       "(cells beyond it read as padding); pooling windows that cross a block edge need the "
+                       "neighbours' cells")
 
     def default_stride(self, kernel):
         return kernel
 
     def validate(self, spec):
         super().validate(spec)
-        if any(2 * p > k for p, k in zip(spec.padding, spec.kernel)):
+        if any(max(pair) > k // 2 for pair, k in zip(spec_padding(spec), spec.kernel)):
             raise ValueError(f"--padding {spec.padding} must be at most half the kernel {spec.kernel} "
-                             "for pooling (as in PyTorch)")
+                             "on every side for pooling (as in PyTorch)")
 
     # ------------------------------------------------------------ planner
 
     plan_label = "pool"
 
     def plan_halo(self, layer, spatial_dims):
-        return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1)
+        return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1,
+                              getattr(layer, "ceil_mode", False))
 
     def plan_cost(self, layer, rank, cost):
         """Memory-bound: the rank's work-array elements at ``Machine.pool_rate``; its halo."""
@@ -50,46 +54,58 @@ class _Pool(WindowKind):
 
 class MaxPool3dKind(_Pool):
     name = "max_pool3d"
-    hyper_parameters = ("kernel", "stride", "padding", "dilation")
+    hyper_parameters = ("kernel", "stride", "padding", "dilation", "ceil_mode")
     pad_value = -numpy.inf
 
+    def window_values(self, spec, patches, w, b, counts):
+        return patches.max(axis=(-3, -2, -1))
+
     def forward(self, spec, x, w, b):
-        return F.max_pool3d(x, spec.kernel, spec.stride, spec.padding, spec.dilation), x
+        return F.max_pool3d(x, spec.kernel, spec.stride, spec.padding, spec.dilation,
+                            spec_option(spec, "ceil_mode")), x
 
     def backward(self, spec, dy, x):
-        return F.max_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, spec.dilation), None, None
+        return F.max_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, spec.dilation,
+                                     spec_option(spec, "ceil_mode")), None, None
 
     def reduction_length(self, spec, tensor, out_shape):
         return (1, "a maximum: exact") if tensor == "y" else (self.overlap(spec), "overlapping windows per input")
 
     def local(self, spec, *, rng, dtype):
         from ..nn import MaxPool3d
-        return MaxPool3d(spec.kernel, spec.stride, spec.padding, spec.dilation)
+        return MaxPool3d(spec.kernel, spec.stride, spec.padding, spec.dilation, spec_option(spec, "ceil_mode"))
 
     def partitioned(self, spec, *, grid, rng, dtype):
         from ..nn.spatial import SpatialMaxPool3d
-        return SpatialMaxPool3d(spec.kernel, spec.stride, spec.padding, spec.dilation, grid=grid)
+        return SpatialMaxPool3d(spec.kernel, spec.stride, spec.padding, spec.dilation,
+                                spec_option(spec, "ceil_mode"), grid=grid)
 
-    def torch_window(self, spec, tf, x, w, b, padding):
-        return tf.max_pool3d(x, spec.kernel, spec.stride, padding, spec.dilation)
+    def torch_window(self, spec, tf, x, w, b, padding, ceil_mode=False):
+        return tf.max_pool3d(x, spec.kernel, spec.stride, padding, spec.dilation, ceil_mode)
 
 
 class AvgPool3dKind(_Pool):
-    """Zero padding counts in the average (PyTorch's count_include_pad)."""
+    """Each window's sum over its divisor: PyTorch's count_include_pad (default: the zero padding
+    counts, a ceil-mode overhang does not) and divisor_override."""
 
     name = "avg_pool3d"
-    hyper_parameters = ("kernel", "stride", "padding")
+    hyper_parameters = ("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
 
     def validate(self, spec):
         if spec.dilation != (1, 1, 1):
             raise ValueError(f"--dilation is not supported by {self.name} (PyTorch has none either)")
         super().validate(spec)
 
+    @staticmethod
+    def options(spec):
+        """(ceil_mode, count_include_pad, divisor_override) of ``spec``."""
+        return tuple(spec_option(spec, name) for name in ("ceil_mode", "count_include_pad", "divisor_override"))
+
     def forward(self, spec, x, w, b):
-        return F.avg_pool3d(x, spec.kernel, spec.stride, spec.padding), x
+        return F.avg_pool3d(x, spec.kernel, spec.stride, spec.padding, *self.options(spec)), x
 
     def backward(self, spec, dy, x):
-        return F.avg_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding), None, None
+        return F.avg_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, *self.options(spec)), None, None
 
     def reduction_length(self, spec, tensor, out_shape):
         if tensor == "y":
@@ -98,11 +114,62 @@ class AvgPool3dKind(_Pool):
 
     def local(self, spec, *, rng, dtype):
         from ..nn import AvgPool3d
-        return AvgPool3d(spec.kernel, spec.stride, spec.padding)
+        return AvgPool3d(spec.kernel, spec.stride, spec.padding, *self.options(spec))
 
     def partitioned(self, spec, *, grid, rng, dtype):
         from ..nn.spatial import SpatialAvgPool3d
-        return SpatialAvgPool3d(spec.kernel, spec.stride, spec.padding, grid=grid)
+        return SpatialAvgPool3d(spec.kernel, spec.stride, spec.padding, *self.options(spec), grid=grid)
 
-    def torch_window(self, spec, tf, x, w, b, padding):
-        return tf.avg_pool3d(x, spec.kernel, spec.stride, padding)
+    def torch_window(self, spec, tf, x, w, b, padding, ceil_mode=False):
+        _, include, divisor = self.options(spec)
+        return tf.avg_pool3d(x, spec.kernel, spec.stride, padding, ceil_mode, include, divisor)
+
+    def window_values(self, spec, patches, w, b, counts):
+        include, divisor = spec_option(spec, "count_include_pad"), spec_option(spec, "divisor_override")
+        return patches.sum(axis=(-3, -2, -1)) / (divisor or counts[0 if include else 1])
+
+    def torch_forward(self, spec, tf, x, w, b):
+        """Symmetric padding: PyTorch's own op; asymmetric: window sums of the padded input over
+        ``avg_divisor``'s counts (PyTorch has no per-side padding)."""
+        p = spec_padding(spec)
+        if all(lo == hi for lo, hi in p):
+            return self.torch_window(spec, tf, x, w, b, tuple(lo for lo, _ in p), spec_option(spec, "ceil_mode"))
+        y = self._torch_by_counts(spec, tf, x, p, p)
+        return y[(Ellipsis,) + tuple(slice(0, n) for n in self.output_extent(spec))]
+
+    def torch_block(self, spec, tf, lo, x_needed, w, b, shift_axis=None):
+        """Default options: the padded block pooled unpadded; else the window sums of the padded
+        block over the counts of the cells its windows count (the padding the clip removed,
+        less any ceil-mode overhang, when count_include_pad)."""
+        ceil, include, divisor = self.options(spec)
+        if not ceil and include and divisor is None:
+            return super().torch_block(spec, tf, lo, x_needed, w, b, shift_axis)
+        k, s = spec.kernel, spec.stride
+        p_all = spec_padding(spec)
+        edges, real = [], []
+        for a in range(3):
+            (i0, i1), (o0, o1) = lo.needed[a], lo.outputs[a]
+            low = i0 - (s[a] * o0 - p_all[a][0])
+            high = (s[a] * (o1 - 1) - p_all[a][0] + k[a]) - i1
+            if shift_axis == a:
+                low, high = low + 1, high - 1
+            edges.append((low, high))
+            real.append((low, min(high, p_all[a][1])))
+        return self._torch_by_counts(spec, tf, x_needed, edges, real, unpadded=True)
+
+    def _torch_by_counts(self, spec, tf, x, edges, real, unpadded=False):
+        """Window sums of ``x`` zero padded by ``edges`` ((lo, hi) per axis) over each window's
+        divisor: ``divisor_override``, or the windows' counts of the cells inside ``x`` plus,
+        with count_include_pad, the ``real`` padding.  ``unpadded``: ``edges`` cover every
+        window whole (no ceil_mode of the op's own)."""
+        ceil, include, divisor = self.options(spec)
+        ceil = ceil and not unpadded
+        pads = [v for a in reversed(range(3)) for v in edges[a]]
+        sums = tf.avg_pool3d(tf.pad(x, pads), spec.kernel, spec.stride, 0, ceil, True, 1)
+        if divisor is not None:
+            return sums / divisor
+        ones = x.new_ones((1, 1) + tuple(x.shape[2:]))
+        inner = [v for a in reversed(range(3)) for v in real[a]] if include else [0] * 6
+        outer = [e - r for e, r in zip(pads, inner)]
+        counts = tf.pad(tf.pad(ones, inner, value=1.0), outer)
+        return sums / tf.avg_pool3d(counts, spec.kernel, spec.stride, 0, ceil, True, 1)

@@ -1,10 +1,14 @@
 """CosmoFlow: regression of 4 cosmological parameters from a 3D dark-matter density volume.
 
-The MLPerf HPC reference network (Mathuriya et al. 2018; MLPerf HPC CosmoFlow),
-for L conv blocks of width ``conv_size * 2^i`` (mlperf preset: 4 x 128^3, L = 5):
+The MLPerf HPC reference network (Mathuriya et al. 2018; MLPerf HPC CosmoFlow,
+github.com/mlcommons/hpc ``cosmoflow/models/cosmoflow.py``: Keras ``Conv3D(kernel_size=2,
+padding='same')``), for L conv blocks of width ``conv_size * 2^i`` (mlperf preset: 4 x 128^3,
+L = 5, k = 2):
 
     x                                     (B, 4, S, S, S)
-    L x [Conv3d k=3 pad 1 -> LeakyReLU(0.3) -> MaxPool3d 2]
+    L x [Conv3d k 'same' -> LeakyReLU(0.3) -> MaxPool3d 2]
+      'same': the output keeps the input extent; odd k pads k // 2 on each side, even k
+      pads k - 1 in all, the odd cell after (k = 2: 0 before, 1 after), TensorFlow's rule
       block i                             (B, conv_size * 2^i, S / 2^(i+1), ...)
     flatten + Dense fc1_size              (B, fc1)     <- SpatialFlattenLinear on a grid
     LeakyReLU(0.3) -> Dropout             (B, fc1)
@@ -26,6 +30,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module
+from ..functional._args import compact_padding, padding_sides
 from ..kernels._threads import blas_held_single
 from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
 from ..nn.activation import LeakyReLU, ScaledTanh
@@ -38,7 +43,7 @@ DEFAULTS = {
     "input_shape": (4, 128, 128, 128),   # (C, D, H, W)
     "conv_size": 32,                     # channels of the first conv block; block i has conv_size * 2^i
     "n_conv_layers": 5,
-    "kernel_size": 3,                    # odd: 'same' padding k // 2
+    "kernel_size": 3,                    # 'same' padding: k // 2 per side if odd, else (k-1)//2 + the odd cell after
     "fc1_size": 128,
     "fc2_size": 64,
     "num_outputs": 4,
@@ -62,9 +67,6 @@ def check_config(config: dict, where: str = "config") -> dict:
     n_layers = check_positive_int(config, "n_conv_layers", where=where)
     for key in ("conv_size", "kernel_size", "fc1_size", "fc2_size", "num_outputs"):
         check_positive_int(config, key, where=where)
-    if config["kernel_size"] % 2 == 0:
-        raise ValueError(f"{where}['kernel_size'] must be odd ('same' padding k // 2), "
-                         f"got {config['kernel_size']}")
     check_number(config, "dropout", lambda p: 0.0 <= p < 1.0, "in [0, 1)", where)
     check_number(config, "leaky_slope", lambda a: True, "(the slope for x < 0)", where)
     check_number(config, "output_scale", lambda s: s > 0, "> 0", where)
@@ -95,8 +97,8 @@ class CosmoFlow(Model):
         blocks, c_in = [], self.input_shape[0]
         for i in range(n_layers):
             c_out = width * 2 ** i
-            conv = make.conv(c_in, c_out, k, padding=k // 2) if i < split_from else \
-                make.model_conv(c_in, c_out, k, k // 2, mode, first=i == split_from)
+            conv = make.conv(c_in, c_out, k, padding="same") if i < split_from else \
+                make.model_conv(c_in, c_out, k, "same", mode, first=i == split_from)
             blocks += [conv,                                          # (B, c_out, s, s, s)
                        LeakyReLU(slope),
                        make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
@@ -142,7 +144,8 @@ class CosmoFlow(Model):
         mode = cfg["model_parallel"]
         split_from = n_layers - cfg["model_parallel_blocks"] if mode != "none" else n_layers
         c_in, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
-        kk, pad = (k,) * 3, (k // 2,) * 3
+        kk = (k,) * 3
+        pad = compact_padding(padding_sides("same", kk))     # (1, 1, 1) for k = 3; (0, 1, 0, 1, 0, 1) for k = 2
         out, split_in = [], False
         for i in range(n_layers):
             c_out = width * 2 ** i

@@ -8,9 +8,13 @@ of its samples, for every activation in the network.  A window layer is
 
 The plan partitions the layer's OUTPUT in balanced blocks and derives the input
 each rank needs (``partition.conv_halo_plan``): outputs ``[o0, o1)`` read inputs
-``[s*o0 - p, s*(o1-1) - p + d(k-1)]``; the part outside the domain is the
-layer's own padding (zeros, or -inf for max pooling), never a neighbour's data,
-so the local op runs with padding 0 on an explicitly padded block.
+``[s*o0 - p_lo, s*(o1-1) - p_lo + d(k-1)]`` (``p_lo`` the padding before the input: a
+per-side or 'same' padding changes only that and the output extent); the part outside
+the domain is the layer's own padding (zeros, or -inf for max pooling), never a
+neighbour's data, so the local op runs with padding 0 on an explicitly padded block.
+Average pooling is the exception: its divisor depends on which cells are padding
+(``count_include_pad``, the ceil-mode overhang), so its local op gets the exchanged
+block and that padding itself (``SpatialAvgPool3d``).
 
 ``setup(global_in_shape) -> global_out_shape`` builds the plan from the global
 (D, H, W) extent; models call it once for the whole network (pure index math,
@@ -28,6 +32,7 @@ from ..failstop import phase
 from ..parallel.collectives import allreduce
 from ..parallel.objects import allreduce_sum
 from ..parallel.halo import HaloExchange
+from ..functional._args import padding_sides
 from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d
@@ -99,7 +104,8 @@ class _WindowHalo(_Halo):
 
     def setup(self, global_in_shape):
         return self._plan(conv_halo_plan(global_in_shape, self.grid.spatial_dims, self.kernel_size,
-                                         self.stride, self.padding, self.dilation))
+                                         self.stride, self.padding, self.dilation,
+                                         getattr(self, "ceil_mode", False)))
 
     def _gather_padded(self, x, pad_value):
         """(N, C, owned block) -> (N, C, needed range + edge padding): halo exchange, then pad."""
@@ -135,33 +141,57 @@ class SpatialConv3d(_WindowHalo, Conv3d):
         return self._return_to_owners(dx_pad)
 
 
-class _SpatialPool(_WindowHalo):
-    PAD_VALUE = 0.0
+class SpatialMaxPool3d(_WindowHalo, MaxPool3d):
+    """Max pooling on this rank's output block; the domain edge is padded with -inf (the
+    ceil-mode overhang too: the plan's edge padding holds it), then pooled unpadded."""
 
     def forward(self, x):
-        x_pad = self._gather_padded(x, self.PAD_VALUE)
+        x_pad = self._gather_padded(x, float("-inf"))
         self._save(x_pad)
         if self.empty_output:
             return array_module(x).zeros(x.shape[:2] + _extent(self.out_block), dtype=x.dtype)
-        return self.local_forward(x_pad, NO_PADDING)
+        return self.local_forward(x_pad, NO_PADDING, ceil_mode=False)
 
     def backward(self, dy):
         (x_pad,) = self._saved()
         if self.empty_output:
             dx_pad = array_module(dy).zeros_like(x_pad)
         else:
-            dx_pad = self.local_backward(dy, x_pad, NO_PADDING)
+            dx_pad = self.local_backward(dy, x_pad, NO_PADDING, ceil_mode=False)
         return self._return_to_owners(dx_pad)
 
 
-class SpatialMaxPool3d(_SpatialPool, MaxPool3d):
-    """Max pooling on this rank's output block; the domain edge is padded with -inf."""
-    PAD_VALUE = float("-inf")
+class SpatialAvgPool3d(_WindowHalo, AvgPool3d):
+    """Average pooling on this rank's output block.
 
+    The local op runs on the exchanged block with the padding the clip to the domain removed
+    (the plan's edge padding, less any ceil-mode overhang past the layer's hi padding) and the
+    layer's ``ceil_mode``: its windows are then the global windows of the owned outputs, and
+    each window's divisor counts the same cells as the unpartitioned op's (padding counted or
+    not, overhang never).  A rank's output count is right: without an overhang the block spans
+    whole windows (ceil = floor), and the overhang of the last window is less than the stride.
+    """
 
-class SpatialAvgPool3d(_SpatialPool, AvgPool3d):
-    """Average pooling (count_include_pad) on this rank's output block; edge padding is zero."""
-    PAD_VALUE = 0.0
+    def _plan(self, plan):
+        out = super()._plan(plan)
+        p_hi = [hi for _, hi in padding_sides(self.padding, self.kernel_size, self.dilation, self.stride)]
+        self.local_padding = tuple(v for (lo, hi), q in zip(self.edge_padding, p_hi) for v in (lo, min(hi, q)))
+        return out
+
+    def forward(self, x):
+        x_ext = self._exchange(x)                        # (N, C, needed range)
+        self._save(x_ext)
+        if self.empty_output:
+            return array_module(x).zeros(x.shape[:2] + _extent(self.out_block), dtype=x.dtype)
+        return self.local_forward(x_ext, self.local_padding)
+
+    def backward(self, dy):
+        (x_ext,) = self._saved()
+        if self.empty_output:
+            dx_ext = array_module(dy).zeros_like(x_ext)
+        else:
+            dx_ext = self.local_backward(dy, x_ext, self.local_padding)
+        return self._adjoint_exchange(dx_ext)
 
 
 class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
@@ -201,7 +231,7 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
         xp = array_module(x)
         y = xp.zeros((x.shape[0], self.out_channels) + _extent(self.out_block), dtype=x.dtype)
         if not self.empty_output and all(n > 0 for n in x_ext.shape[-3:]):
-            y_local = conv_transpose3d(x_ext, self.weight.data, None, self.stride, 0, 0, self.dilation)
+            y_local = conv_transpose3d(x_ext, self.weight.data, None, self.stride, 0, 0, self.dilation, self.groups)
             where = self._overlap(y_local.shape[-3:])
             if where is not None:
                 y[where[1]] = y_local[where[0]]
@@ -220,7 +250,7 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
                 dy_local = xp.zeros(dy.shape[:2] + local_extent, dtype=dy.dtype)
                 dy_local[where[0]] = dy[where[1]]
                 dx_ext, dw, _ = conv_transpose3d_backward(dy_local, x_ext, self.weight.data,
-                                                          self.stride, 0, 0, self.dilation)
+                                                          self.stride, 0, 0, self.dilation, self.groups)
         self.accumulate_weight_and_bias(dw, dy.sum(axis=(0, 2, 3, 4)))
         return self._adjoint_exchange(dx_ext)
 

@@ -8,8 +8,9 @@ The same map is used by compute, HDF5 hyperslab reads and gathers, and ranks
 are numbered row-major over the grid coordinates (``grid_rank``).
 
 Window ops (conv, pool) partition their OUTPUT in balanced blocks; a rank that
-computes outputs ``[o0, o1)`` needs the inputs ``[s*o0 - p, s*(o1-1) - p + d(k-1)]``
-(inclusive, in unpadded coordinates).  The part of that interval outside
+computes outputs ``[o0, o1)`` needs the inputs ``[s*o0 - p_lo, s*(o1-1) - p_lo + d(k-1)]``
+(inclusive, in unpadded coordinates; ``p_lo`` the padding before the input, which with
+the padding after, ``p_hi``, and ``ceil_mode`` fixes the output extent).  The part of that interval outside
 ``[0, n)`` is the op's padding, never a neighbour's data: ``needed_input_range``
 clips it and returns the clipped amount as explicit per-side padding, so the
 local op runs on ``pad(x[i0:i1], (pad_low, pad_high))`` with no padding of its own.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..functional._args import transposed_out_size, triple, window_out_size
+from ..functional._args import padding_sides, sides, transposed_out_size, triple, window_out_size
 
 Range = tuple[int, int]  # half-open [start, stop)
 
@@ -79,18 +80,22 @@ def block_slices(shape, dims, coords) -> tuple[slice, ...]:
 # ---------------------------------------------------------------- extents and needed ranges
 
 def _check_window(k, s, p, d) -> None:
-    for name, value, low in (("kernel", k, 1), ("stride", s, 1), ("padding", p, 0), ("dilation", d, 1)):
+    """``p``: an int (both sides) or a ``(lo, hi)`` pair."""
+    pads = (("padding", q, 0) for q in ((p,) if hasattr(p, "__index__") else tuple(p)))
+    for name, value, low in (("kernel", k, 1), ("stride", s, 1), *pads, ("dilation", d, 1)):
         if int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def window_output_extent(n: int, k: int, s: int, p: int, d: int) -> int:
-    """Output extent of a conv/pool window: floor((n + 2p - d(k-1) - 1)/s) + 1."""
+def window_output_extent(n: int, k: int, s: int, p, d: int, ceil_mode: bool = False) -> int:
+    """Output extent of a conv/pool window: floor((n + lo + hi - d(k-1) - 1)/s) + 1, ``p`` an int
+    (lo = hi = p) or a ``(lo, hi)`` pair; ``ceil_mode``: PyTorch's pooling rule
+    (``functional._args.window_out_size``)."""
     _check_window(k, s, p, d)
-    out = window_out_size(n, k, s, p, d)
+    out = window_out_size(n, k, s, sides(p), d, ceil_mode)
     if out < 1:
         raise ValueError(f"kernel (dilated extent {d * (k - 1) + 1}) is larger than the padded "
-                         f"input extent {n + 2 * p}")
+                         f"input extent {n + sum(sides(p))}")
     return out
 
 
@@ -117,22 +122,27 @@ def _clip(lo: int, stop: int, n: int) -> Range:
     return start, max(min(stop, n), start)
 
 
-def needed_input_range(o0: int, o1: int, k: int, s: int, p: int, d: int,
-                       n_in: int) -> tuple[Range, Range]:
+def needed_input_range(o0: int, o1: int, k: int, s: int, p, d: int,
+                       n_in: int, ceil_mode: bool = False) -> tuple[Range, Range]:
     """Inputs of a window op (conv/pool) that outputs ``[o0, o1)`` read.
 
-    Outputs ``[o0, o1)`` read the padded-input interval ``[s*o0 - p, s*(o1-1) - p + d(k-1)]``
-    (inclusive, unpadded coordinates).  Returns ``((i0, i1), (pad_low, pad_high))``: the
-    half-open part inside ``[0, n_in)`` and the zero padding (or -inf for max pooling) the
-    clip removed on each side, with ``pad_low + (i1 - i0) + pad_high`` the interval's
-    length.  A window lying wholly in the padding gives an empty ``[i0, i1)`` and all of
-    its length as padding.  An empty output range needs nothing: ``(c, c), (0, 0)``.
+    ``p``: an int (the same padding on both sides) or a ``(p_lo, p_hi)`` pair.  Outputs
+    ``[o0, o1)`` read the padded-input interval ``[s*o0 - p_lo, s*(o1-1) - p_lo + d(k-1)]``
+    (inclusive, unpadded coordinates); ``p_hi`` and ``ceil_mode`` only fix how many outputs
+    there are.  Returns ``((i0, i1), (pad_low, pad_high))``: the half-open part inside
+    ``[0, n_in)`` and the zero padding (or -inf for max pooling) the clip removed on each
+    side, with ``pad_low + (i1 - i0) + pad_high`` the interval's length (with ``ceil_mode``
+    the last window may reach past ``n_in + p_hi``: ``pad_high`` counts that overhang too,
+    never a cell past the domain).  A window lying wholly in the padding gives an empty
+    ``[i0, i1)`` and all of its length as padding.  An empty output range needs nothing:
+    ``(c, c), (0, 0)``.
     """
-    _check_output_range(o0, o1, window_output_extent(n_in, k, s, p, d))
+    _check_output_range(o0, o1, window_output_extent(n_in, k, s, p, d, ceil_mode))
+    p_lo = sides(p)[0]
     if o0 == o1:
-        start = _clip(s * o0 - p, s * o0 - p, n_in)[0]
+        start = _clip(s * o0 - p_lo, s * o0 - p_lo, n_in)[0]
         return (start, start), (0, 0)
-    lo, stop = s * o0 - p, s * (o1 - 1) - p + d * (k - 1) + 1
+    lo, stop = s * o0 - p_lo, s * (o1 - 1) - p_lo + d * (k - 1) + 1
     i0, i1 = _clip(lo, stop, n_in)
     pad_low = min(max(-lo, 0), stop - lo)
     return (i0, i1), (pad_low, (stop - lo) - pad_low - (i1 - i0))
@@ -274,17 +284,21 @@ def halo_plan(global_in_shape, grid_dims, needed_ranges_fn: Callable[[int, int],
                           for a in range(3)))
 
 
-def conv_halo_plan(global_in_shape, grid_dims, kernel, stride=1, padding=0, dilation=1) -> HaloPlan:
-    """Halo plan of a conv/pool window: OUTPUT split in balanced blocks, inputs derived."""
+def conv_halo_plan(global_in_shape, grid_dims, kernel, stride=1, padding=0, dilation=1,
+                   ceil_mode=False) -> HaloPlan:
+    """Halo plan of a conv/pool window: OUTPUT split in balanced blocks, inputs derived.
+    ``padding``: any form of ``functional._args.padding_sides`` (int, 3-tuple, per-side
+    6-tuple, 'valid', 'same'); ``ceil_mode``: pooling's."""
     shape = triple(global_in_shape, "global_in_shape")
     dims = triple(grid_dims, "grid_dims", minimum=1)
     k, s = triple(kernel, "kernel", 1), triple(stride, "stride", 1)
-    p, d = triple(padding, "padding", 0), triple(dilation, "dilation", 1)
+    d = triple(dilation, "dilation", 1)
+    p = padding_sides(padding, k, d, s)
     axes = []
     for a in range(3):
-        n_out = window_output_extent(shape[a], k[a], s[a], p[a], d[a])
+        n_out = window_output_extent(shape[a], k[a], s[a], p[a], d[a], ceil_mode)
         outputs = [block_range(n_out, dims[a], c) for c in range(dims[a])]
-        needs = [needed_input_range(o0, o1, k[a], s[a], p[a], d[a], shape[a]) for o0, o1 in outputs]
+        needs = [needed_input_range(o0, o1, k[a], s[a], p[a], d[a], shape[a], ceil_mode) for o0, o1 in outputs]
         axes.append(axis_halo_plan(shape[a], dims[a], [r for r, _ in needs], outputs, [q for _, q in needs]))
     return HaloPlan(tuple(axes))
 
