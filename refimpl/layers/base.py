@@ -39,6 +39,9 @@ class LayerKind:
 
     #: the name users type (``refimpl check-layer NAME``, a suite's ``layer = ...``)
     name = ""
+    #: its output extent per spatial axis, as a formula (what a report quotes to a result of
+    #: the wrong shape); "" for a kind whose output has its input's shape
+    output_size_rule = ""
     #: the arguments this kind reads besides the input shape; the others are accepted and
     #: ignored, as check-layer always has (they also word check-layer's --help)
     hyper_parameters: tuple = ()
@@ -286,6 +289,7 @@ class WindowKind(LayerKind):
     has_halo = True
     #: what the padding holds (max pooling: -inf, so that padding never wins)
     pad_value = 0.0
+    output_size_rule = "floor((n + p_lo + p_hi - d(k-1) - 1)/s) + 1 for a conv or pooling (ceil_mode: ceil)"
 
     def output_extent(self, spec) -> tuple:
         p, ceil = spec_padding(spec), spec_option(spec, "ceil_mode")

@@ -185,6 +185,7 @@ class ConvTranspose3dKind(_Conv):
     """The input-adjoint of conv3d: input i reaches output o through tap j when i*s - p + j*d == o."""
 
     name = "conv_transpose3d"
+    output_size_rule = "(n-1)s - 2p + d(k-1) + output_padding + 1 for a transposed conv"
     hyper_parameters = _Conv.hyper_parameters + ("output_padding",)
     has_halo = True
     weight_axes = (1, 0)                 # (C, F, kd, kh, kw), as PyTorch

@@ -208,10 +208,9 @@ def shape_message(case: Case, error: dict) -> tuple[str, tuple | None]:
         a = next(a for a in range(len(shape)) if shape[a] != domain[a])
         index = (0,) * a + (min(shape[a], domain[a]),) + (0,) * (len(shape) - a - 1)
         text = f"the global {tensor} has {shape[a]} {_what(tensor)} along {names[a]}; the layer has {domain[a]}"
-        if tensor == "y" and a >= 2:
-            text += (" (the output-size rule: (n-1)s - 2p + d(k-1) + output_padding + 1 for a transposed conv)"
-                     if case.spec.layer == "conv_transpose3d" else
-                     " (the output-size rule: floor((n + 2p - d(k-1) - 1)/s) + 1 for a conv or pooling)")
+        rule = layers.lookup(case.spec.layer).output_size_rule
+        if tensor == "y" and a >= 2 and rule:
+            text += f" (the output-size rule: {rule})"
         return text, index
     a = next(a for a in range(len(shape)) if offset[a] < 0 or offset[a] + shape[a] > domain[a])
     index = tuple(offset[:a]) + (offset[a] if offset[a] < 0 else domain[a],) + tuple(offset[a + 1:])

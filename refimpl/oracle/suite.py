@@ -11,7 +11,12 @@ a case::
     layer           a layer kind of refimpl/layers (``refimpl check-layer --help`` lists them)
     input           [N, C, D, H, W] (global)
     out_channels    conv layers (default C)
-    kernel          int or [kd, kh, kw]; likewise stride, padding, dilation, output_padding
+    kernel          int or [kd, kh, kw]; likewise stride, dilation, output_padding
+    padding         int, [pd, ph, pw], the per-side [d_lo, d_hi, h_lo, h_hi, w_lo, w_hi],
+                    "valid" or "same" (as check-layer's --padding)
+    ceil_mode       pooling: true or false (default false)
+    count_include_pad, divisor_override   avg pooling (defaults true, none)
+    groups          conv3d, conv_transpose3d (default 1)
     grids           [[Pn, Pd, Ph, Pw], ...], or 5 entries with the model axis Pm
     model_parallel  none | filter | channel (as check-layer --model-parallel)
     values          normal | ties (small integers: many equal maxima)
@@ -34,7 +39,8 @@ from ..parallel.grid import format_grid
 #: keys a case may set, with their defaults (None: check-layer's default)
 CASE_KEYS = {"name": None, "layer": None, "input": None, "out_channels": None, "kernel": 3,
              "stride": None, "padding": 0, "dilation": 1, "output_padding": 0, "grids": None,
-             "model_parallel": "none", "values": "normal", "seed": None, "dtypes": None}
+             "model_parallel": "none", "values": "normal", "seed": None, "dtypes": None,
+             "ceil_mode": False, "count_include_pad": True, "divisor_override": None, "groups": 1}
 SUITE_KEYS = {"seed", "dtypes", "case", "description"}
 DTYPES = ("float64", "float32")
 VALUES = ("normal", "ties")
@@ -59,6 +65,10 @@ class CaseSpec:
     values: str
     seed: int
     dtypes: tuple
+    ceil_mode: bool = False              # the options real models use (check-layer's flags)
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+    groups: int = 1
 
     @property
     def file_name(self) -> str:
@@ -76,7 +86,8 @@ class CaseSpec:
         return LayerCheck(layer=self.layer, input=self.input, grid=self.grid, out_channels=self.out_channels,
                           kernel=self.kernel, stride=self.stride, padding=self.padding, dilation=self.dilation,
                           output_padding=self.output_padding, model_parallel=self.model_parallel,
-                          seed=self.seed)
+                          seed=self.seed, ceil_mode=self.ceil_mode, count_include_pad=self.count_include_pad,
+                          divisor_override=self.divisor_override, groups=self.groups)
 
 
 def _int_list(value, where, key):
@@ -84,6 +95,23 @@ def _int_list(value, where, key):
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise ValueError(f"{where}: {key} must be an integer or a list of integers, got {value!r}")
     return values
+
+
+#: the layer options a case may set: their types (LayerCheck validates the values)
+OPTIONS = {"ceil_mode": bool, "count_include_pad": bool, "divisor_override": int, "groups": int}
+
+
+def _padding(value, where):
+    """A case's padding: "same" or "valid" as is, else integers (as check-layer's --padding)."""
+    return value if isinstance(value, str) else tuple(_int_list(value, where, "padding"))
+
+
+def _option(case, key, where):
+    value = case.get(key, CASE_KEYS[key])
+    if value is not None and (type(value) is not OPTIONS[key]):
+        raise ValueError(f"{where}: {key} must be {'true or false' if OPTIONS[key] is bool else 'an integer'}, "
+                         f"got {value!r}")
+    return value
 
 
 def parse_suite(table: dict, where: str) -> list[CaseSpec]:
@@ -131,11 +159,12 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
                             kernel=tuple(_int_list(case.get("kernel", 3), label, "kernel")),
                             stride=None if case.get("stride") is None else
                             tuple(_int_list(case["stride"], label, "stride")),
-                            padding=tuple(_int_list(case.get("padding", 0), label, "padding")),
+                            padding=_padding(case.get("padding", 0), label),
                             dilation=tuple(_int_list(case.get("dilation", 1), label, "dilation")),
                             output_padding=tuple(_int_list(case.get("output_padding", 0), label, "output_padding")),
                             grid=tuple(g), model_parallel=case.get("model_parallel", "none"),
-                            values=values, seed=seed, dtypes=tuple(dtypes))
+                            values=values, seed=seed, dtypes=tuple(dtypes),
+                            **{key: _option(case, key, label) for key in OPTIONS})
             try:
                 check = spec.layer_check()         # check-layer's rules, e.g. pooling padding
             except ValueError as err:
