@@ -222,7 +222,7 @@ def test_preset_of_another_model_refused():
     ("cosmoflow", {"dropout": 1.0}, r"model_config\['dropout'\]"),
     ("cosmoflow", {"conv_size": -4}, r"model_config\['conv_size'\] must be an integer >= 1"),
     ("cosmoflow", {"fc1_size": 0}, r"model_config\['fc1_size'\]"),
-    ("cosmoflow", {"kernel_size": 2}, r"model_config\['kernel_size'\] must be odd"),
+    ("cosmoflow", {"kernel_size": 0}, r"model_config\['kernel_size'\] must be an integer >= 1"),
     ("cosmoflow", {"input_shape": [4, 16, 16]}, r"model_config\['input_shape'\] must be 4 positive"),
     ("cosmoflow", {"input_shape": 16}, r"model_config\['input_shape'\] must be 4 positive"),
     ("cosmoflow", {"input_shape": [4, 18, 16, 16]}, r"model_config\['input_shape'\].*18.*divisible by 4"),
