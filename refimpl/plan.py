@@ -768,6 +768,8 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
         phase(f"calibration: {what}")
         return _best_time(fn, times)
 
+    if comm is not None:
+        comm.Barrier()     # every rank starts measuring together (none still starting up beside it)
     rates = dict(machine.conv_gflops)
     for layer in calibration_layers(layers):
         key = conv_key(layer, layer.in_dhw)

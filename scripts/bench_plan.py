@@ -5,7 +5,8 @@ For a model preset and a global batch, every grid of ``--ranks`` ranks (or ``--g
 run for real under ``mpiexec`` (float32, one BLAS thread per rank): build the model, an
 SGD-momentum optimizer and the gradient synchroniser, one warm-up training step (forward,
 loss, backward, gradient allreduce, update) and ``--repeats`` timed steps (best kept;
-slowest rank); with ``--rounds R`` every grid is run R times, round-robin, the best kept.  Memory: tracemalloc's peak over the warm-up step, started before the
+slowest rank); with ``--rounds R`` every grid is run R times, round-robin (every other round in reverse
+order), the best kept.  Memory: tracemalloc's peak over the warm-up step, started before the
 model is built (weights, gradients, optimizer state, activations, halo buffers and
 temporaries; NumPy reports its buffers to tracemalloc), max over ranks.  Next to each,
 ``refimpl.plan``'s prediction for the same grid with the machine constants of
@@ -138,8 +139,8 @@ def main() -> None:
                         help="grids to run (default: every 4-entry grid of --ranks ranks the model takes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run every grid this many times, round-robin (the best kept): drift in the "
-                             "machine's speed then hits every grid alike (default 1)")
+                        help="run every grid this many times, round-robin, every other round in reverse order (the "
+                             "best kept): drift in the machine's speed then hits every grid alike (default 1)")
     parser.add_argument("--model-parallel", choices=("none", "filter", "channel"), default="none",
                         help="also run grids with a model axis Pm > 1, split this way")
     parser.add_argument("--noise", type=float, default=0.05,
@@ -166,8 +167,10 @@ def main() -> None:
     if args.rounds < 1 or args.repeats < 1:
         raise SystemExit("--rounds and --repeats must be positive")
     runs = {tuple(dims): [] for dims in grids}
-    for _ in range(args.rounds):
-        for dims in grids:
+    for round_ in range(args.rounds):
+        # forward, then backward: a drift of the machine's speed within a round (these guests move
+        # 10-40 % in minutes) does not always fall on the grids run last
+        for dims in (grids if round_ % 2 == 0 else grids[::-1]):
             runs[tuple(dims)].append(run_grid(args, dims))
     for dims in grids:
         got = min(runs[tuple(dims)], key=lambda r: r["step_s"])
