@@ -274,3 +274,56 @@ def test_the_same_diagnoses_in_the_results_own_layout(cases, tmp_path, monkeypat
     monkeypatch.setattr(casefile.Results, "own_layout", lambda self, case, dtype: True)
     _, report = planted(cases, tmp_path, name, plant)
     assert report.layout == "results" and text in diagnosis(report, tensor, rank)
+
+
+def test_one_voxel_shifts_of_the_whole_tensor_and_of_every_block():
+    """``shift`` finds a shift of the whole tensor; ``blockwise_shift`` one that each rank's block
+    makes on its own (two blocks along W), which no shift of the whole tensor explains."""
+    rng = np.random.default_rng(5)
+    want = rng.standard_normal((1, 2, 5, 4, 8))                     # (N, C, D, H, W)
+    atol = 1e-12
+
+    whole = np.roll(want, 1, axis=3)                               # got[h] == want[h - 1]
+    bad = np.abs(whole - want) > atol
+    assert "shifted by +1 along H" in diagnose.shift(whole, want, bad, atol)
+
+    class Block:
+        def __init__(self, w):
+            self.w = w
+
+        def index(self, tensor):
+            return (slice(None),) * 4 + (slice(*self.w),)
+
+    case = type("Case", (), {"layouts": [Block((0, 4)), Block((4, 8))]})()
+    per_block = want.copy()
+    for lo, hi in ((0, 4), (4, 8)):                                # each block: got[w] == want[w + 1]
+        per_block[..., lo:hi - 1] = want[..., lo + 1:hi]
+    bad = np.abs(per_block - want) > atol
+    assert diagnose.shift(per_block, want, bad, atol) is None     # each block's last plane breaks it
+    found = diagnose.blockwise_shift(case, "y", per_block, want, bad, atol)
+    assert found and "shifted by -1 along W" in found and "in every rank's block" in found
+    assert diagnose.blockwise_shift(case, "y", want + 1.0, want, np.ones_like(bad), atol) is None
+
+
+def test_a_conv_dx_never_follows_from_the_forward():
+    """An undiagnosed dx after a diagnosed y: a consequence where dx reads the forward (max
+    pooling's argmax), not for a conv or an average pool (dx is the adjoint applied to dy alone),
+    and never a consequence of dw; dw follows from y (both read x)."""
+    from refimpl import layers
+    from refimpl.oracle.compare import CaseReport, Finding, trace_consequences
+
+    def report():
+        def fail(tensor, diagnosis=None):
+            return Finding("float64", tensor, None, 1.0, 1.0, 1e-12, "", False, mismatches=3, diagnosis=diagnosis)
+        return CaseReport("c", findings=[fail("y", "a halo plane missing"), fail("dw_partial", "planted"),
+                                         fail("dx"), fail("dw")])
+
+    for kind, reads in (("conv3d", False), ("conv_transpose3d", False), ("avg_pool3d", False),
+                        ("max_pool3d", True), ("batch_norm3d", True)):
+        assert layers.lookup(kind).dx_reads_forward is reads, kind
+        r = report()
+        trace_consequences(r, layers.lookup(kind).dx_reads_forward)
+        dx, dw = r.findings[2], r.findings[3]
+        assert (dx.diagnosis == "follows from the error in y (global) diagnosed above") is reads, (kind, dx.diagnosis)
+        assert reads or dx.diagnosis is None
+        assert dw.diagnosis.startswith("follows from the error in")

@@ -54,6 +54,10 @@ class LayerKind:
     mixes_channels = False
     #: whether outputs read inputs of other ranks' blocks (a halo exchange, and its adjoint)
     has_halo = False
+    #: whether dx reads the forward's tensors (max pooling's argmax of x, batch norm's statistics);
+    #: False where dx is a linear map of dy alone (convs, average pooling): an error in the forward
+    #: is then never the cause of one in dx (the oracle's ``trace_consequences``)
+    dx_reads_forward = True
     #: weight axes of the (output, input) channels: where a model-parallel weight is cut
     weight_axes = (0, 0)
     #: the padding forms it takes: 'any' (int, 3-tuple, per-side 6-tuple, 'valid', 'same') or

@@ -25,6 +25,7 @@ class _Conv(LayerKind):
     hyper_parameters = ("out_channels", "kernel", "stride", "padding", "dilation", "groups")
     model_modes = ("none", "filter", "channel")
     mixes_channels = True
+    dx_reads_forward = False           # dx = the adjoint of the conv applied to dy
 
     def output_channels(self, spec):
         return spec.out_channels

@@ -89,6 +89,7 @@ class AvgPool3dKind(_Pool):
     counts, a ceil-mode overhang does not) and divisor_override."""
 
     name = "avg_pool3d"
+    dx_reads_forward = False           # dx spreads dy over each window: x is not read
     hyper_parameters = ("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
 
     def validate(self, spec):

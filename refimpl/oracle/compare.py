@@ -451,7 +451,7 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> Case
         report.layout_note = _layout_note(case, results, own)
     report.findings.sort(key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor), f.rank is not None,
                                         f.rank or 0))
-    trace_consequences(report)
+    trace_consequences(report, layers.lookup(case.spec.layer).dx_reads_forward)
     report.not_provided = coverage(case, results)
     return report
 
@@ -590,14 +590,29 @@ def root_cause(report: CaseReport):
                default=None)
 
 
-def trace_consequences(report: CaseReport) -> None:
-    """An undiagnosed failure downstream of a diagnosed one is most likely its consequence."""
+#: the tensors of the forward pass
+FORWARD_TENSORS = CAUSAL_ORDER[:CAUSAL_ORDER.index("dx_needed")]
+
+
+def _can_cause(upstream: str, tensor: str, dx_reads_forward: bool) -> bool:
+    """Whether an error in ``upstream`` can spoil ``tensor``: anything computed before it, but
+    the input gradient only from its own partial sums (``dx_needed``) and, where it reads them
+    (``LayerKind.dx_reads_forward``), the forward's tensors; never from dw or db."""
+    if CAUSAL_ORDER.index(upstream) >= CAUSAL_ORDER.index(tensor):
+        return False
+    if tensor in ("dx_needed", "dx"):
+        return upstream == "dx_needed" or (dx_reads_forward and upstream in FORWARD_TENSORS)
+    return True
+
+
+def trace_consequences(report: CaseReport, dx_reads_forward: bool = True) -> None:
+    """An undiagnosed failure downstream of a diagnosed one it can follow from (``_can_cause``)
+    is most likely its consequence."""
     for f in report.findings:
         if f.ok or f.diagnosis:
             continue
         upstream = [u for u in report.findings if not u.ok and u.diagnosis and u.dtype == f.dtype
-                    and not u.diagnosis.startswith("follows")
-                    and CAUSAL_ORDER.index(u.tensor) < CAUSAL_ORDER.index(f.tensor)]
+                    and not u.diagnosis.startswith("follows") and _can_cause(u.tensor, f.tensor, dx_reads_forward)]
         if upstream:
             # the same rank's error first (its own y spoils its own dw_partial), then the earliest
             u = min(upstream, key=lambda u: (f.rank is not None and u.rank != f.rank, CAUSAL_ORDER.index(u.tensor), u.rank is None,

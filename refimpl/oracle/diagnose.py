@@ -88,28 +88,43 @@ def gradient_missing(tensor, got, want, atol, block=False) -> str | None:
     return f"{what} missing{where} {how} where the expected one is not (never computed, or never written back)"
 
 
+def _one_voxel_shift(got, want, bad, atol, blocks, min_extent):
+    """``(axis, delta)`` of the one-voxel shift along one spatial axis under which ``got``
+    matches ``want`` best, each of ``blocks`` (index tuples) compared apart, or None when no
+    shift explains at least 90 % of the ``bad`` voxels.  Shifted by ``delta``,
+    ``got[..., i + delta, ...]`` is compared with ``want[..., i, ...]`` inside each block; a
+    block narrower than ``min_extent`` on the axis counts all its bad voxels as unexplained."""
+    best = None
+    for a in range(3):
+        axis = 2 + a
+        for delta in (1, -1):
+            g_side, w_side = (slice(1, None), slice(None, -1)) if delta == 1 else (slice(None, -1), slice(1, None))
+            left, compared = 0, 0
+            for index in blocks:
+                g, w = got[index], want[index]
+                if g.shape[axis] < min_extent:
+                    left += int(bad[index].sum())
+                    continue
+                compared += 1
+                left += int((_err(g[(slice(None),) * axis + (g_side,)], w[(slice(None),) * axis + (w_side,)])
+                             > atol).sum())
+            if compared and left <= 0.1 * bad.sum() and (best is None or left < best[0]):
+                best = (left, a, delta)
+    return None if best is None else best[1:]
+
+
+def _shift_message(a, delta, where=""):
+    return (f"values shifted by {delta:+d} along {AXES[a]} (got[{AXES[a].lower()}] == expected"
+            f"[{AXES[a].lower()}{-delta:+d}]){where}: a padding or offset off by one on that axis")
+
+
 def shift(got, want, bad, atol) -> str | None:
     """got equals want shifted by one voxel along one spatial axis (but for the planes the
     shift brings in)."""
     if got.ndim != 5 or bad.sum() < 2:
         return None
-    best = None
-    for a in range(3):
-        axis = 2 + a
-        if got.shape[axis] < 3:
-            continue
-        for delta in (1, -1):
-            lo, hi = (slice(1, None), slice(None, -1)) if delta == 1 else (slice(None, -1), slice(1, None))
-            g = got[(slice(None),) * axis + (lo,)]
-            w = want[(slice(None),) * axis + (hi,)]
-            left = int((_err(g, w) > atol).sum())
-            if left <= 0.1 * bad.sum() and (best is None or left < best[0]):
-                best = (left, a, delta)
-    if best is None:
-        return None
-    _, a, delta = best
-    return (f"values shifted by {delta:+d} along {AXES[a]} (got[{AXES[a].lower()}] == expected"
-            f"[{AXES[a].lower()}{-delta:+d}]): a padding or offset off by one on that axis")
+    found = _one_voxel_shift(got, want, bad, atol, [(slice(None),) * 5], min_extent=3)
+    return found and _shift_message(*found)
 
 
 def blockwise_shift(case, tensor, got, want, bad, atol) -> str | None:
@@ -119,26 +134,8 @@ def blockwise_shift(case, tensor, got, want, bad, atol) -> str | None:
     if got.ndim != 5 or bad.sum() < 2 or got.shape != want.shape:
         return None
     blocks = list({_key(lo.index(tensor)): lo.index(tensor) for lo in case.layouts}.values())
-    best = None
-    for a in range(3):
-        axis = 2 + a
-        for delta in (1, -1):
-            lo_, hi_ = (slice(1, None), slice(None, -1)) if delta == 1 else (slice(None, -1), slice(1, None))
-            left, compared = 0, 0
-            for index in blocks:
-                g, w = got[index], want[index]
-                if g.shape[axis] < 2:
-                    left += int(bad[index].sum())
-                    continue
-                compared += 1
-                left += int((_err(g[(slice(None),) * axis + (lo_,)], w[(slice(None),) * axis + (hi_,)]) > atol).sum())
-            if compared and left <= 0.1 * bad.sum() and (best is None or left < best[0]):
-                best = (left, a, delta)
-    if best is None:
-        return None
-    _, a, delta = best
-    return (f"values shifted by {delta:+d} along {AXES[a]} (got[{AXES[a].lower()}] == expected"
-            f"[{AXES[a].lower()}{-delta:+d}]) in every rank's block: a padding or offset off by one on that axis")
+    found = _one_voxel_shift(got, want, bad, atol, blocks, min_extent=2)
+    return found and _shift_message(*found, where=" in every rank's block")
 
 
 # ---------------------------------------------------------------- halo patterns
