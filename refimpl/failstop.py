@@ -57,7 +57,8 @@ enough to read here.
 
 4. **Exit codes** documented in docs/training.md ("Faults"): 0 done, 1 a check
    failed (``check-layer``), 2 bad input, 3 divergence, 4 I/O failure, 5 stall,
-   70 internal error (a bug), 130 / 143 interrupted by SIGINT / SIGTERM.
+   70 internal error (a bug), 130 / 143 interrupted by SIGINT / SIGTERM, 138 checkpointed
+   and ended on a pre-emption warning (SIGUSR1, ``refimpl train`` only).
    Tracebacks are shown only with ``--debug`` or ``REFIMPL_DEBUG=1``.
 
 5. **Signals** (``SignalThread``).  SIGINT and SIGTERM are read from Python's
@@ -65,6 +66,11 @@ enough to read here.
    doing; temporaries and the lock are removed first (Open MPI's mpiexec sends
    SIGKILL 0.5 s after it was interrupted), then the job ends as for a failure
    on one rank, with one line naming the signal, the step and the last checkpoint.
+   SIGUSR1, a scheduler's warning before pre-emption or the time limit (``sbatch
+   --signal=USR1@60``), only sets a flag (``preemption_requested``) for commands
+   that ask for it (``run_command(..., preemptible=True)``: ``refimpl train``):
+   the loop agrees on it at the next step boundary, every rank writes the
+   checkpoint at that same step, and the job ends with ``EXIT_PREEMPTED``.
 
 How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed
 peer an error *returned* by MPI calls and lets the survivors revoke and shrink
@@ -92,6 +98,7 @@ EXIT_IO = 4
 EXIT_STALL = 5
 EXIT_INTERNAL = 70          # EX_SOFTWARE (sysexits.h): a bug, not the user's input
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 138        # 128 + SIGUSR1 (10 on Linux): checkpointed at a pre-emption warning
 
 DEFAULT_STALL_TIMEOUT = 600.0
 GRACE_S = 2.0               # how long a failing rank waits for rank 0 to end the job for it
@@ -123,6 +130,12 @@ class WriteError(RunError):
     """An output could not be written (disk full, file-size limit, a path that went away)."""
 
     exit_code, label = EXIT_IO, "I/O error"
+
+
+class Preempted(RunError):
+    """A pre-emption warning (SIGUSR1) arrived: the checkpoint is written, resume with --resume."""
+
+    exit_code, label = EXIT_PREEMPTED, "pre-empted"
 
 
 class InternalError(RunError):
@@ -755,6 +768,13 @@ def fail_stop(command: str, err: BaseException, rank: int, size: int) -> int:
 # ---------------------------------------------------------------- 5. signals
 
 INTERRUPTS = ("SIGINT", "SIGTERM")
+PREEMPTION = "SIGUSR1"
+_preemption = threading.Event()
+
+
+def preemption_requested() -> bool:
+    """Whether SIGUSR1 reached this rank (a command that asked for it decides with its peers)."""
+    return _preemption.is_set()
 
 
 def _interrupted(signum: int, command: str) -> None:
@@ -796,12 +816,15 @@ class SignalThread:
     finish the run and exit 0 while the job is being ended.
     """
 
-    def __init__(self, command: str):
+    def __init__(self, command: str, preemptible: bool = False):
         import signal
         self.command = command
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         self.previous = {name: signal.signal(getattr(signal, name), _park) for name in INTERRUPTS}
+        if preemptible:            # SIGUSR1 no longer kills the process: the thread sets the flag
+            self.previous[PREEMPTION] = signal.signal(getattr(signal, PREEMPTION), _note)
+        _preemption.clear()
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._wait, name="refimpl-signals", daemon=True).start()
 
@@ -818,6 +841,8 @@ class SignalThread:
             for signum in data:
                 if signum in wanted:
                     _interrupted(signum, self.command)
+                elif signum == int(getattr(signal, PREEMPTION)) and PREEMPTION in self.previous:
+                    _preemption.set()
 
     def close(self) -> None:
         """Give the signals back (the command ended); a signal from now on acts as before."""
@@ -829,20 +854,26 @@ class SignalThread:
         os.close(self.read_fd)
 
 
+def _note(signum, frame) -> None:
+    """The main thread's SIGUSR1 handler: nothing (the signal thread has set the flag)."""
+
+
 def _park(signum, frame) -> None:
     """The main thread's handler: wait here while the signal thread ends the job."""
     while True:
         time.sleep(3600)
 
 
-def handle_signals(command: str) -> SignalThread | None:
-    """SIGINT / SIGTERM end the command with one line (130 / 143); None off the main thread."""
+def handle_signals(command: str, preemptible: bool = False) -> SignalThread | None:
+    """SIGINT / SIGTERM end the command with one line (130 / 143); with ``preemptible``, SIGUSR1
+    sets ``preemption_requested``.  None off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return SignalThread(command)
+    return SignalThread(command, preemptible)
 
 
-def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> int:
+def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+                preemptible: bool = False) -> int:
     """Run ``body()`` (returns an exit code) on every rank of ``comm`` under the fail-stop rules
     (``comm`` None: a command of one process).
 
@@ -862,7 +893,7 @@ def run_command(command: str, comm, body, *, stall_timeout: float = DEFAULT_STAL
             print(f"refimpl {command}: {err.label}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     watchdog = Watchdog(comm, command, stall_timeout).start() if size > 1 else None
-    signals = handle_signals(command)
+    signals = handle_signals(command, preemptible)
     try:
         code = body() or 0
     except RunError as err:
@@ -906,7 +937,8 @@ def install_excepthook(command: str = "") -> None:
 
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_IO", "EXIT_STALL",
-           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError", "Diverged",
+           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "DEFAULT_STALL_TIMEOUT", "RunError", "InputError",
+           "Diverged", "Preempted", "preemption_requested",
            "WriteError", "InternalError", "agree", "on_root", "decide", "refuse", "check_writable", "PROGRESS",
            "phase", "set_step", "label_layers", "remove_on_abort", "forget_on_abort", "atomic_write", "Watchdog",
            "fail_stop", "run_command", "set_stall_timeout", "install_excepthook", "note_settings", "agree_settings",

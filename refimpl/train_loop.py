@@ -33,7 +33,8 @@ import time
 
 from . import checkpoint
 from .backend import resolve_dtype, set_backend
-from .failstop import Diverged, WriteError, agree, label_layers, phase, refuse, set_step
+from .failstop import (Diverged, Preempted, WriteError, agree, label_layers, phase, preemption_requested, refuse,
+                       set_step)
 from .parallel.objects import allreduce_sum
 from .train_data import input_normalization, open_data, read_batch
 from .train_report import CHECKPOINT, RunReport
@@ -118,8 +119,15 @@ class Trainer:
                 val = self.validate()
                 if val is not None:
                     self.report.validation({"split": "val", "step": self.step, "epoch": epoch, **val})
-            if self.step % config["checkpoint_every"] == 0 or final:
+            saved = self.step % config["checkpoint_every"] == 0 or final
+            if saved:
                 self.save()
+            if not final and self.preempted():
+                if not saved:
+                    self.save()
+                raise Preempted(f"a pre-emption warning (SIGUSR1) arrived; checkpoint written at step {self.step} "
+                                f"of {self.total_steps} ({self.report.path(CHECKPOINT)}): run the same command "
+                                f"with --resume to continue", agreed=True)
         set_step(None)
         elapsed = time.perf_counter() - started
         summary = {"steps": self.step, "steps_this_run": steps_run, "epochs": self.step / self.steps_per_epoch,
@@ -128,6 +136,12 @@ class Trainer:
                    **exchange_summary(config, self.update, self.sync, steps_run)}
         self.report.finish(summary)
         return summary
+
+    def preempted(self) -> bool:
+        """Whether SIGUSR1 reached any rank: decided together at the step boundary, so that every
+        rank writes the checkpoint at the same step (one small allreduce per step)."""
+        phase("agreeing on a pre-emption warning")
+        return allreduce_sum(self.comm, 1 if preemption_requested() else 0) > 0
 
     def _banner(self) -> str:
         config = self.config

@@ -11,7 +11,8 @@ The fault comes from the environment, so that every rank parses the same command
   stops answering), ``kill`` (SIGKILL itself there), ``plot`` (the loss plot's
   write fails with ENOSPC), ``sigterm`` (SIGTERM to itself: a scheduler's cancel of
   one rank), ``ctrl-c`` (SIGINT to the launcher's process group, as a terminal's
-  Ctrl-C sends it), ``sigterm-launcher`` (SIGTERM to mpiexec), ``slow`` (every conv
+  Ctrl-C sends it), ``sigterm-launcher`` (SIGTERM to mpiexec), ``sigusr1`` (SIGUSR1 to
+  itself: a scheduler's pre-emption warning), ``slow`` (every conv
   forward sleeps 0.2 s from that step on: a run that lasts), and STEP the training
   step (1-based) it happens at;
 - ``FAULT=stop-calibrating:N``: SIGSTOP itself before timing the N-th conv shape of
@@ -101,10 +102,10 @@ if rank == fault_rank:
 
         sent = []
 
-        def signal_self():
+        def signal_self(signum=signal.SIGTERM):
             if not sent:                     # once: the step's later convs must not send it again
                 sent.append(mark_fault())
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signum)
 
         def ctrl_c():
             if not sent:
@@ -128,6 +129,8 @@ if rank == fault_rank:
             spatial.SpatialConv3d.forward = slow_forward
         elif what == "sigterm":
             wrap("forward", signal_self)
+        elif what == "sigusr1":
+            wrap("forward", lambda: signal_self(signal.SIGUSR1))
         elif what == "ctrl-c":
             wrap("forward", ctrl_c)
         elif what == "sigterm-launcher":

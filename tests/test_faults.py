@@ -142,12 +142,16 @@ def reference(tmp_path_factory, data_dir, n, grid):
     return _reference[(n, grid)]
 
 
-def assert_resumes_bit_identical(tmp_path_factory, data_dir, n, grid, out):
-    """The interrupted run in ``out``: its checkpoint is intact, no temporary is left, and a resume
-    finishes with exactly the uninterrupted run's parameters and optimiser state."""
+def assert_resumes_bit_identical(tmp_path_factory, data_dir, n, grid, out, checkpoint_step=None):
+    """The interrupted run in ``out``: its checkpoint is intact (at ``checkpoint_step``, or one
+    of the scheduled ones), no temporary is left, and a resume finishes with exactly the
+    uninterrupted run's parameters and optimiser state."""
     assert not [p.name for p in Path(out).iterdir() if ".tmp" in p.name]
     _, meta = read_file(Path(out) / "checkpoint.h5")                # readable, checksum good
-    assert meta["step"] % EVERY == 0 and meta["step"] < STEPS
+    if checkpoint_step is None:
+        assert meta["step"] % EVERY == 0 and meta["step"] < STEPS
+    else:
+        assert meta["step"] == checkpoint_step
     proc = launch(n, ["--out", out, "--resume", "--steps", STEPS])
     assert proc.returncode == 0, proc.stderr
     arrays, meta = read_file(Path(out) / "checkpoint.h5")
@@ -512,6 +516,44 @@ def test_sigterm_to_one_rank_ends_the_job_and_resumes(tmp_path, tmp_path_factory
     assert proc.fault_to_exit < EXIT_BOUND_S, proc.fault_to_exit
     assert not (out / ".lock").exists()
     assert_resumes_bit_identical(tmp_path_factory, data_dir, 2, "1,2,1,1", out)
+
+
+@pytest.mark.parametrize("n, grid, rank", [(2, "1,2,1,1", 1), (3, "1,3,1,1", 0)])
+def test_a_preemption_warning_checkpoints_every_rank_at_one_step_and_resumes(tmp_path, tmp_path_factory,
+                                                                            data_dir, n, grid, rank):
+    """SIGUSR1 to one rank during step 5 (``sbatch --signal=USR1@60`` sends it before the time
+    limit): the ranks agree on it at the end of that step, write the checkpoint there (off the
+    every-3 schedule), end with one line and 138, and a resume is bit-identical."""
+    out = tmp_path / "run"
+    proc = faulty(tmp_path, n, common(data_dir, grid, out) + ["--steps", STEPS], fault="sigusr1:5", rank=rank)
+    expect(proc, 138, "pre-empted: a pre-emption warning (SIGUSR1) arrived",
+           f"checkpoint written at step 5 of {STEPS}", "--resume")
+    assert not (out / ".lock").exists()
+    steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl") if x.strip()
+             and json.loads(x)["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 5]
+    assert_resumes_bit_identical(tmp_path_factory, data_dir, n, grid, out, checkpoint_step=5)
+
+
+@pytest.mark.parametrize("preemptible", [False, True])
+def test_sigusr1_is_a_preemption_warning_only_where_asked_for(preemptible):
+    """Only `refimpl train` (``run_command(..., preemptible=True)``) takes SIGUSR1 as a pre-emption
+    warning, a flag for the loop; other commands keep its default action and end, never
+    silently ignoring it."""
+    code = ("import os, signal, sys, time\n"
+            "from refimpl import failstop\n"
+            f"failstop.handle_signals('x', {preemptible})\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "deadline = time.time() + 5\n"
+            "while not failstop.preemption_requested() and time.time() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            "print(failstop.preemption_requested())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=60)
+    if preemptible:
+        assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+    else:
+        assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stdout, proc.stderr)
 
 
 @pytest.mark.parametrize("fault", ["ctrl-c", "sigterm-launcher"])

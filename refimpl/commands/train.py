@@ -9,7 +9,9 @@ loss.png, config.json and summary.json.  Settings come from the defaults, then
 Exit status: 0 done; 2 bad input (one line from rank 0, every rank exits); 3 the
 loss became NaN/Inf (the last good checkpoint is kept); 4 an output could not be
 written (disk full, ...); 5 a rank stopped answering for --stall-timeout seconds;
-70 an internal error (a bug: --debug shows the traceback).  A failure on any one
+70 an internal error (a bug: --debug shows the traceback); 130 / 143 interrupted
+by SIGINT / SIGTERM; 138 pre-empted: SIGUSR1 (sbatch --signal=USR1@120) wrote a
+checkpoint at the end of the step, continue with --resume.  A failure on any one
 rank ends every rank within seconds with one message (docs/training.md, "Faults").
 
 Examples:
@@ -170,7 +172,7 @@ def run(args) -> int:
 
     from ..failstop import run_command
     comm = MPI.COMM_WORLD
-    return run_command("train", comm, lambda: train(args, comm))
+    return run_command("train", comm, lambda: train(args, comm), preemptible=True)
 
 
 def train(args, comm) -> int:
