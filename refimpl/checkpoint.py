@@ -24,10 +24,19 @@ each data rank's buffers are gathered to rank 0 and stored separately (the
 models in refimpl.models use global statistics, where they coincide).  Every
 rank reads the file on resume and takes its own data rank's buffers.
 
-Integrity: ``sha256`` is the hash of the meta JSON and of every array (name,
-dtype, shape, bytes) in sorted name order; a file whose hash does not match,
-or that is not a readable checkpoint at all, is refused with CheckpointError.
-The file is untrusted until then, and HDF5 declares sizes apart from data (a
+Integrity, in two layers.  The file ends with a trailer, ``TRAILER_MAGIC`` and
+the sha256 of every byte before it, checked by ``read_file`` before HDF5
+parses anything: a single flipped bit in HDF5's own structures (superblock,
+object headers, B-trees, heaps) can send its parser into an endless loop
+(found by flipping every byte of a small checkpoint: one bit of 12,116 bytes
+hung ``attrs.get``, holding the GIL, so no watchdog thread could even report
+it).  Inside the file, ``sha256`` is the hash of the meta JSON and of every
+array (name, dtype, shape, bytes) in sorted name order; a file whose hash does
+not match, or that is not a readable checkpoint at all, is refused with
+CheckpointError.  A file without the trailer (written before it existed, or
+with the trailer itself damaged) is read by the inner checks alone.  HDF5
+ignores bytes past its end of file, so ``h5py.File(path)`` and ``h5dump`` read
+a checkpoint as before.  The file is untrusted until then, and HDF5 declares sizes apart from data (a
 6 KB file can declare a 3 GB dataset): ``read_file`` checks the meta's types and
 ranges (``META_FIELDS``) and every dataset's dtype and declared size against the
 bytes it stores before it reads any array, then reads the arrays one at a time
@@ -58,6 +67,40 @@ from .parallel.objects import bcast_object
 
 FORMAT = "refimpl-checkpoint"
 VERSION = 1
+#: the file's last bytes: this, the sha256 (hex) of every byte before it, a newline
+TRAILER_MAGIC = b"\nrefimpl-checkpoint sha256 "
+TRAILER_LEN = len(TRAILER_MAGIC) + 64 + 1
+
+
+def _trailer(image) -> bytes:
+    return TRAILER_MAGIC + hashlib.sha256(image).hexdigest().encode() + b"\n"
+
+
+def _check_trailer(path) -> bool:
+    """True when the file ends with a trailer whose hash matches every byte before it; False
+    when it has none (an older file, or the trailer itself damaged: the inner checks decide);
+    CheckpointError when the hash does not match, before HDF5 has parsed a byte."""
+    size = os.path.getsize(path)
+    if size < TRAILER_LEN:
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        fh.seek(size - TRAILER_LEN)
+        tail = fh.read(TRAILER_LEN)
+        if not (tail.startswith(TRAILER_MAGIC) and tail.endswith(b"\n")):
+            return False
+        fh.seek(0)
+        left = size - TRAILER_LEN
+        while left > 0:
+            chunk = fh.read(min(left, 1 << 24))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    if h.hexdigest().encode() != tail[len(TRAILER_MAGIC):-1]:
+        raise CheckpointError(f"checkpoint {path} is damaged: its sha256 checksum does not match the file's "
+                              "bytes (refusing to resume from it)")
+    return True
 
 
 class CheckpointError(ValueError):
@@ -105,7 +148,12 @@ def write_file(path, arrays: dict, meta: dict) -> None:
         for name in sorted(arrays):
             f.create_dataset(name, data=numpy.ascontiguousarray(arrays[name]))
         f.attrs["sha256"] = checksum(arrays, meta_json)
-    atomic_write(path, lambda fh: fh.write(image.getbuffer()), binary=True, fsync=True)
+    trailer = _trailer(image.getbuffer())
+
+    def write(fh):
+        fh.write(image.getbuffer())
+        fh.write(trailer)
+    atomic_write(path, write, binary=True, fsync=True)
 
 
 #: no run takes 2**53 steps (and beyond it a float no longer holds every integer)
@@ -218,6 +266,10 @@ def read_file(path):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        _check_trailer(path)                  # before HDF5 parses a byte of it
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({describe(err)})") from None
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
