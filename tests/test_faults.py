@@ -535,6 +535,17 @@ def test_a_preemption_warning_checkpoints_every_rank_at_one_step_and_resumes(tmp
     assert_resumes_bit_identical(tmp_path_factory, data_dir, n, grid, out, checkpoint_step=5)
 
 
+def test_a_preemption_warning_in_the_last_step_finishes_the_run(tmp_path, data_dir):
+    """SIGUSR1 during the last step: nothing is left to save a step for, so the run finishes as
+    usual (its final checkpoint, exit 0) instead of ending as pre-empted."""
+    out = tmp_path / "run"
+    proc = faulty(tmp_path, 2, common(data_dir, "1,2,1,1", out) + ["--steps", STEPS], fault=f"sigusr1:{STEPS}",
+                  rank=1)
+    assert proc.returncode == 0, proc.stderr
+    assert "pre-empted" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert read_file(out / "checkpoint.h5")[1]["step"] == STEPS
+
+
 @pytest.mark.parametrize("preemptible", [False, True])
 def test_sigusr1_is_a_preemption_warning_only_where_asked_for(preemptible):
     """Only `refimpl train` (``run_command(..., preemptible=True)``) takes SIGUSR1 as a pre-emption
