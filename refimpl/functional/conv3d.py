@@ -309,7 +309,8 @@ def conv3d_weight_grad(dy, x, weight_shape, stride=1, padding=0, dilation=1, gro
 def _grouped(fn, groups, axis, *arrays):
     """``concatenate([fn(slice g of each array) for g], axis)``: a grouped conv is ``groups``
     ungrouped ones.  ``arrays``: ``(array, channel axis)`` pairs, cut in ``groups`` equal
-    contiguous slices along that axis (None stays None)."""
+    contiguous slices along that axis (None stays None).  ``axis`` a tuple: ``fn`` returns that
+    many arrays, each concatenated along its own axis (a tuple of the results)."""
     xp = array_module(*(a for a, _ in arrays if a is not None))
 
     def piece(a, ax, g):
@@ -317,7 +318,10 @@ def _grouped(fn, groups, axis, *arrays):
             return None
         n = a.shape[ax] // groups
         return xp.ascontiguousarray(a[(slice(None),) * ax + (slice(g * n, (g + 1) * n),)])
-    return xp.concatenate([fn(*(piece(a, ax, g) for a, ax in arrays)) for g in range(groups)], axis=axis)
+    parts = [fn(*(piece(a, ax, g) for a, ax in arrays)) for g in range(groups)]
+    if isinstance(axis, tuple):
+        return tuple(xp.concatenate([part[i] for part in parts], axis=ax) for i, ax in enumerate(axis))
+    return xp.concatenate(parts, axis=axis)
 
 
 __all__ = ["conv3d", "conv3d_backward", "conv3d_input_grad", "conv3d_weight_grad", "im2col", "col2im",

@@ -18,7 +18,7 @@ read by no input's window, the conv's "inputs past the last window".
 """
 from __future__ import annotations
 
-from ..backend import array_module, check_same_dtype
+from ..backend import check_same_dtype
 from ._args import check_float, check_ndim, transposed_out_shape, triple
 from .conv3d import AXES, _grouped, forward, input_grad, is_reference, weight_grad
 
@@ -91,14 +91,10 @@ def conv_transpose3d_backward(dy, x, w, stride=1, padding=0, output_padding=0, d
         raise ValueError(f"dy must have the transposed conv output shape {expected}, "
                          f"got {tuple(dy.shape)}")
     if groups > 1:
-        def one(dyg, xg, wg):
-            return conv_transpose3d_backward(dyg, xg, wg, stride, padding, output_padding, dilation,
-                                             max_temp_bytes=max_temp_bytes, algorithm=algorithm)[:2]
-        parts = [one(*(array_module(x).ascontiguousarray(a[(slice(None),) * ax + (slice(g * a.shape[ax] // groups,
-                 (g + 1) * a.shape[ax] // groups),)]) for a, ax in ((dy, 1), (x, 1), (w, 0)))) for g in range(groups)]
-        xp = array_module(x)
-        return (xp.concatenate([d for d, _ in parts], axis=1), xp.concatenate([d for _, d in parts], axis=0),
-                dy.sum(axis=(0, 2, 3, 4)))
+        dx, dw = _grouped(lambda dyg, xg, wg: conv_transpose3d_backward(
+            dyg, xg, wg, stride, padding, output_padding, dilation, max_temp_bytes=max_temp_bytes,
+            algorithm=algorithm)[:2], groups, (1, 0), (dy, 1), (x, 1), (w, 0))
+        return dx, dw, dy.sum(axis=(0, 2, 3, 4))
     # the conv whose input-adjoint we are: x plays dy (F = C_in), dy plays the input (C = C_out)
     if is_reference(algorithm):
         dx = forward(dy, w, None, s, p, dl, tuple(x.shape[2:]))  # its first D_in outputs per axis
