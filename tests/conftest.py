@@ -9,6 +9,11 @@ Hypothesis profiles:
   mpiexec (over 10 minutes on 2 cores), so the failure is reported as drawn.
 The MPI test files (tests/mpi/) load the "mpi" profile themselves.
 """
+import os
+import subprocess
+import sys
+
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from refimpl.settings import env_setting
@@ -22,3 +27,15 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck), print_blob=False,
     phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile("default")
+
+
+@pytest.fixture(scope="session")
+def hard(tmp_path_factory):
+    """The shipped hard suite (``refimpl oracle generate hard``), generated once for the whole
+    session and only read by the tests that take it."""
+    out = tmp_path_factory.mktemp("hard")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "oracle", "generate", "hard", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out

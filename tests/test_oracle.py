@@ -27,15 +27,6 @@ def cli(*args, cwd=None):
                           env=ENV, cwd=cwd, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def hard(tmp_path_factory):
-    """The shipped hard suite, generated once for the module."""
-    out = tmp_path_factory.mktemp("hard")
-    proc = cli("generate", "hard", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 def case_file(hard, name):
     return str(hard / f"{name}.h5")
 

@@ -188,14 +188,6 @@ def test_a_rank_subset_covers_part_of_a_tensor(cases, tmp_path):
     assert y64["total"] == total and y64["covered"] == total * 4 // 6
 
 
-@pytest.fixture(scope="module")
-def hard(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hard")
-    proc = cli("generate", "hard", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 THREE = ("conv_even_kernel.1-2-2-1.h5", "maxpool_overlap_ties.1-3-1-2.h5", "batchnorm_global.2-2-1-1.h5")
 
 
