@@ -69,8 +69,8 @@ enough to read here.
    SIGUSR1, a scheduler's warning before pre-emption or the time limit (``sbatch
    --signal=USR1@60``), only sets a flag (``preemption_requested``) for commands
    that ask for it (``run_command(..., preemptible=True)``: ``refimpl train``):
-   the loop agrees on it in the next step's loss check, every rank writes the
-   checkpoint at the end of that same step, and the job ends with ``EXIT_PREEMPTED``.
+   the loop agrees on it at the next step boundary, every rank writes the
+   checkpoint at that same step, and the job ends with ``EXIT_PREEMPTED``.
 
 How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed
 peer an error *returned* by MPI calls and lets the survivors revoke and shrink

@@ -31,8 +31,6 @@ from __future__ import annotations
 import math
 import time
 
-import numpy
-
 from . import checkpoint
 from .backend import resolve_dtype, set_backend
 from .failstop import (Diverged, Preempted, WriteError, agree, label_layers, phase, preemption_requested, refuse,
@@ -76,7 +74,7 @@ class Trainer:
         self.update = LayerwiseUpdate(self.model, self.sync, self.optimizer)   # finish + step
         self.loader = Loader(self.train_reader, self.global_batch, self.grid.sample_coord,
                              self.grid.dims[0], seed=config["seed"])
-        self.step, self.input_norm, self.preempt_agreed = 0, None, False
+        self.step, self.input_norm = 0, None
         if resume_state is not None:
             self._resume(*resume_state)
         elif config["normalize"]:
@@ -124,7 +122,7 @@ class Trainer:
             saved = self.step % config["checkpoint_every"] == 0 or final
             if saved:
                 self.save()
-            if not final and self.preempt_agreed:
+            if not final and self.preempted():
                 if not saved:
                     self.save()
                 raise Preempted(f"a pre-emption warning (SIGUSR1) arrived; checkpoint written at step {self.step} "
@@ -138,6 +136,12 @@ class Trainer:
                    **exchange_summary(config, self.update, self.sync, steps_run)}
         self.report.finish(summary)
         return summary
+
+    def preempted(self) -> bool:
+        """Whether SIGUSR1 reached any rank: decided together at the step boundary, so that every
+        rank writes the checkpoint at the same step (one small allreduce per step)."""
+        phase("agreeing on a pre-emption warning")
+        return allreduce_sum(self.comm, 1 if preemption_requested() else 0) > 0
 
     def _banner(self) -> str:
         config = self.config
@@ -155,12 +159,8 @@ class Trainer:
         out = self.model.forward(x)
         phase("loss allreduce")
         loss, dout, metrics = self.model.loss(out, y)
-        phase("checking the loss and for a pre-emption warning")
-        # one message for both: how many ranks hold a non-finite loss, how many got SIGUSR1
-        # (agreed here, so that every rank checkpoints at the end of this same step)
-        bad, warned = (int(v) for v in allreduce_sum(self.comm, numpy.array(
-            [0 if math.isfinite(loss) else 1, 1 if preemption_requested() else 0])))
-        self.preempt_agreed = warned > 0
+        phase("checking the loss")
+        bad = allreduce_sum(self.comm, 0 if math.isfinite(loss) else 1)
         if bad:
             raise Diverged(f"the loss became {loss} at step {self.step + 1} (on {bad} rank(s)); stopped before "
                            f"the update: {self.report.kept()}. Lower --lr or add --warmup-steps", agreed=True)
