@@ -855,7 +855,10 @@ class SignalThread:
 
 
 def _note(signum, frame) -> None:
-    """The main thread's SIGUSR1 handler: nothing (the signal thread has set the flag)."""
+    """The main thread's SIGUSR1 handler: set the flag too.  The signal thread sets it as soon as
+    it gets the GIL; this runs at the main thread's next bytecode, so the step during which the
+    warning arrived sees it at its end whatever the other threads do."""
+    _preemption.set()
 
 
 def _park(signum, frame) -> None:
