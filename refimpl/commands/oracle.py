@@ -23,8 +23,10 @@ CASES is a case file or a directory of them; RESULTS a results file or a directo
 the same file names.  Layout of both files, the tolerances and a minimal writer:
 docs/oracle.md.  One process (no mpiexec needed).
 
-Exit status: 0 all passed (check: everything provided passed); 1 a mismatch (NaN/inf
-and wrong shapes included), or a piece --require asks for is missing; 2 unusable input
+Exit status: 0 all passed (check: everything provided passed); 1 a mismatch (NaN/inf,
+wrong shapes, a block past the tensor's end and cells no rank's block covers included), a
+case incomplete (a tensor some ranks hold is absent on others: a crashed rank; see
+--allow-missing-ranks), or a piece --require asks for is missing; 2 unusable input
 (a bad flag or suite, a results or case file that cannot be checked: truncated, for
 another case, a wrong dtype, an unknown dataset; every other case is still judged and
 reported); 4 an output could not be written; 70 an internal error.
@@ -115,6 +117,10 @@ Then: refimpl oracle check CASES DIR.  What it finds in DTensor: docs/peers.md."
                      help="make missing results a failure: all (y, dx and the parameter gradients in every "
                           "dtype of the case), forward (y), backward (dx, dw, db), params (dw, db), or tensor "
                           "names y, dx, dw, db; comma-separated.  Default: judge what is there")
+    chk.add_argument("--allow-missing-ranks", action="store_true",
+                     help="the peer runs on fewer ranks on purpose: a tensor some ranks hold and others lack "
+                          "is judged on the ranks that hold it (default: the case is 'incomplete', exit 1 — "
+                          "the mark of a rank that crashed)")
     for p in (gen, run, chk):           # --debug after the action too ('refimpl oracle check ... --debug')
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
@@ -236,6 +242,13 @@ def run_dtensor(args) -> int:
 
 def _fmt(finding) -> str:
     where = "global" if finding.rank is None else f"rank {finding.rank}"
+    if finding.problem == "uncovered":
+        return f"    {finding.dtype} {finding.tensor:<13} {'blocks':<8} {finding.message}"
+    if finding.problem == "excess":
+        text = f"    {finding.dtype} {finding.tensor:<13} {where:<8} block past the end: {finding.message}"
+        if finding.diagnosis and finding.diagnosis != finding.message:
+            text += f"\n        diagnosis: {finding.diagnosis}"
+        return text
     if finding.problem == "shape":
         text = (f"    {finding.dtype} {finding.tensor:<13} {where:<8} wrong shape {list(finding.shape)}"
                 f"\n        {finding.message}")
@@ -243,7 +256,7 @@ def _fmt(finding) -> str:
             text += f"\n        diagnosis: {finding.diagnosis}"
         return text
     error = (f"max_rel {finding.max_rel:.2e}" if not finding.nonfinite else
-             f"max_rel inf ({finding.nonfinite} NaN/inf; finite values: {finding.max_rel:.2e})")
+             f"max_rel inf ({finding.nonfinite} NaN/inf; finite values: {finding.finite_max_rel:.2e})")
     text = (f"    {finding.dtype} {finding.tensor:<13} {where:<8} {error} "
             f"{'<=' if finding.ok else '>'} tol {finding.tolerance:.2e} ({finding.why})")
     if not finding.ok:
@@ -273,7 +286,13 @@ def _print_case(report, verbose):
         if report.missing:
             print(f"    missing (--require): {_gaps(report.missing)}")
         return
-    print(f"{'PASS' if report.ok else 'FAIL'} {report.case}")
+    print(f"{report.status.upper()} {report.case}")
+    if report.incomplete:
+        print("    incomplete: " + "; ".join(
+            f"{g['dtype']} {g['tensor']} absent on rank{'s' * (len(g['ranks']) > 1)} "
+            f"{', '.join(str(r) for r in g['ranks'])}" for g in report.incomplete)
+            + " while other ranks hold it (a rank that crashed?  --allow-missing-ranks if the peer runs on "
+              "fewer ranks on purpose)")
     if report.layout_note:
         print(f"    note: {report.layout_note}")
     cause = root_cause(report)
@@ -292,6 +311,12 @@ def _print_case(report, verbose):
             print(_fmt(f))
     for (dtype, tensor, diagnosis), where in consequences.items():
         print(f"    {dtype} {tensor:<13} {', '.join(where)}: {diagnosis}")
+    for first in report.first_wrong:
+        if first["ranks"] and sum(f.tensor == first["tensor"] and f.dtype == first["dtype"] and not f.ok
+                                  for f in report.findings) > 1:
+            print(f"    {first['dtype']} {first['tensor']}: first wrong cell over all ranks at global index "
+                  f"{first['index']} (rank{'s' * (len(first['ranks']) > 1)} "
+                  f"{', '.join(str(r) for r in first['ranks'])})")
     if report.missing:
         print(f"    missing (--require): {_gaps(report.missing)}")
     elif report.not_provided:
@@ -343,7 +368,7 @@ def check(args) -> int:
             report.error = str(err)
             reports.append(report)
             continue
-        report = compare(case, results, args.tolerance_factor)
+        report = compare(case, results, args.tolerance_factor, args.allow_missing_ranks)
         apply_require(case, report, require, results)
         reports.append(report)
     if len(absent) == len(reports):
@@ -360,11 +385,11 @@ def check(args) -> int:
             print(f"refimpl oracle check: error: {report.error}", file=sys.stderr, flush=True)
     if quiet:
         print(f"NOT RUN (no results file in {args.results}): {', '.join(quiet)}")
-    counts = {s: sum(r.status == s for r in reports) for s in ("pass", "fail", "not run", "unusable")}
-    line = f"{len(reports)} case(s): {counts['pass']} passed, {counts['fail']} failed"
-    line += "".join(f", {counts[s]} {s}" for s in ("not run", "unusable") if counts[s])
+    counts = {s: sum(r.status == s for r in reports) for s in ("pass", "fail", "incomplete", "not run", "unusable")}
+    line = f"{len(reports)} case{'s' * (len(reports) != 1)}: {counts['pass']} passed, {counts['fail']} failed"
+    line += "".join(f", {counts[s]} {s}" for s in ("incomplete", "not run", "unusable") if counts[s])
     print(line)
-    code = EXIT_BAD_INPUT if counts["unusable"] else EXIT_CHECK_FAILED if counts["fail"] else 0
+    code = EXIT_BAD_INPUT if counts["unusable"] else EXIT_CHECK_FAILED if counts["fail"] + counts["incomplete"] else 0
     if args.json:
         text = json.dumps({"ok": code == 0, "exit": code, "require": args.require, "summary": counts,
                            "cases": [r.as_dict() for r in reports]}, indent=1)

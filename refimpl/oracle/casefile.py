@@ -244,13 +244,16 @@ class Results:
     when it has none); ``given``: the (dtype, rank, name) whose offset the file gave;
     ``shape_errors``: tensors whose shape cannot be placed in the global tensor (not read;
     ``compare`` reports them as mismatches), as dicts (dtype, tensor, rank (None: global),
-    shape, offset (None: not given))."""
+    shape, offset (None: not given)); ``excess``: rank blocks that run past the tensor's end
+    (held in ``ranks`` cut to their in-range cells; ``compare`` reports the excess), as dicts
+    (dtype, tensor, rank, shape (as written), offset)."""
     path: str
     global_: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
     offsets: dict = field(default_factory=dict)
     given: set = field(default_factory=set)
     shape_errors: list = field(default_factory=list)
+    excess: list = field(default_factory=list)
 
     def own_layout(self, case, dtype) -> bool:
         """True when the per-rank blocks of ``dtype`` are not the case's (another split, other
@@ -322,6 +325,8 @@ def _read_group(h5, path, where, allowed, dtype, place):
         offset, fits = place(name, dataset.shape, _offset_attr(dataset, len(dataset.shape), full))
         array = _read(h5, f"{where}/{name}", path, "results file", numpy.dtype(dtype), dataset.shape) \
             if fits else None
+        if isinstance(fits, tuple):            # the part of the block that is judged (slices)
+            array = array[fits]
         out[name] = (array, offset, "offset" in dataset.attrs)
     return out
 
@@ -329,6 +334,31 @@ def _read_group(h5, path, where, allowed, dtype, place):
 def _fits(shape, offset, domain) -> bool:
     return (offset is not None and len(shape) == len(domain)
             and all(0 <= o and o + n <= m for o, n, m in zip(offset, shape, domain)))
+
+
+def _in_range(shape, offset, domain) -> tuple | None:
+    """The shape of the part of a block at ``offset`` that lies inside ``domain``, where the
+    block starts inside it (no negative offset) but runs past its end on some axis; None
+    otherwise.  Such a block is compared on its in-range cells, and its excess is a finding
+    of its own (``Results.excess``): one cell too many on one rank must not hide the right
+    or wrong values of the rest."""
+    if offset is None or len(shape) != len(domain) or any(o < 0 for o in offset):
+        return None
+    if all(o + n <= m for o, n, m in zip(offset, shape, domain)):
+        return None
+    return tuple(slice(0, max(0, min(n, m - o))) for o, n, m in zip(offset, shape, domain))
+
+
+def _wider_halo(name, shape, offset, mine) -> tuple | None:
+    """The slices of a rank's x_needed / dx_needed that hold the case's block of that rank,
+    where the results' halo buffer is wider than needed (docs/oracle.md allows it): the case's
+    block is judged, and the rank keeps the case's layout; None otherwise."""
+    if name not in ("x_needed", "dx_needed") or name not in mine or offset is None or len(shape) != 5:
+        return None
+    want, at = mine[name]
+    if not all(o <= a and a + n <= o + m for o, m, a, n in zip(offset, shape, at, want.shape)):
+        return None
+    return tuple(slice(a - o, a - o + n) for o, a, n in zip(offset, at, want.shape))
 
 
 def load_results(path: str, case: Case) -> Results:
@@ -413,6 +443,15 @@ def _load_results(path: str, case: Case) -> Results:
                         else:
                             at = offset
                             fits = _fits(shape, offset, domain_shape(case, dtype, name))
+                        domain = domain_shape(case, dtype, name)
+                        wider = _wider_halo(name, shape, offset, mine)
+                        if wider is not None and tuple(shape) != mine[name][0].shape:
+                            return tuple(mine[name][1]), wider
+                        cut = None if fits else _in_range(shape, at, domain)
+                        if cut is not None:          # compared on its in-range cells, the excess reported
+                            results.excess.append({"dtype": dtype, "tensor": name, "rank": r,
+                                                   "shape": tuple(shape), "offset": tuple(at)})
+                            return tuple(min(o, m) for o, m in zip(at, domain)), cut
                         if not fits:
                             results.shape_errors.append({"dtype": dtype, "tensor": name, "rank": r,
                                                          "shape": tuple(shape), "offset": offset})

@@ -58,8 +58,8 @@ def tolerance(case: Case, dtype: str, tensor: str, factor: float = 1.0) -> tuple
 class Finding:
     """The comparison of one tensor (global, or one rank's block) in one dtype.
 
-    ``max_abs``/``max_rel`` are over the finite errors; ``nonfinite`` counts NaN/inf values
-    where the expectation differs (each one a mismatch).  A block whose shape cannot be placed
+    ``max_abs``/``max_rel`` are inf where ``nonfinite`` (NaN/inf values where the expectation
+    differs, each one a mismatch) is not 0; ``finite_max_rel`` is over the finite errors.  A block whose shape cannot be placed
     has ``problem`` "shape", its ``message``, and None for the error measures."""
     dtype: str
     tensor: str
@@ -78,6 +78,7 @@ class Finding:
     message: str | None = None
     offset: tuple | None = None          # where the block was placed (global index of its first element)
     shape: tuple | None = None
+    finite_max_rel: float | None = None  # max_rel over the finite errors (max_rel is inf where NaN/inf are)
 
     @property
     def status(self) -> str:
@@ -85,6 +86,9 @@ class Finding:
 
     def as_dict(self) -> dict:
         out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        for k in ("max_abs", "max_rel"):        # strict JSON has no inf: "inf" (a NaN/inf mismatch)
+            if isinstance(out[k], float) and not math.isfinite(out[k]):
+                out[k] = str(out[k])
         out["status"] = self.status
         return out
 
@@ -98,6 +102,8 @@ class CaseReport:
     not_provided: list = field(default_factory=list)   # {"dtype", "tensor", "covered", "total"}
     missing: list = field(default_factory=list)        # the not_provided entries --require asks for
     unchecked: list = field(default_factory=list)      # {"dtype", "tensor", "rank", "why"}
+    incomplete: list = field(default_factory=list)     # {"dtype", "tensor", "ranks"}: absent on those ranks
+    first_wrong: list = field(default_factory=list)    # {"dtype", "tensor", "index", "ranks"}: over all ranks
     layout: str = "case"                               # "case", or "results": the results' own split
     layout_note: str | None = None
     error: str | None = None                           # unusable: why
@@ -105,20 +111,28 @@ class CaseReport:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.missing and all(f.ok for f in self.findings)
+        return (self.error is None and not self.missing and not self.incomplete
+                and all(f.ok for f in self.findings))
 
     @property
     def status(self) -> str:
+        """pass; fail (a mismatch, or a missing piece --require asks for); incomplete (no
+        mismatch, but a tensor some ranks hold is absent on others: a rank that crashed);
+        not run; unusable."""
         if self.error is not None:
             return "unusable"
         if not self.run:
             return "fail" if self.missing else "not run"
-        return "pass" if self.ok else "fail"
+        if self.ok:
+            return "pass"
+        return "incomplete" if self.incomplete and not self.missing and all(f.ok for f in self.findings) \
+            else "fail"
 
     def as_dict(self) -> dict:
         return {"case": self.case, "ok": self.ok, "status": self.status,
                 "findings": [f.as_dict() for f in self.findings], "not_provided": self.not_provided,
-                "missing": self.missing, "unchecked": self.unchecked, "layout": self.layout,
+                "missing": self.missing, "unchecked": self.unchecked, "incomplete": self.incomplete,
+                "first_wrong": self.first_wrong, "layout": self.layout,
                 "layout_note": self.layout_note, "error": self.error}
 
 
@@ -170,9 +184,13 @@ def _finding(dtype, tensor, rank, got, want, scale, tol, why, offset):
     max_rel = max_abs / scale if scale > 0 else max_abs
     with numpy.errstate(invalid="ignore"):
         bad = ~(err <= tol * (scale if scale > 0 else 1.0))       # NaN and inf errors included
+    nonfinite = int((bad & ~finite).sum())
+    finite_rel = max_rel
+    if nonfinite:                    # a NaN or an infinity where a finite value is due: infinitely wrong
+        max_abs = max_rel = math.inf
     finding = Finding(dtype, tensor, rank, max_abs, max_rel, tol, why, not bad.any(), int(bad.sum()),
-                      nonfinite=int((bad & ~finite).sum()), offset=tuple(int(o) for o in offset),
-                      shape=tuple(int(n) for n in numpy.shape(got)))
+                      nonfinite=nonfinite, offset=tuple(int(o) for o in offset),
+                      shape=tuple(int(n) for n in numpy.shape(got)), finite_max_rel=finite_rel)
     if bad.any():
         finding.first_index = tuple(int(i) + int(o) for i, o in zip(numpy.argwhere(bad)[0], offset))
     return finding, bad
@@ -373,9 +391,13 @@ def _describe_nonfinite(finding, got, bad, pad_value=0.0):
     return text
 
 
-def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> CaseReport:
-    """Every tensor the results hold, global and per rank, against the case (a tensor or a
-    rank the results leave out is simply not judged: ``coverage`` lists what is missing)."""
+def compare(case: Case, results: Results, tolerance_factor: float = 1.0,
+            allow_missing_ranks: bool = False) -> CaseReport:
+    """Every tensor the results hold, global and per rank, against the case.  A tensor the
+    results leave out is not judged (``coverage`` lists it); one that some ranks hold and
+    others lack makes the case incomplete (``incomplete_ranks``: a rank that crashed), unless
+    ``allow_missing_ranks``; cells of a tensor every rank holds that no block covers are a
+    finding (``holes``), and so is the part of a block past the tensor's end."""
     report = CaseReport(case.name)
     x_needed_given = {d: any("x_needed" in a for a in per.values()) for d, per in results.ranks.items()}
     own = {d: _OwnLayout(case, d, results) for d in results.ranks if results.own_layout(case, d)}
@@ -446,14 +468,127 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0) -> Case
                                        first_index=index, owner=error["rank"], problem="shape", message=message,
                                        diagnosis=f"{message}; {rule}" if rule else message,
                                        offset=error["offset"], shape=tuple(error["shape"])))
+    for error in results.excess:
+        report.findings.append(_excess_finding(case, error, *tolerance(case, error["dtype"], error["tensor"],
+                                                                        tolerance_factor)))
+    report.incomplete = incomplete_ranks(case, results, allow_missing_ranks)
+    report.findings += holes(case, results, report.incomplete, tolerance_factor)
+    report.first_wrong = first_wrong(report.findings)
     if own:
         report.layout = "results"
         report.layout_note = _layout_note(case, results, own)
     report.findings.sort(key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor), f.rank is not None,
                                         f.rank or 0))
     trace_consequences(report, layers.lookup(case.spec.layer).dx_reads_forward)
-    report.not_provided = coverage(case, results)
+    holed = {(f.dtype, f.tensor) for f in report.findings if f.problem == "uncovered"}
+    report.not_provided = [g for g in coverage(case, results) if (g["dtype"], g["tensor"]) not in holed]
     return report
+
+
+def _count(n, tensor) -> str:
+    """'1 output', '6 outputs' (``_what``'s noun, singular where it is one)."""
+    what = _what(tensor)
+    return f"{n} {what[:-1] if n == 1 else what}"
+
+
+def _excess_finding(case, error, tol, why) -> Finding:
+    """A rank block that runs past the tensor's end: its in-range cells are compared as any
+    block's (``casefile._in_range``); the excess is this finding, with the output-size rule
+    behind it where one of the layer kind's rules gives the block's end."""
+    dtype, tensor, r, shape, offset = (error[k] for k in ("dtype", "tensor", "rank", "shape", "offset"))
+    domain = casefile.domain_shape(case, dtype, tensor)
+    names = AXIS_NAMES if len(domain) == 5 else tuple(f"axis {a}" for a in range(len(domain)))
+    noun = "layer" if tensor in ("y", "y_partial") else "input" if _what(tensor) == "inputs" else "tensor"
+    clauses = [f"{_count(shape[a], tensor)} along {names[a]} from offset {offset[a]}; the {noun} has {domain[a]}"
+               + (f" (so {offset[a] + shape[a] - domain[a]} past its end)" if offset[a] else "")
+               for a in range(len(domain)) if offset[a] + shape[a] > domain[a]]
+    message = f"rank {r}'s {tensor} has " + "; and ".join(clauses) + " (its in-range cells are compared apart)"
+    rule = _diagnose(diagnose.output_size, case, dtype, tensor, r, tuple(shape), tuple(offset))
+    return Finding(dtype, tensor, r, None, None, tol, why, False, mismatches=0, owner=r, problem="excess",
+                   message=message, diagnosis=f"{message}; {rule}" if rule else message, offset=tuple(offset),
+                   shape=tuple(shape))
+
+
+def _expected_ranks(case, per_rank, allow_missing_ranks) -> list:
+    """The ranks a complete result holds: the case's ranks and every rank number below the
+    highest the results use (only those present with ``allow_missing_ranks``)."""
+    if allow_missing_ranks or not per_rank:
+        return sorted(per_rank)
+    return list(range(max(case.spec.ranks, max(per_rank) + 1)))
+
+
+def _held(results, dtype, r) -> set:
+    """The tensors results rank r holds (read, or present with a shape that cannot be placed)."""
+    return set(results.ranks[dtype].get(r, {})) | {e["tensor"] for e in results.shape_errors
+                                                   if e["dtype"] == dtype and e["rank"] == r}
+
+
+def incomplete_ranks(case, results, allow_missing_ranks=False) -> list:
+    """{"dtype", "tensor", "ranks"}: a per-rank tensor (not dw/db, which one rank may give for
+    all) that some ranks hold and these ranks lack: the mark of a rank that crashed, which
+    must not let the case pass on the others' blocks alone."""
+    out = []
+    for dtype, per_rank in results.ranks.items():
+        expected = _expected_ranks(case, per_rank, allow_missing_ranks)
+        held = {r: _held(results, dtype, r) for r in expected}
+        names = sorted({t for h in held.values() for t in h} - {"dw", "db"},
+                       key=lambda t: (CAUSAL_ORDER.index(t) if t in CAUSAL_ORDER else 99, t))
+        for tensor in names:
+            lacking = [r for r in expected if tensor not in held[r]]
+            if lacking:
+                out.append({"dtype": dtype, "tensor": tensor, "ranks": lacking})
+    return out
+
+
+def holes(case, results, incomplete, tolerance_factor=1.0) -> list:
+    """Findings for the cells of a required tensor that every rank holds (and none gives
+    globally) which no rank's block covers: an output the peer never computed is wrong, not
+    "not provided".  Located at the first such cell (row-major)."""
+    out = []
+    gaps = {(g["dtype"], g["tensor"]) for g in incomplete}
+    for dtype, per_rank in results.ranks.items():
+        if not per_rank:
+            continue
+        for tensor in casefile.required(case):
+            if tensor in results.global_.get(dtype, {}) or (dtype, tensor) in gaps:
+                continue
+            if not all(tensor in _held(results, dtype, r) for r in _expected_ranks(case, per_rank, False)):
+                continue
+            seen = numpy.zeros(case.expected[dtype][tensor].shape, bool)
+            for r, arrays in per_rank.items():
+                if tensor in arrays:
+                    offset = results.offsets[dtype][r][tensor]
+                    seen[tuple(slice(o, o + n) for o, n in zip(offset, arrays[tensor].shape))] = True
+            if seen.all():
+                continue
+            tol, why = tolerance(case, dtype, tensor, tolerance_factor)
+            first = tuple(int(i) for i in numpy.argwhere(~seen)[0])
+            n = int((~seen).sum())
+            cells = "output cells" if _what(tensor) == "outputs" else f"{tensor} cells"
+            message = (f"{n} {cells[:-1] if n == 1 else cells} no rank holds (of {seen.size}; first at global index "
+                       f"{list(first)}): every rank gave {tensor}, but the blocks leave a gap, so the peer "
+                       f"never computed them (or wrote a block at the wrong offset)")
+            out.append(Finding(dtype, tensor, None, None, None, tol, why, False, mismatches=n, first_index=first,
+                               owner=owner_of(case, tensor, first), problem="uncovered", message=message,
+                               diagnosis=message))
+    return out
+
+
+def first_wrong(findings) -> list:
+    """{"dtype", "tensor", "index", "ranks"}: the first wrong cell of each tensor over all its
+    blocks, in global row-major order, and every rank whose block is wrong there."""
+    firsts = {}
+    for f in findings:
+        if f.ok or f.first_index is None or f.problem == "shape":
+            continue
+        key = (f.dtype, f.tensor)
+        index = tuple(f.first_index)
+        if key not in firsts or index < firsts[key][0]:
+            firsts[key] = (index, [])
+        if index == firsts[key][0] and f.rank is not None:
+            firsts[key][1].append(f.rank)
+    return [{"dtype": d, "tensor": t, "index": list(i), "ranks": sorted(ranks)}
+            for (d, t), (i, ranks) in firsts.items()]
 
 
 def _note_nonfinite(finding, got, bad, case):
@@ -500,28 +635,40 @@ def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, 
 
 
 def _layout_note(case, results, own) -> str:
-    """Where the results' blocks differ from the case's (the first dtype's; the others
-    use the same split as a rule)."""
-    dtype = next(iter(own))
-    layout, diffs = own[dtype], []
-    for r in sorted(layout.layouts):
-        lo = layout.layouts[r]
-        base = case.layouts[r] if r < len(case.layouts) else None
-        if not layout.has_outputs[r]:
-            continue
-        if base is None:
-            diffs.append(f"rank {r} (not in the case)")
-            continue
-        axes = [f"{AXIS_NAMES[2 + a]} [{lo.outputs[a][0]}, {lo.outputs[a][1]})"
-                + (" empty" if lo.outputs[a][0] == lo.outputs[a][1] else "")
-                + f" (case: [{base.outputs[a][0]}, {base.outputs[a][1]}))"
-                for a in range(3) if lo.outputs[a] != base.outputs[a]]
-        if axes or lo.samples != base.samples or lo.out_channels != base.out_channels:
-            diffs.append(f"rank {r} outputs " + (", ".join(axes) or f"samples {list(lo.samples)}, channels "
-                                                 f"{list(lo.out_channels)}"))
-    text = (f"ranks are the results' own: {len(layout.layouts)} rank(s) whose blocks are not the case's split of "
+    """Where the results' blocks differ from the case's split, over every dtype in the
+    results' own layout (a dtype whose differences repeat another's is not listed again)."""
+    notes, counted = {}, set()
+    for dtype, layout in own.items():
+        diffs = []
+        for r in sorted(layout.layouts):
+            lo = layout.layouts[r]
+            base = case.layouts[r] if r < len(case.layouts) else None
+            if base is None:
+                diffs.append(f"rank {r} (not in the case)")
+                continue
+            axes = [f"{AXIS_NAMES[2 + a]} [{lo.outputs[a][0]}, {lo.outputs[a][1]})"
+                    + (" empty" if lo.outputs[a][0] == lo.outputs[a][1] else "")
+                    + f" (case: [{base.outputs[a][0]}, {base.outputs[a][1]}))"
+                    for a in range(3) if layout.has_outputs[r] and lo.outputs[a] != base.outputs[a]]
+            if layout.has_outputs[r] and (axes or lo.samples != base.samples or lo.out_channels != base.out_channels):
+                diffs.append(f"rank {r} outputs " + (", ".join(axes) or f"samples {list(lo.samples)}, channels "
+                                                     f"{list(lo.out_channels)}"))
+                continue
+            other = [name for name, offset in results.offsets[dtype][r].items()
+                     if name not in case.ranks[dtype][r]
+                     or (tuple(offset), results.ranks[dtype][r][name].shape)
+                     != (tuple(case.ranks[dtype][r][name][1]), case.ranks[dtype][r][name][0].shape)]
+            if other:
+                diffs.append(f"rank {r}'s " + ", ".join(
+                    f"{n} at {list(results.offsets[dtype][r][n])} shaped {list(results.ranks[dtype][r][n].shape)}"
+                    for n in other))
+        counted |= {d.split()[1].rstrip("'s") for d in diffs}
+        notes.setdefault("; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else ""), []).append(dtype)
+    n = len(counted)
+    text = (f"ranks are the results' own: {n} rank{'s' * (n != 1)} whose blocks are not the case's split of "
             f"grid {list(case.spec.grid)}")
-    return text + (": " + "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "") if diffs else "")
+    parts = [(f"{' and '.join(dtypes)}: " if len(notes) > 1 else "") + diff for diff, dtypes in notes.items() if diff]
+    return text + (": " + " | ".join(parts) if parts else "")
 
 
 def coverage(case: Case, results: Results) -> list:
@@ -586,8 +733,9 @@ CAUSAL_ORDER = ("x_needed", "sum_partial", "sumsq_partial", "y_partial", "y", "d
 def root_cause(report: CaseReport):
     """The first diagnosed failure in causal order (None if no failure was diagnosed)."""
     failed = [f for f in report.findings if not f.ok and f.diagnosis and not f.diagnosis.startswith("follows")]
-    return min(failed, key=lambda f: (CAUSAL_ORDER.index(f.tensor), f.rank is None, f.rank or 0, f.dtype != "float64"),
-               default=None)
+    # a diagnosed value error first: a block's excess or a gap is a finding, seldom the cause
+    return min(failed, key=lambda f: (f.problem in ("excess", "uncovered"), CAUSAL_ORDER.index(f.tensor),
+                                      f.rank is None, f.rank or 0, f.dtype != "float64"), default=None)
 
 
 #: the tensors of the forward pass
@@ -612,6 +760,7 @@ def trace_consequences(report: CaseReport, dx_reads_forward: bool = True) -> Non
         if f.ok or f.diagnosis:
             continue
         upstream = [u for u in report.findings if not u.ok and u.diagnosis and u.dtype == f.dtype
+                    and u.problem not in ("excess", "uncovered")
                     and not u.diagnosis.startswith("follows") and _can_cause(u.tensor, f.tensor, dx_reads_forward)]
         if upstream:
             # the same rank's error first (its own y spoils its own dw_partial), then the earliest
