@@ -323,7 +323,7 @@ class WindowKind(LayerKind):
             rules.append((f"ignores padding ({lo} + {hi})", extent(p=0)))
             if hi != lo:
                 rules.append((f"pads {lo} on both sides (the high side pads {hi})", extent(p=2 * lo)))
-        if s > 1:
+        if s > 1 and "ceil_mode" in self.hyper_parameters:     # a conv has no ceil_mode to get wrong
             rules.append(("rounds up (ceil_mode)" if not ceil else "rounds down (no ceil_mode)",
                           extent(ceil=not ceil)))
         return tuple(rules)

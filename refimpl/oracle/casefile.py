@@ -349,11 +349,12 @@ def _in_range(shape, offset, domain) -> tuple | None:
     return tuple(slice(0, max(0, min(n, m - o))) for o, n, m in zip(offset, shape, domain))
 
 
-def _wider_halo(name, shape, offset, mine) -> tuple | None:
+def _wider_halo(name, shape, offset, mine, domain) -> tuple | None:
     """The slices of a rank's x_needed / dx_needed that hold the case's block of that rank,
-    where the results' halo buffer is wider than needed (docs/oracle.md allows it): the case's
-    block is judged, and the rank keeps the case's layout; None otherwise."""
-    if name not in ("x_needed", "dx_needed") or name not in mine or offset is None or len(shape) != 5:
+    where the results' halo buffer is wider than needed but inside the domain (docs/oracle.md
+    allows it; cells outside the domain are padding, not data: a finding): the case's block
+    is judged, and the rank keeps the case's layout; None otherwise."""
+    if name not in ("x_needed", "dx_needed") or name not in mine or not _fits(shape, offset, domain):
         return None
     want, at = mine[name]
     if not all(o <= a and a + n <= o + m for o, m, a, n in zip(offset, shape, at, want.shape)):
@@ -444,7 +445,7 @@ def _load_results(path: str, case: Case) -> Results:
                             at = offset
                             fits = _fits(shape, offset, domain_shape(case, dtype, name))
                         domain = domain_shape(case, dtype, name)
-                        wider = _wider_halo(name, shape, offset, mine)
+                        wider = _wider_halo(name, shape, offset, mine, domain)
                         if wider is not None and tuple(shape) != mine[name][0].shape:
                             return tuple(mine[name][1]), wider
                         cut = None if fits else _in_range(shape, at, domain)

@@ -1,0 +1,209 @@
+"""The oracle never passes a wrong answer: every cell a peer provides is judged, a gap
+between the blocks is a finding, a block past the tensor's end is compared on its in-range
+cells (its excess reported) without silencing the other ranks' diagnoses, a rank that left
+its tensors out makes the case incomplete, and diagnoses stay within what the layer kind
+and the case can produce (issue 38, part A)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from refimpl import layers
+from refimpl.oracle.compare import root_cause
+from refimpl.oracle import compare, load_case, load_results, parse_suite, write_case, write_results
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}
+
+SUITE = {"case": [
+    {"name": "pool", "layer": "max_pool3d", "input": [1, 2, 4, 4, 8], "kernel": 2, "stride": 2,
+     "grids": [[1, 1, 1, 2]], "dtypes": ["float64"]},
+    {"name": "conv", "layer": "conv3d", "input": [1, 2, 4, 4, 10], "out_channels": 3, "kernel": 3, "padding": 1,
+     "grids": [[1, 1, 1, 3]], "dtypes": ["float64"]},
+    {"name": "k2s2", "layer": "conv3d", "input": [1, 2, 4, 4, 8], "out_channels": 3, "kernel": 2, "stride": 2,
+     "grids": [[1, 1, 1, 2]], "dtypes": ["float64"]},
+]}
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "refimpl", "oracle", *args], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trust_cases")
+    return {spec.name: write_case(spec, str(out)) for spec in parse_suite(SUITE, "t")}
+
+
+def case_blocks(case, names, dtype="float64"):
+    """{rank: {name: array}}: the case's own expected blocks (an exact peer)."""
+    return {r: {n: arrays[n][0].copy() for n in names if n in arrays} for r, arrays in enumerate(case.ranks[dtype])}
+
+
+def written(tmp_path, case, ranks, name="results.h5"):
+    path = str(tmp_path / name)
+    write_results(path, case, None, {"float64": ranks})
+    return path
+
+
+def fails(report, tensor=None):
+    return [f for f in report.findings if not f.ok and (tensor is None or f.tensor == tensor)]
+
+
+# ---------------------------------------------------------------- A.1: cells no block covers
+
+def test_a_missing_output_window_is_a_finding_not_a_pass(cases, tmp_path):
+    """A forward-only max-pool result from which rank 1 left its last output window out: the
+    union of the blocks misses cells, and that fails, located at the first missing cell."""
+    case = load_case(cases["pool"])
+    ranks = case_blocks(case, ("y",))
+    y1, (offset) = ranks[1]["y"], case.ranks["float64"][1]["y"][1]
+    ranks[1]["y"] = (y1[..., :-1], offset)                   # W [2, 4) -> [2, 3): window W 3 never computed
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    assert not report.ok and report.status == "fail"
+    hole, = [f for f in report.findings if f.problem == "uncovered"]
+    assert hole.tensor == "y" and hole.first_index == (0, 0, 0, 0, 3) and hole.mismatches == 2 * 2 * 2
+    assert "output cells no rank holds" in hole.message
+    assert not [g for g in report.not_provided if g["tensor"] == "y"]
+    proc = cli("check", cases["pool"], written(tmp_path, case, ranks))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "output cells no rank holds" in proc.stdout and "[0, 0, 0, 0, 3]" in proc.stdout, proc.stdout
+    # the same blocks with rank 1 absent: not a gap between blocks, a rank that is missing
+    del ranks[1]
+    report = compare(case, load_results(written(tmp_path, case, ranks, "r2.h5"), case))
+    assert report.status == "incomplete" and report.incomplete == [{"dtype": "float64", "tensor": "y", "ranks": [1]}]
+
+
+def test_a_complete_exact_result_passes(cases, tmp_path):
+    for name in cases:
+        case = load_case(cases[name])
+        ranks = case_blocks(case, ("y", "dx", "dw", "db"))
+        report = compare(case, load_results(written(tmp_path, case, ranks, f"{name}.h5"), case))
+        assert report.ok and report.status == "pass" and not report.not_provided, name
+
+
+# ---------------------------------------------------------------- A.2: a block past the tensor's end
+
+def test_a_block_one_cell_too_long_is_compared_and_its_excess_reported(cases, tmp_path):
+    """Rank 2's y one output too long (an honest block of an off-by-one output rule): its
+    in-range cells are compared, the excess is its own finding, and rank 1's planted halo bug
+    keeps exactly the diagnosis it has without the long block."""
+    torch = pytest.importorskip("torch")
+    from refimpl.oracle import torch_adapter
+    case = load_case(cases["conv"])
+    _, ranks = torch_adapter.run_case(case, torch_adapter.parse_plant("halo:1", case))
+    plain = compare(case, load_results(written(tmp_path, case, ranks["float64"], "plain.h5"), case))
+    y2 = ranks["float64"][2]["y"]
+    offset = case.ranks["float64"][2]["y"][1]
+    ranks["float64"][2]["y"] = (np.concatenate([y2, y2[..., -1:]], axis=4), offset)
+    long = compare(case, load_results(written(tmp_path, case, ranks["float64"], "long.h5"), case))
+    excess, = [f for f in long.findings if f.problem == "excess"]
+    assert excess.rank == 2 and excess.tensor == "y" and excess.first_index is None
+    assert excess.message.startswith(f"rank 2's y has 4 outputs along W from offset {offset[4]}; the layer has 10")
+    assert "ceil_mode" not in excess.diagnosis                       # a conv has no ceil_mode
+    inrange = [f for f in long.findings if f.rank == 2 and f.tensor == "y" and f.problem is None]
+    assert [f.ok for f in inrange] == [True] and inrange[0].shape[4] == 3
+    assert long.layout == "case"                                     # cut back, the block is the case's
+
+    def diagnoses(report):
+        return {(f.tensor, f.rank): (f.first_index, f.diagnosis) for f in report.findings
+                if not f.ok and f.problem is None}
+    assert diagnoses(plain) and diagnoses(long) == diagnoses(plain)
+    assert root_cause(long).diagnosis == root_cause(plain).diagnosis
+    assert "halo" in root_cause(long).diagnosis and root_cause(long).rank == 1
+    proc = cli("check", cases["conv"], written(tmp_path, case, ranks["float64"], "long.h5"))
+    assert proc.returncode == 1 and "block past the end: rank 2's y has 4 outputs" in proc.stdout, proc.stdout
+
+
+def test_overlapping_blocks_are_each_judged(cases, tmp_path):
+    """Two ranks giving the same cells: both judged against the same expectation, so they
+    must agree; a wrong copy fails at its own rank."""
+    case = load_case(cases["pool"])
+    ranks = case_blocks(case, ("y",))
+    whole = case.expected["float64"]["y"]
+    ranks[0]["y"] = (whole.copy(), (0, 0, 0, 0, 0))                   # rank 0 holds everything
+    ranks[1]["y"][0, 0, 0, 0, 0] += 1.0                                # rank 1's copy of W 2 is wrong
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    bad, = fails(report)
+    assert bad.rank == 1 and bad.first_index == (0, 0, 0, 0, 2)
+    assert report.first_wrong == [{"dtype": "float64", "tensor": "y", "index": [0, 0, 0, 0, 2], "ranks": [1]}]
+
+
+# ---------------------------------------------------------------- A.6: a crashed rank
+
+def test_a_rank_left_out_makes_the_case_incomplete(cases, tmp_path):
+    case = load_case(cases["conv"])
+    ranks = case_blocks(case, ("y", "dx", "dw", "db"))
+    del ranks[1]                                                       # rank 1 crashed: nothing written
+    path = written(tmp_path, case, ranks)
+    proc = cli("check", cases["conv"], path, "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "INCOMPLETE" in proc.stdout and "y absent on rank 1" in proc.stdout and "1 incomplete" in proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())["cases"][0]
+    assert report["status"] == "incomplete" and {g["tensor"] for g in report["incomplete"]} == {"y", "dx"}
+    proc = cli("check", cases["conv"], path, "--allow-missing-ranks")
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout
+    # one tensor left out on one rank only (dx of rank 2), the rest there
+    ranks = case_blocks(case, ("y", "dx"))
+    del ranks[2]["dx"]
+    report = compare(case, load_results(written(tmp_path, case, ranks, "r3.h5"), case))
+    assert report.status == "incomplete" and report.incomplete == [{"dtype": "float64", "tensor": "dx", "ranks": [2]}]
+
+
+def test_parameter_gradients_given_once_are_not_incomplete(cases, tmp_path):
+    case = load_case(cases["conv"])
+    ranks = case_blocks(case, ("y", "dx", "dw", "db"))
+    for r in (1, 2):
+        del ranks[r]["dw"], ranks[r]["db"]
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    assert report.ok and not report.incomplete
+
+
+# ---------------------------------------------------------------- A.4: diagnoses the kind and the case can produce
+
+def test_no_ceil_mode_rule_for_a_conv():
+    spec, = parse_suite({"case": [{"name": "c", "layer": "conv3d", "input": [1, 1, 5, 5, 5], "out_channels": 1,
+                                   "kernel": 2, "stride": 2, "grids": [[1, 1, 1, 1]]}]}, "t")
+    assert not any("ceil" in what for a in range(3) for what, _ in layers.lookup("conv3d").output_size_rules(spec, a))
+    pool, = parse_suite({"case": [{"name": "p", "layer": "max_pool3d", "input": [1, 1, 5, 5, 5], "kernel": 2,
+                                   "stride": 2, "grids": [[1, 1, 1, 1]]}]}, "t")
+    assert any("ceil_mode" in what for what, _ in layers.lookup("max_pool3d").output_size_rules(pool, 2))
+
+
+@pytest.mark.parametrize("tensor", ["y", "dx"])
+def test_no_halo_diagnosis_where_the_case_has_no_halo(cases, tmp_path, tensor):
+    """A k2 s2 conv on an even split reads no ghost cell: whatever is wrong in one rank's
+    block, no forward or adjoint halo exchange is named."""
+    case = load_case(cases["k2s2"])
+    for lo in case.layouts:
+        assert lo.needed == lo.owned
+    ranks = case_blocks(case, ("y", "dx"))
+    block = ranks[1][tensor]
+    block[..., 0] *= 1.5                    # the first plane of rank 1's block: where a halo bug would sit
+    block[..., 0] += 0.25
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    bad, = fails(report)
+    assert bad.rank == 1 and "halo" not in (bad.diagnosis or "") and "adjoint" not in (bad.diagnosis or "")
+
+
+# ---------------------------------------------------------------- A.5/A.8: exact reports
+
+def test_inf_is_counted_in_max_rel_and_described(cases, tmp_path):
+    case = load_case(cases["pool"])
+    ranks = case_blocks(case, ("y",))
+    ranks[0]["y"][0, 0, 0, 0, 0] = -np.inf
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    bad, = fails(report)
+    assert bad.max_rel == float("inf") and bad.nonfinite == 1 and bad.finite_max_rel == 0.0
+    assert "-inf" in bad.diagnosis
+    assert bad.as_dict()["max_rel"] == "inf"
+    json.dumps(report.as_dict(), allow_nan=False)                      # strict JSON
+
+
+def test_singular_and_plural_in_the_summary(cases, tmp_path):
+    case = load_case(cases["pool"])
+    proc = cli("check", cases["pool"], written(tmp_path, case, case_blocks(case, ("y",))))
+    assert proc.returncode == 0 and "1 case: 1 passed, 0 failed" in proc.stdout, proc.stdout
