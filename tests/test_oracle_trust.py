@@ -207,3 +207,24 @@ def test_singular_and_plural_in_the_summary(cases, tmp_path):
     case = load_case(cases["pool"])
     proc = cli("check", cases["pool"], written(tmp_path, case, case_blocks(case, ("y",))))
     assert proc.returncode == 0 and "1 case: 1 passed, 0 failed" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------- A.5: y-only results in a peer's own layout
+
+def test_y_only_results_in_a_chunk_layout_get_the_halo_diagnosis(tmp_path):
+    """torch.chunk's split (W 6 over 4: 2, 2, 2, 0) with y alone: the input split is inferred
+    by the same rule, so rank 2's planted halo bug is diagnosed as with dx given, hedged
+    (no x_needed: the halo is a possibility)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_oracle_layouts import SUITE as LAYOUT_SUITE, chunk_results
+    spec = [s for s in parse_suite(LAYOUT_SUITE, "t") if s.name == "conv"][0]
+    case = load_case(write_case(spec, str(tmp_path)))
+    _, with_dx = chunk_results(case, plant="halo:2", names=("y", "dx"))
+    _, y_only = chunk_results(case, plant="halo:2", names=("y",))
+    reports = [compare(case, load_results(str(tmp_path / name), case))
+               for name, ranks in (("a.h5", with_dx), ("b.h5", y_only)) if not write_results(str(tmp_path / name),
+                                                                                           case, None, ranks)]
+    diagnosis = [[f.diagnosis for f in fails(r, "y") if f.dtype == "float64"] for r in reports]
+    assert diagnosis[0] == diagnosis[1] and diagnosis[1][0] and "halo" in diagnosis[1][0], diagnosis
+    assert not [u for u in reports[1].unchecked if u["tensor"] == "y"]

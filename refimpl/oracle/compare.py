@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy
 
 from .. import functional as F, layers
+from ..parallel.partition import block_range
 from . import casefile, diagnose, expect
 from .casefile import Case, Results
 
@@ -289,6 +290,38 @@ def results_layout(case: Case, dtype: str, r: int, arrays: dict, offsets: dict):
     return layout, complete, outputs is not None
 
 
+def _chunk_range(n, p, i):
+    """torch.chunk's block i of n over p: ceil(n/p) each, the last ones short or empty."""
+    c = -(-n // p)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+#: the splits a peer's own layout is recognised by (refimpl's balanced blocks, torch.chunk's)
+SPLIT_RULES = {"balanced": block_range, "torch.chunk": _chunk_range}
+
+
+def infer_owned(case, layouts, complete, has_outputs) -> dict:
+    """{rank: owned input block} for ranks whose results give y but no dx (so their input
+    block is unknown), where every rank's output blocks along each axis are one split rule of
+    the output extent (``SPLIT_RULES``): the input is then taken as split by the same rule.
+    With it, y-only results in a peer's own layout get the halo and window diagnoses results
+    with dx get."""
+    todo = [r for r in layouts if not complete[r] and has_outputs[r]]
+    if not todo or not layers.lookup(case.spec.layer).has_halo or not all(has_outputs.values()):
+        return {}
+    n_in, n_out = case.spec.input[2:], expect.output_shape(case.spec)[2:]
+    owned = {r: [None] * 3 for r in todo}
+    for a in range(3):
+        spans = sorted({layouts[r].outputs[a] for r in layouts})
+        p = len(spans)
+        rule = next((f for f in SPLIT_RULES.values() if [f(n_out[a], p, i) for i in range(p)] == spans), None)
+        if rule is None:
+            return {}
+        for r in todo:
+            owned[r][a] = rule(n_in[a], p, spans.index(layouts[r].outputs[a]))
+    return {r: tuple(v) for r, v in owned.items()}
+
+
 def _reference64(case, dtype):
     a = {k: numpy.asarray(v, numpy.float64) for k, v in case.inputs[dtype].items()}
     with F.reference_only():
@@ -308,6 +341,9 @@ class _OwnLayout:
         for r, arrays in results.ranks[dtype].items():
             lo, complete, has_out = results_layout(case, dtype, r, arrays, results.offsets[dtype][r])
             self.layouts[r], self.complete[r], self.has_outputs[r] = lo, complete, has_out
+        for r, owned in infer_owned(case, self.layouts, self.complete, self.has_outputs).items():
+            self.layouts[r] = dataclasses.replace(self.layouts[r], owned=owned)
+            self.complete[r] = True
         if case.spec.model_parallel != "none":     # the model coordinate: which channel slice a rank holds
             which = "out_channels" if case.spec.model_parallel == "filter" else "in_channels"
             slices = sorted({getattr(lo, which) for lo in self.layouts.values()})
