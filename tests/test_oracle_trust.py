@@ -228,3 +228,37 @@ def test_y_only_results_in_a_chunk_layout_get_the_halo_diagnosis(tmp_path):
     diagnosis = [[f.diagnosis for f in fails(r, "y") if f.dtype == "float64"] for r in reports]
     assert diagnosis[0] == diagnosis[1] and diagnosis[1][0] and "halo" in diagnosis[1][0], diagnosis
     assert not [u for u in reports[1].unchecked if u["tensor"] == "y"]
+
+
+# ---------------------------------------------------------------- A.5: one plant, four layouts, one diagnosis
+
+PLANT_WORDS = {"halo:2": "halo", "dw-unsummed": "not summed over the", "ghost-clear": "without clearing"}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANT_WORDS))
+def test_the_same_first_diagnosis_in_every_layout(tmp_path, plant):
+    """A planted bug in refimpl's layout, in torch.chunk's (an offset per block), with y alone
+    (where the bug shows in y) and with dw/db given once: the first diagnosis names the
+    planted cause in all of them, with the same hedge where x_needed is absent."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_oracle_layouts import SUITE as LAYOUT_SUITE, chunk_results
+    from refimpl.oracle import torch_adapter
+    spec = [s for s in parse_suite(LAYOUT_SUITE, "t") if s.name == "conv"][0]
+    case = load_case(write_case(spec, str(tmp_path)))
+    _, refimpl_layout = torch_adapter.run_case(case, torch_adapter.parse_plant(plant, case))
+    layouts = {"refimpl": refimpl_layout, "torch.chunk": chunk_results(case, plant=plant, root_params=False)[1],
+               "dw/db once": chunk_results(case, plant=plant, names=("y", "dx", "dw", "db"))[1]}
+    if plant == "halo:2":
+        layouts["y only"] = chunk_results(case, plant=plant, names=("y",))[1]
+        layouts["y only, refimpl"] = {d: {r: {"y": a["y"]} for r, a in per.items()} for d, per in refimpl_layout.items()}
+    firsts = {}
+    for name, ranks in layouts.items():
+        path = str(tmp_path / f"{len(firsts)}.h5")
+        write_results(path, case, None, ranks)
+        cause = root_cause(compare(case, load_results(path, case)))
+        firsts[name] = cause and cause.diagnosis
+    assert all(text and PLANT_WORDS[plant] in text for text in firsts.values()), firsts
+    hedged = [name for name, text in firsts.items() if "not confirmed" in text]
+    no_x_needed = [n for n, ranks in layouts.items() if not any("x_needed" in a for a in ranks["float64"].values())]
+    assert sorted(hedged) == (sorted(no_x_needed) if plant == "halo:2" else []), firsts

@@ -449,7 +449,7 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0,
                     # no whole layout to split by (or, for dw and db, no grid to group the ranks by):
                     # the patterns of the whole tensor only
                     finding.diagnosis = _diagnose(_global_only, case, dtype, tensor, got, want, bad,
-                                                  tol * _scale([want]))
+                                                  tol * _scale([want]), own[dtype])
                 else:
                     finding.diagnosis = _diagnose(diagnose.global_tensor, views.get(dtype) or case, dtype, tensor,
                                                   got, want, bad, tol * _scale([want]))
@@ -634,10 +634,38 @@ def _note_nonfinite(finding, got, bad, case):
         finding.diagnosis = f"{text}; {finding.diagnosis}" if finding.diagnosis else text
 
 
-def _global_only(case, dtype, tensor, got, want, bad, atol):
-    """The patterns of a whole tensor that need no rank layout."""
-    if tensor in ("dw", "db"):
+def _own_reduction(layout, dtype, tensor, got, index, atol) -> str | None:
+    """dw or db (its block ``index``) in a peer's own layout, where the case's grid cannot
+    group the ranks: equal to one rank's partial sum alone (the allreduce over the shards
+    missing), or to the sum averaged over the ranks that hold a part of it."""
+    shape = casefile.domain_shape(layout.case, dtype, tensor)
+    parts = {}
+    for r in sorted(layout.layouts):
+        if layout.has_outputs[r] and layout.complete[r]:
+            piece = layout.partials(r).get(f"{tensor}_partial")
+            if piece is not None and numpy.asarray(piece[0]).size and numpy.abs(piece[0]).max() > 0:
+                parts[r] = piece
+    if len(parts) < 2:
         return None
+    got = numpy.asarray(got, numpy.float64)
+    for r, piece in parts.items():
+        if diagnose._matches(got, expect.embed(shape, [piece])[index], atol):
+            return (f"{tensor} equals rank {r}'s partial sum alone: not summed over the shards (the allreduce of "
+                    f"the {len(parts)} ranks' partial {tensor} is missing)")
+    whole = expect.embed(shape, list(parts.values()))
+    if diagnose._matches(got, whole[index] / len(parts), atol):
+        return (f"{tensor} averaged over the {len(parts)} ranks instead of summed: the shards hold different "
+                f"voxels of the same samples, so their partial sums add")
+    return None
+
+
+def _global_only(case, dtype, tensor, got, want, bad, atol, own=None):
+    """The patterns of a whole tensor that need no rank layout (dw and db: the reductions of
+    the results' own layout ``own``, where given)."""
+    if tensor in ("dw", "db"):
+        everything = (slice(None),) * numpy.ndim(got)
+        return diagnose.gradient_missing(tensor, got, want, atol) or (
+            own is not None and _own_reduction(own, dtype, tensor, got, everything, atol)) or None
     everything = (slice(None),) * want.ndim
     return diagnose.known_mistake(case, dtype, tensor, numpy.asarray(got), want, everything, atol) \
         or diagnose.shift(numpy.asarray(got), want, bad, atol)
@@ -649,7 +677,11 @@ def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, 
     and db need the case's grid and are not tried."""
     got = numpy.asarray(got)
     lo = layout.layouts[r]
-    if tensor in ("dw", "db", "dw_partial", "db_partial", "sum_partial", "sumsq_partial"):
+    if tensor in ("dw", "db"):
+        index = tuple(slice(o, o + n) for o, n in zip(layout.results.offsets[dtype][r][tensor], got.shape))
+        return _diagnose(diagnose.gradient_missing, tensor, got, want, atol) \
+            or _diagnose(_own_reduction, layout, dtype, tensor, got, index, atol)
+    if tensor in ("dw_partial", "db_partial", "sum_partial", "sumsq_partial"):
         return None
     if tensor == "x_needed":
         return _diagnose(diagnose.ghost_cells, view, lo, bad) if view is not None else None
@@ -657,8 +689,8 @@ def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, 
         index = lo.index("y" if tensor == "y" else "x")
         found = _diagnose(diagnose.known_mistake, view or layout.case, dtype, tensor, got, want, index, atol) \
             or _diagnose(diagnose.shift, got, want, bad, atol)
-        if found:
-            return found
+        if found:          # the same hedge as in the case's layout: only x_needed confirms a halo
+            return _unconfirmed_halo(found, has_x_needed) if tensor == "y" else found
         if view is None:
             return None
         if tensor == "y":
@@ -778,14 +810,24 @@ def root_cause(report: CaseReport):
 FORWARD_TENSORS = CAUSAL_ORDER[:CAUSAL_ORDER.index("dx_needed")]
 
 
-def _can_cause(upstream: str, tensor: str, dx_reads_forward: bool) -> bool:
+def _can_cause(upstream: str, tensor: str, dx_reads_forward: bool, upstream_diagnosis: str = "") -> bool:
     """Whether an error in ``upstream`` can spoil ``tensor``: anything computed before it, but
     the input gradient only from its own partial sums (``dx_needed``) and, where it reads them
-    (``LayerKind.dx_reads_forward``), the forward's tensors; never from dw or db."""
+    (``LayerKind.dx_reads_forward``), the forward's tensors; never from dw or db.  Where the
+    backward reads no forward output (a conv: dW = x ⋆ dy, db = Σ dy), dw follows only from
+    the input cells it reads (x_needed, or a y error diagnosed as wrong input cells: a halo or
+    padding) and its partials, db only from its partials."""
     if CAUSAL_ORDER.index(upstream) >= CAUSAL_ORDER.index(tensor):
         return False
     if tensor in ("dx_needed", "dx"):
         return upstream == "dx_needed" or (dx_reads_forward and upstream in FORWARD_TENSORS)
+    if tensor in ("dw", "db", "dw_partial", "db_partial") and not dx_reads_forward:
+        base = tensor[:2]
+        if upstream == f"{base}_partial":
+            return True
+        reads_input = upstream == "x_needed" or (upstream in ("y", "y_partial") and any(
+            word in (upstream_diagnosis or "") for word in ("halo", "padding", "ghost")))
+        return base == "dw" and reads_input
     return True
 
 
@@ -797,7 +839,8 @@ def trace_consequences(report: CaseReport, dx_reads_forward: bool = True) -> Non
             continue
         upstream = [u for u in report.findings if not u.ok and u.diagnosis and u.dtype == f.dtype
                     and u.problem not in ("excess", "uncovered")
-                    and not u.diagnosis.startswith("follows") and _can_cause(u.tensor, f.tensor, dx_reads_forward)]
+                    and not u.diagnosis.startswith("follows")
+                    and _can_cause(u.tensor, f.tensor, dx_reads_forward, u.diagnosis)]
         if upstream:
             # the same rank's error first (its own y spoils its own dw_partial), then the earliest
             u = min(upstream, key=lambda u: (f.rank is not None and u.rank != f.rank, CAUSAL_ORDER.index(u.tensor), u.rank is None,
