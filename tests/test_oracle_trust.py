@@ -262,3 +262,37 @@ def test_the_same_first_diagnosis_in_every_layout(tmp_path, plant):
     hedged = [name for name, text in firsts.items() if "not confirmed" in text]
     no_x_needed = [n for n, ranks in layouts.items() if not any("x_needed" in a for a in ranks["float64"].values())]
     assert sorted(hedged) == (sorted(no_x_needed) if plant == "halo:2" else []), firsts
+
+
+# ---------------------------------------------------------------- A.7: run-dtensor places what DTensor holds
+
+def test_run_dtensor_places_a_mislabelled_shard_by_its_shape(cases, tmp_path):
+    """A shard DTensor labels Replicate (claimed: the whole W, offset 0) while it holds rank
+    2's torch.chunk block of W: merged at the block's offset, so its right values pass, and
+    the label that contradicts the shape is reported in the summary record."""
+    import h5py
+    from refimpl.oracle import dtensor_adapter
+    case = load_case(cases["conv"])                    # W 10 over 3 ranks; torch.chunk: 4, 4, 2
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    y = case.expected["float64"]["y"]
+    for r in range(3):
+        start, stop = min(4 * r, 10), min(4 * (r + 1), 10)
+        local = y[..., start:stop]
+        claimed = list(local.shape) if r != 2 else list(y.shape)          # rank 2: labelled Replicate
+        offset = [0, 0, 0, 0, start] if r != 2 else [0, 0, 0, 0, 0]
+        with h5py.File(parts / f"rank{r}.h5", "w") as h5:
+            ds = h5.create_dataset("float64/y", data=local)
+            ds.attrs["offset"], ds.attrs["claimed_shape"] = offset, claimed
+        (parts / f"rank{r}.json").write_text(json.dumps([
+            {"dtype": "float64", "tensor": "y", "status": "ok", "error": "", "secondary": False,
+             "placements": ["Replicate()" if r == 2 else "Shard(dim=4)"], "local_shape": list(local.shape),
+             "claimed_shape": claimed}]))
+    glob, ranks, records = dtensor_adapter.merge(case, str(parts), {})
+    assert [ranks["float64"][r]["y"][1][4] for r in range(3)] == [0, 4, 8]
+    y_record, = [rec for rec in records if rec["tensor"] == "y" and rec["dtype"] == "float64"]
+    assert y_record["shape_disagrees"] == [2]
+    path = str(tmp_path / "dt.h5")
+    dtensor_adapter.write_results(path, case, glob, ranks)
+    report = compare(case, load_results(path, case))
+    assert all(f.ok for f in report.findings if f.tensor == "y"), [f.as_dict() for f in report.findings if not f.ok]

@@ -235,6 +235,11 @@ def run_dtensor(args) -> int:
         for rec in entry["tensors"]:
             if rec["status"] != "ok":
                 print(f"    {rec['dtype']} {rec['tensor']:<3} {rec['status']}: {rec['error']}", flush=True)
+            elif rec.get("shape_disagrees"):         # a DTensor finding of its own: its label is wrong
+                ranks = rec["shape_disagrees"]
+                print(f"    {rec['dtype']} {rec['tensor']:<3} DTensor's placements {rec['placements']} claim another "
+                      f"local shape than rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} "
+                      f"hold{'s' * (len(ranks) == 1)}: placed by the shard's shape and torch.chunk's rule", flush=True)
     entries += dtensor_adapter.run_cases(run_cases, args.out, args.timeout, report=report)
     print(f"summary: {dtensor_adapter.write_summary(args.out, entries, args.nproc)}")
     return 0

@@ -158,12 +158,47 @@ def merge(case, parts: str, exits: dict):
             for dtype in h5:
                 for name in h5[dtype]:
                     ds = h5[f"{dtype}/{name}"]
-                    item = (numpy.asarray(ds[()]), [int(o) for o in ds.attrs["offset"]])
+                    array, offset = numpy.asarray(ds[()]), [int(o) for o in ds.attrs["offset"]]
+                    claimed = [int(n) for n in ds.attrs.get("claimed_shape", array.shape)]
+                    if list(array.shape) != claimed and name not in ("dw", "db"):
+                        offset = offset_by_shape(case, r, dtype, name, array.shape, offset)
+                    item = (array, offset)
                     if name in ("dw", "db"):
                         glob.setdefault(dtype, {})[name] = item
                     else:
                         ranks.setdefault(dtype, {}).setdefault(r, {})[name] = item
     return glob, ranks, records
+
+
+def offset_by_shape(case, r, dtype, name, shape, offset) -> list:
+    """Where rank r's local shard of ``name`` lies, from its shape, where DTensor's placements
+    claim another shape (a sharded result labelled Replicate is placed at 0 by its label):
+    along each axis whose extent is not the claimed one, the torch.chunk block of the
+    rank's mesh coordinate on the mesh axis that splits it, if that block has the shard's
+    extent (else DTensor's offset stays, and the oracle reports the misplaced block).  The
+    label that contradicts the shape is reported apart (the summary's ``shape_disagrees``)."""
+    from .casefile import domain_shape
+    from .dtensor_runner import TENSOR_DIM, mesh_layout
+    axes = mesh_layout(case.spec)
+    coords, rest = [], r
+    for _, p in reversed(axes):               # init_device_mesh lays ranks out row-major
+        coords.insert(0, rest % p)
+        rest //= p
+    domain = domain_shape(case, dtype, name)
+    placed = list(offset)
+    for d, (n, m) in enumerate(zip(shape, domain)):
+        if n == m:
+            placed[d] = 0
+            continue
+        split = [(c, p) for (letter, p), c in zip(axes, coords)
+                 if TENSOR_DIM.get(letter) == d or (letter == "m" and d == 1)]
+        if len(split) == 1:
+            c, p = split[0]
+            size = -(-m // p)
+            start, stop = min(c * size, m), min((c + 1) * size, m)
+            if stop - start == n:
+                placed[d] = start
+    return placed
 
 
 def write_results(path: str, case, glob: dict, ranks: dict) -> None:
