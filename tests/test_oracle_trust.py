@@ -141,7 +141,7 @@ def test_a_rank_left_out_makes_the_case_incomplete(cases, tmp_path):
     path = written(tmp_path, case, ranks)
     proc = cli("check", cases["conv"], path, "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "INCOMPLETE" in proc.stdout and "y absent on rank 1" in proc.stdout and "1 incomplete" in proc.stdout
+    assert "INCOMPLETE" in proc.stdout and "rank 1 lacks y, dx (float64)" in proc.stdout and "1 incomplete" in proc.stdout
     report = json.loads((tmp_path / "r.json").read_text())["cases"][0]
     assert report["status"] == "incomplete" and {g["tensor"] for g in report["incomplete"]} == {"y", "dx"}
     proc = cli("check", cases["conv"], path, "--allow-missing-ranks")

@@ -293,10 +293,14 @@ def _print_case(report, verbose):
         return
     print(f"{report.status.upper()} {report.case}")
     if report.incomplete:
+        lacking = {}                          # ranks -> ({tensor}, {dtype}), in the report's order
+        for g in report.incomplete:
+            tensors, dtypes = lacking.setdefault(tuple(g["ranks"]), ({}, {}))
+            tensors[g["tensor"]] = dtypes[g["dtype"]] = None
         print("    incomplete: " + "; ".join(
-            f"{g['dtype']} {g['tensor']} absent on rank{'s' * (len(g['ranks']) > 1)} "
-            f"{', '.join(str(r) for r in g['ranks'])}" for g in report.incomplete)
-            + " while other ranks hold it (a rank that crashed?  --allow-missing-ranks if the peer runs on "
+            f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} lack{'s' * (len(ranks) == 1)} "
+            f"{', '.join(tensors)} ({', '.join(dtypes)})" for ranks, (tensors, dtypes) in lacking.items())
+            + ", which other ranks hold: a rank that crashed?  (--allow-missing-ranks if the peer runs on "
               "fewer ranks on purpose)")
     if report.layout_note:
         print(f"    note: {report.layout_note}")
