@@ -296,3 +296,35 @@ def test_run_dtensor_places_a_mislabelled_shard_by_its_shape(cases, tmp_path):
     dtensor_adapter.write_results(path, case, glob, ranks)
     report = compare(case, load_results(path, case))
     assert all(f.ok for f in report.findings if f.tensor == "y"), [f.as_dict() for f in report.findings if not f.ok]
+
+
+# ---------------------------------------------------------------- A.5: adjoint senders named, -inf named
+
+def test_dx_missing_two_senders_names_both(tmp_path):
+    """Rank 0 of a 2×2 split receives ghost gradients from ranks 1, 2 and 3; its dx lacks those
+    of ranks 1 and 3: both are named, not a generic sentence."""
+    from refimpl.oracle import diagnose
+    spec, = parse_suite({"case": [{"name": "corner", "layer": "conv3d", "input": [1, 2, 3, 6, 6], "out_channels": 2,
+                                   "kernel": 3, "padding": 1, "grids": [[1, 1, 2, 2]], "dtypes": ["float64"]}]}, "t")
+    case = load_case(write_case(spec, str(tmp_path)))
+    by = diagnose._ghost_gradients_by_sender(case, "float64", case.layouts[0])
+    assert {1, 2, 3} <= set(by)
+    ranks = case_blocks(case, ("y", "dx", "dx_needed"))
+    ranks[0]["dx"] = ranks[0]["dx"] - by[1] - by[3]
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    bad, = fails(report)
+    assert bad.tensor == "dx" and bad.rank == 0
+    assert "lacks exactly ranks 1, 3' ghost gradients" in bad.diagnosis, bad.diagnosis
+
+
+def test_ghosts_that_arrived_as_minus_inf_are_named_so(tmp_path):
+    pytest.importorskip("torch")
+    from refimpl.oracle import torch_adapter
+    spec, = parse_suite({"case": [{"name": "mp", "layer": "max_pool3d", "input": [1, 2, 3, 3, 8], "kernel": 3,
+                                   "stride": 1, "padding": 1, "grids": [[1, 1, 1, 2]], "dtypes": ["float64"]}]}, "t")
+    case = load_case(write_case(spec, str(tmp_path)))
+    _, ranks = torch_adapter.run_case(case, torch_adapter.parse_plant("inner-padding", case))
+    ys = [{r: {"y": a["y"]} for r, a in ranks["float64"].items()}]
+    report = compare(case, load_results(written(tmp_path, case, ys[0]), case))
+    text = " ".join(f.diagnosis or "" for f in fails(report, "y"))
+    assert "ghost cells that arrived as -inf" in text, text

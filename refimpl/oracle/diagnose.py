@@ -295,15 +295,21 @@ def halo_adjoint(case, dtype, lo, got, want, bad, atol) -> str | None:
     if float(numpy.abs(err + received).max()) <= atol:
         return ("dx of {who} lacks the neighbours' ghost gradients: the adjoint halo exchange (adding "
                 "ghost gradients back into their owners) is missing")
-    if len(senders) > 1:
-        for q, part in sorted(senders.items()):
-            far = _sender_far(case, q, lo)
-            if float(numpy.abs(err + part).max()) <= atol:
-                return (f"dx on {{who}} lacks exactly rank {q}'s ghost gradients: the adjoint halo exchange "
-                        f"did not add rank {q}'s into their owner" + (f" ({far})" if far else ""))
-            if float(numpy.abs(err - part).max()) <= atol:
-                return (f"dx on {{who}} holds exactly rank {q}'s ghost gradients twice: the adjoint halo exchange "
-                        f"added rank {q}'s without clearing them" + (f" ({far})" if far else ""))
+    if len(senders) > 1:           # one sender, then every proper subset of them (fewest first)
+        ranks = sorted(senders)
+        for size in range(1, len(ranks)):
+            for group in itertools.combinations(ranks, size):
+                part = sum((senders[q] for q in group), numpy.zeros(shape))
+                far = "; ".join(f for f in (_sender_far(case, q, lo) for q in group) if f)
+                whose = f"rank {group[0]}'s" if size == 1 else f"ranks {', '.join(map(str, group))}'"
+                if float(numpy.abs(err + part).max()) <= atol:
+                    return (f"dx on {{who}} lacks exactly {whose} ghost gradients: the adjoint halo exchange "
+                            f"did not add {whose} into their owner" + (f" ({far})" if far else ""))
+                if float(numpy.abs(err - part).max()) <= atol:
+                    return (f"dx on {{who}} holds exactly {whose} ghost gradients twice: the adjoint halo exchange "
+                            f"added {whose} without clearing them" + (f" ({far})" if far else ""))
+            if size >= 3:                  # 2^senders grows fast: the likely cases are one or two senders
+                break
     if not (bad & (received == 0)).any():
         return ("errors only on cells of {who} that other ranks read as ghosts: the adjoint halo "
                 "exchange (backward) returned wrong ghost gradients")
@@ -467,7 +473,11 @@ def _suspects(case, lo, x, right, kind):
     what = "zeros" if pad == 0 else f"{pad:g} (the padding of {spec.layer})"
     if kind.no_halo_mistake:
         xm = _beyond(x, lo, faces, pad)
-        yield kind.no_halo_mistake, xm, right
+        text = kind.no_halo_mistake
+        if pad != 0:               # ghosts that arrived as the padding value look the same
+            text += (f", or ghost cells that arrived as {pad:g}: the forward halo exchange (x_needed decides: "
+                     f"{pad:g} in its ghost cells means the exchange)")
+        yield text, xm, right
         if phase:
             yield (kind.no_halo_mistake + "; its windows also start at its block's edge, off the global stride "
                    "grid"), xm, local(list(phase))
@@ -481,6 +491,9 @@ def _suspects(case, lo, x, right, kind):
         if pad == 0:
             text += (", or ghost cells that arrived as zeros: the forward halo exchange (x_needed decides: "
                      "zeros in its ghost cells mean the exchange)")
+        if pad != 0:               # ghosts that arrived as the padding value look the same
+            text += (f", or ghost cells that arrived as {pad:g}: the forward halo exchange (x_needed decides: "
+                     f"{pad:g} in its ghost cells means the exchange)")
         yield text, _beyond(x, lo, group, pad), right
     if pad != 0:
         for group in singles + several:
