@@ -328,3 +328,42 @@ def test_ghosts_that_arrived_as_minus_inf_are_named_so(tmp_path):
     report = compare(case, load_results(written(tmp_path, case, ys[0]), case))
     text = " ".join(f.diagnosis or "" for f in fails(report, "y"))
     assert "ghost cells that arrived as -inf" in text, text
+
+
+# ---------------------------------------------------------------- A.4: replicated outputs gathered with the wrong sizes
+
+def test_a_replicated_y_gathered_with_torch_chunk_sizes(tmp_path):
+    """Every rank holds the whole y, gathered from balanced blocks (W 6 over 4: 2, 2, 1, 1) with
+    torch.chunk's sizes (2, 2, 2, 0): block 2 lands at W 4 padded by one cell, block 3 is lost.
+    The copies are compared, and the cause named (ShardTensor's bug, in its own layout)."""
+    spec, = parse_suite({"case": [{"name": "rep", "layer": "conv3d", "input": [1, 2, 3, 3, 6], "out_channels": 2,
+                                   "kernel": 3, "padding": 1, "grids": [[1, 1, 1, 4]], "dtypes": ["float64"]}]}, "t")
+    case = load_case(write_case(spec, str(tmp_path)))
+    want = case.expected["float64"]["y"]
+    got = want.copy()
+    got[..., 4] = want[..., 4]                 # block 2 (W [4, 5)) at chunk slot 2 (W [4, 6)): in place
+    got[..., 5] = 0.0                          # ... padded; block 3 (W 5) lost
+    assert not np.allclose(got, want)
+    ranks = {r: {"y": (got.copy(), (0, 0, 0, 0, 0))} for r in range(4)}
+    report = compare(case, load_results(written(tmp_path, case, ranks), case))
+    bad = fails(report, "y")
+    assert {f.rank for f in bad} == {0, 1, 2, 3}
+    for f in bad:
+        assert f.diagnosis.startswith("y gathered along W with torch.chunk's shard sizes (2, 2, 2, 0) where the 4 "
+                                      "blocks have refimpl's balanced split sizes (2, 2, 1, 1)"), f.diagnosis
+    path = str(tmp_path / "global.h5")
+    write_results(path, case, {"float64": {"y": got}}, None)
+    g, = fails(compare(case, load_results(path, case)), "y")
+    assert g.rank is None and "torch.chunk's shard sizes" in g.diagnosis
+
+
+def test_an_arbitrary_error_in_the_last_plane_is_not_called_a_gather(tmp_path):
+    spec, = parse_suite({"case": [{"name": "rep", "layer": "conv3d", "input": [1, 2, 3, 3, 6], "out_channels": 2,
+                                   "kernel": 3, "padding": 1, "grids": [[1, 1, 1, 4]], "dtypes": ["float64"]}]}, "t")
+    case = load_case(write_case(spec, str(tmp_path)))
+    got = case.expected["float64"]["y"].copy()
+    got[..., 5] += np.random.default_rng(0).standard_normal(got[..., 5].shape)
+    path = str(tmp_path / "global.h5")
+    write_results(path, case, {"float64": {"y": got}}, None)
+    g, = fails(compare(case, load_results(path, case)), "y")
+    assert "gathered" not in (g.diagnosis or "")

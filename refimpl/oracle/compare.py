@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy
 
 from .. import functional as F, layers
-from ..parallel.partition import block_range
 from . import casefile, diagnose, expect
 from .casefile import Case, Results
 
@@ -290,20 +289,10 @@ def results_layout(case: Case, dtype: str, r: int, arrays: dict, offsets: dict):
     return layout, complete, outputs is not None
 
 
-def _chunk_range(n, p, i):
-    """torch.chunk's block i of n over p: ceil(n/p) each, the last ones short or empty."""
-    c = -(-n // p)
-    return min(i * c, n), min((i + 1) * c, n)
-
-
-#: the splits a peer's own layout is recognised by (refimpl's balanced blocks, torch.chunk's)
-SPLIT_RULES = {"balanced": block_range, "torch.chunk": _chunk_range}
-
-
 def infer_owned(case, layouts, complete, has_outputs) -> dict:
     """{rank: owned input block} for ranks whose results give y but no dx (so their input
     block is unknown), where every rank's output blocks along each axis are one split rule of
-    the output extent (``SPLIT_RULES``): the input is then taken as split by the same rule.
+    the output extent (``diagnose.SPLITS``): the input is then taken as split by the same rule.
     With it, y-only results in a peer's own layout get the halo and window diagnoses results
     with dx get."""
     todo = [r for r in layouts if not complete[r] and has_outputs[r]]
@@ -314,7 +303,7 @@ def infer_owned(case, layouts, complete, has_outputs) -> dict:
     for a in range(3):
         spans = sorted({layouts[r].outputs[a] for r in layouts})
         p = len(spans)
-        rule = next((f for f in SPLIT_RULES.values() if [f(n_out[a], p, i) for i in range(p)] == spans), None)
+        rule = next((f for _, f in diagnose.SPLITS if [f(n_out[a], p, i) for i in range(p)] == spans), None)
         if rule is None:
             return {}
         for r in todo:
@@ -685,6 +674,13 @@ def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, 
         return None
     if tensor == "x_needed":
         return _diagnose(diagnose.ghost_cells, view, lo, bad) if view is not None else None
+    whole = casefile.domain_shape(layout.case, dtype, tensor)
+    if tensor in ("y", "dx") and got.shape == whole:       # a replicated tensor: every rank holds it all
+        found = _diagnose(diagnose.known_mistake, layout.case, dtype, tensor, got, want, (slice(None),) * 5, atol) \
+            or _diagnose(diagnose.gathered_sizes, layout.case, tensor, got, want, atol) \
+            or _diagnose(diagnose.shift, got, want, bad, atol)
+        if found:
+            return found
     if tensor in ("y", "dx") and layout.complete[r]:
         index = lo.index("y" if tensor == "y" else "x")
         found = _diagnose(diagnose.known_mistake, view or layout.case, dtype, tensor, got, want, index, atol) \

@@ -42,7 +42,7 @@ import itertools
 import numpy
 
 from .. import layers
-from ..parallel.partition import grid_rank
+from ..parallel.partition import block_range, grid_rank, ceil_block_range
 from . import expect
 
 AXES = "DHW"
@@ -533,6 +533,57 @@ def _layout_of(case, which, index):
     return next((lo for lo in case.layouts if _key(lo.index(which)) == key), None)
 
 
+# ---------------------------------------------------------------- a whole tensor gathered wrongly
+
+#: (name, rule) of the splits a peer's blocks may follow or its gather may assume
+SPLITS = (("refimpl's balanced split", block_range), ("torch.chunk's", ceil_block_range))
+
+
+def gathered_sizes(case, tensor, got, want, atol) -> str | None:
+    """A whole y or dx (every rank's copy, or the global one) gathered from the ranks' blocks
+    with the wrong shard sizes along one split axis: block i, of the size one split rule
+    gives, was placed at another rule's offset of block i and cut (or padded) to that rule's
+    size (a gather that assumes torch.chunk's sizes while the blocks are balanced, or the
+    reverse).  Cells a padded block filled are not judged (their value is the gatherer's)."""
+    if tensor not in ("y", "dx") or got.ndim != 5 or got.shape != numpy.shape(want):
+        return None
+    dims = expect.grid5(case.spec.grid)
+    got = numpy.asarray(got, numpy.float64)
+    want = numpy.asarray(want, numpy.float64)
+    for a in range(3):
+        p, n = dims[1 + a], want.shape[2 + a]
+        if p < 2:
+            continue
+        for (have_name, have), (assumed_name, assumed) in itertools.permutations(SPLITS, 2):
+            blocks = [have(n, p, i) for i in range(p)]
+            slots = [assumed(n, p, i) for i in range(p)]
+            if blocks == slots:
+                continue
+            cand = numpy.full_like(want, numpy.nan)
+            for (b0, b1), (s0, s1) in zip(blocks, slots):
+                m = min(b1 - b0, s1 - s0)
+                src, dst = [slice(None)] * 5, [slice(None)] * 5
+                src[2 + a], dst[2 + a] = slice(b0, b0 + m), slice(s0, s0 + m)
+                cand[tuple(dst)] = want[tuple(src)]
+            known = ~numpy.isnan(cand)
+            if known.all() or not (numpy.abs(got - want) > atol).any():
+                continue
+            # evidence beyond "the unjudged cells are wrong": a block visibly moved, or the cells
+            # the gather padded holding one value (its padding), not arbitrary errors
+            moved = (_err(cand[known], want[known]) > atol).any()
+            padded = got[~known]
+            if not moved and not (padded.size and numpy.all(padded == padded.flat[0])):
+                continue
+            with numpy.errstate(invalid="ignore"):
+                if (_err(got[known], cand[known]) <= atol).all():
+                    sizes = [b1 - b0 for b0, b1 in blocks]
+                    slot_sizes = [s1 - s0 for s0, s1 in slots]
+                    return (f"{tensor} gathered along {AXES[a]} with {assumed_name} shard sizes {tuple(slot_sizes)} where "
+                            f"the {p} blocks have {have_name} sizes {tuple(sizes)}: each block placed at the wrong "
+                            f"offset and cut or padded to the wrong size (gather with the blocks' actual sizes)")
+    return None
+
+
 # ---------------------------------------------------------------- wrong-shaped results
 
 def output_size(case, dtype, tensor, rank, shape, offset=None) -> str | None:
@@ -676,7 +727,8 @@ def global_tensor(case, dtype, tensor, got, want, bad, atol) -> str | None:
         return missing
     if tensor in ("dw", "db"):
         return reduction(case, dtype, tensor, got, everything, atol)
-    found = known_mistake(case, dtype, tensor, got, want, everything, atol) or shift(got, want, bad, atol) or (
+    found = known_mistake(case, dtype, tensor, got, want, everything, atol) or shift(got, want, bad, atol) or \
+        gathered_sizes(case, tensor, got, want, atol) or (
         blockwise_shift(case, "y" if tensor == "y" else "x", got, want, bad, atol) if tensor in ("y", "dx") else None)
     if found:
         return found

@@ -177,6 +177,7 @@ def offset_by_shape(case, r, dtype, name, shape, offset) -> list:
     rank's mesh coordinate on the mesh axis that splits it, if that block has the shard's
     extent (else DTensor's offset stays, and the oracle reports the misplaced block).  The
     label that contradicts the shape is reported apart (the summary's ``shape_disagrees``)."""
+    from ..parallel.partition import ceil_block_range
     from .casefile import domain_shape
     from .dtensor_runner import TENSOR_DIM, mesh_layout
     axes = mesh_layout(case.spec)
@@ -193,9 +194,7 @@ def offset_by_shape(case, r, dtype, name, shape, offset) -> list:
         split = [(c, p) for (letter, p), c in zip(axes, coords)
                  if TENSOR_DIM.get(letter) == d or (letter == "m" and d == 1)]
         if len(split) == 1:
-            c, p = split[0]
-            size = -(-m // p)
-            start, stop = min(c * size, m), min((c + 1) * size, m)
+            start, stop = ceil_block_range(m, split[0][1], split[0][0])
             if stop - start == n:
                 placed[d] = start
     return placed

@@ -48,6 +48,17 @@ def block_range(n: int, p: int, i: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- rank <-> coordinates
 
+def ceil_block_range(n: int, p: int, i: int) -> tuple[int, int]:
+    """Half-open [start, stop) of block ``i`` of ``torch.chunk``'s split of ``n`` over ``p``:
+    ceil(n/p) each, so the last blocks are short or empty (W = 6 over 4: 2, 2, 2, 0) where
+    ``block_range`` gives 2, 2, 1, 1.  Peers (DTensor, ShardTensor) split this way; the oracle
+    recognises their layouts by it."""
+    if p < 1 or not 0 <= i < p or n < 0:
+        raise ValueError(f"ceil_block_range needs n >= 0, p >= 1, 0 <= i < p; got n={n}, p={p}, i={i}")
+    size = -(-n // p)
+    return min(i * size, n), min((i + 1) * size, n)
+
+
 def grid_rank(coords, dims) -> int:
     """Row-major rank of ``coords`` in a grid of shape ``dims``: ((c0*P1 + c1)*P2 + c2)..."""
     rank = 0
