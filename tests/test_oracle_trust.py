@@ -367,3 +367,20 @@ def test_an_arbitrary_error_in_the_last_plane_is_not_called_a_gather(tmp_path):
     write_results(path, case, {"float64": {"y": got}}, None)
     g, = fails(compare(case, load_results(path, case)), "y")
     assert "gathered" not in (g.diagnosis or "")
+
+
+def test_the_gather_sizes_plant_is_diagnosed(cases, tmp_path):
+    """run-torch --plant gather-sizes: every rank holds the whole y, gathered with torch.chunk's
+    sizes (W 10 over 3: balanced 4, 3, 3; torch.chunk 4, 4, 2); check names it."""
+    pytest.importorskip("torch")
+    out = tmp_path / "planted"
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "oracle", "run-torch", cases["conv"], "--out", str(out),
+                           "--plant", "gather-sizes"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    proc = cli("check", cases["conv"], str(out / os.path.basename(cases["conv"])))
+    assert proc.returncode == 1
+    assert ("y gathered along W with torch.chunk's shard sizes (4, 4, 2) where "
+            "the 3 blocks have refimpl's balanced split sizes (4, 3, 3)") in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "oracle", "run-torch", cases["pool"], "--out", str(out),
+                           "--plant", "gather-sizes"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2 and "torch.chunk's shard sizes differ" in proc.stderr, proc.stderr

@@ -41,16 +41,21 @@ registry (refimpl/layers: ``torch_forward``, ``torch_block``, ``torch_ranks``).
     pool-no-halo    pooling: every rank pools its own block alone (likewise no x_needed)
     output-size     the output-size rule ignores output_padding (transposed conv) or
                     dilation: y of the wrong shape (the global y, and the blocks at its end)
+    gather-sizes    every rank holds the whole y (a replicated output), gathered from the
+                    balanced blocks with torch.chunk's shard sizes along the first split
+                    axis where the two differ (ShardTensor's bug: each block placed at
+                    torch.chunk's offset, cut or zero-padded to its size)
 """
 from __future__ import annotations
 
 import numpy
 
 from .. import layers
+from ..parallel.partition import block_range, ceil_block_range
 from . import diagnose, expect
 
 PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "bn-local-stats", "dw-unsummed", "dx-missing", "far-halo:R",
-          "stride-phase:R", "inner-padding", "pool-no-halo", "output-size")
+          "stride-phase:R", "inner-padding", "pool-no-halo", "output-size", "gather-sizes")
 #: plants that take a rank number
 RANKED = ("halo", "far-halo", "stride-phase")
 
@@ -72,7 +77,7 @@ def parse_plant(text, case=None):
             raise ValueError(f"--plant padding:AXIS needs AXIS = D, H or W, got {text!r}")
         return name, "DHW".index(arg)
     elif name in ("ghost-clear", "bn-local-stats", "dw-unsummed", "dx-missing", "inner-padding", "pool-no-halo",
-                  "output-size") and not arg:
+                  "output-size", "gather-sizes") and not arg:
         plant = name, None
     else:
         raise ValueError(f"--plant must be one of {', '.join(PLANTS)}, got {text!r}")
@@ -93,6 +98,8 @@ def _check_plant(case, plant, text):
     elif name == "stride-phase" and (not hasattr(kind, "torch_window") or
                                      (case.spec.model_parallel == "channel" and kind.mixes_channels)):
         why = f"its {case.spec.layer} layer has no strided windows to misplace here"
+    elif name == "gather-sizes" and _gather_axis(case) is None:
+        why = "no split axis where torch.chunk's shard sizes differ from the balanced blocks"
     elif name == "pool-no-halo" and not kind.no_halo_mistake:
         why = f"layer {case.spec.layer} is not a pooling"
     elif name == "output-size" and _wrong_extents(case) is None:
@@ -305,7 +312,7 @@ def run_case(case, plant=None, global_mode="whole", per_rank=True):
     torch.use_deterministic_algorithms(False)
     glob, ranks = {}, {}
     for dtype in case.spec.dtypes:
-        if per_rank or global_mode == "gathered":
+        if per_rank or global_mode == "gathered" or (plant and plant[0] == "gather-sizes"):
             ranks[dtype] = run_ranks(case, dtype, torch, plant)
         if global_mode == "whole":
             glob[dtype] = run_global(case, dtype, torch)
@@ -313,6 +320,8 @@ def run_case(case, plant=None, global_mode="whole", per_rank=True):
             glob[dtype] = gathered(case, dtype, ranks[dtype])
         if plant and plant[0] == "output-size":
             _wrong_size(case, glob.get(dtype, {}), ranks.get(dtype, {}))
+        if plant and plant[0] == "gather-sizes":
+            _gather_sizes(case, dtype, glob.get(dtype, {}), ranks[dtype])
     if not per_rank:
         ranks = {}
     return glob, ranks
@@ -336,3 +345,34 @@ def _wrong_size(case, glob, ranks):
         if lo.rank in ranks and "y" in ranks[lo.rank]:
             ends = [max(0, (e if o1 == n else min(o1, e)) - o0) for (o0, o1), e, n in zip(lo.outputs, extents, full)]
             ranks[lo.rank]["y"] = _resize(ranks[lo.rank]["y"], ends)
+
+
+def _gather_axis(case):
+    """The first spatial axis of the output the case's grid splits where torch.chunk's shard
+    sizes differ from the balanced blocks (None: none)."""
+    dims = expect.grid5(case.spec.grid)
+    out = expect.output_shape(case.spec)[2:]
+    for a in range(3):
+        p = dims[1 + a]
+        if p > 1 and [block_range(out[a], p, i) for i in range(p)] != [ceil_block_range(out[a], p, i) for i in range(p)]:
+            return a
+    return None
+
+
+def _gather_sizes(case, dtype, glob, ranks):
+    """The gather-sizes plant: every rank's y (and a global y) is the whole y gathered from the
+    ranks' balanced blocks with torch.chunk's shard sizes along ``_gather_axis``."""
+    a = _gather_axis(case)
+    whole = gathered(case, dtype, ranks)["y"]
+    n, p = whole.shape[2 + a], expect.grid5(case.spec.grid)[1 + a]
+    out = numpy.zeros_like(whole)
+    for i in range(p):
+        (b0, b1), (s0, s1) = block_range(n, p, i), ceil_block_range(n, p, i)
+        m = min(b1 - b0, s1 - s0)
+        src, dst = [slice(None)] * 5, [slice(None)] * 5
+        src[2 + a], dst[2 + a] = slice(b0, b0 + m), slice(s0, s0 + m)
+        out[tuple(dst)] = whole[tuple(src)]
+    for r in ranks:
+        ranks[r]["y"] = (out.copy(), (0, 0, 0, 0, 0))
+    if "y" in glob:
+        glob["y"] = out
