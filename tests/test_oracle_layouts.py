@@ -123,7 +123,7 @@ def test_planted_halo_bug_is_located_in_the_results_layout(cases, tmp_path):
     assert not report.ok
     xn, = fails(report, "x_needed")
     assert xn.rank == 2 and xn.first_index[4] == 3 and xn.owner == 1        # W 3: rank 1's ([2, 4)) in the chunk split
-    assert "rank 2's ghost cells are wrong" in xn.diagnosis and "rank(s) 1" in xn.diagnosis
+    assert "rank 2's ghost cells are wrong" in xn.diagnosis and "rank 1)" in xn.diagnosis
     ys = fails(report, "y")
     assert {f.rank for f in ys} == {2}
     y, = ys

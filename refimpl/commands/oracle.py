@@ -266,7 +266,7 @@ def _fmt(finding) -> str:
             f"{'<=' if finding.ok else '>'} tol {finding.tolerance:.2e} ({finding.why})")
     if not finding.ok:
         owner = "no rank of the results" if finding.owner is None else f"rank {finding.owner}"
-        text += (f"\n        {finding.mismatches} element(s) off; first at global index "
+        text += (f"\n        {finding.mismatches} element{'s' * (finding.mismatches != 1)} off; first at global index "
                  f"{list(finding.first_index)}, owned by {owner}")
         text += f"\n        diagnosis: {finding.diagnosis or 'no known pattern'}"
     return text

@@ -219,13 +219,13 @@ def shape_message(case: Case, error: dict) -> tuple[str, tuple | None]:
         want, at = case.ranks[dtype][rank][tensor]
         a = next(a for a in range(len(shape)) if shape[a] != want.shape[a])
         index = tuple(at[:a]) + (at[a] + min(shape[a], want.shape[a]),) + tuple(at[a + 1:])
-        return (f"{who} {tensor} has {shape[a]} {_what(tensor)} along {names[a]}; the case's block of rank {rank} "
+        return (f"{who} {tensor} has {_count(shape[a], tensor)} along {names[a]}; the case's block of rank {rank} "
                 f"has {want.shape[a]} there ([{at[a]}, {at[a] + want.shape[a]}) of {domain[a]}): a wrong "
                 f"output-size rule, or another split (then give each block an 'offset' attribute)", index)
     if rank is None:                                     # a global tensor
         a = next(a for a in range(len(shape)) if shape[a] != domain[a])
         index = (0,) * a + (min(shape[a], domain[a]),) + (0,) * (len(shape) - a - 1)
-        text = f"the global {tensor} has {shape[a]} {_what(tensor)} along {names[a]}; the layer has {domain[a]}"
+        text = f"the global {tensor} has {_count(shape[a], tensor)} along {names[a]}; the layer has {domain[a]}"
         rule = layers.lookup(case.spec.layer).output_size_rule
         if tensor == "y" and a >= 2 and rule:
             text += f" (the output-size rule: {rule})"
@@ -233,7 +233,7 @@ def shape_message(case: Case, error: dict) -> tuple[str, tuple | None]:
     a = next(a for a in range(len(shape)) if offset[a] < 0 or offset[a] + shape[a] > domain[a])
     index = tuple(offset[:a]) + (offset[a] if offset[a] < 0 else domain[a],) + tuple(offset[a + 1:])
     have = max(0, domain[a] - offset[a])
-    text = f"{who} {tensor} has {shape[a]} {_what(tensor)} along {names[a]} at offset {offset[a]}, "
+    text = f"{who} {tensor} has {_count(shape[a], tensor)} along {names[a]} at offset {offset[a]}, "
     if offset[a] < 0:
         text += f"{-offset[a]} of them before the domain [0, {domain[a]})"
     else:
@@ -410,7 +410,8 @@ def _describe_nonfinite(finding, got, bad, pad_value=0.0):
         return None
     kinds = ", ".join(k for k, m in (("NaN", numpy.isnan(values)), ("-inf", values == -numpy.inf),
                                      ("+inf", values == numpy.inf)) if m.any())
-    text = f"{finding.nonfinite} non-finite value(s) ({kinds}) where the expectation is finite"
+    text = (f"{finding.nonfinite} non-finite value{'s' * (finding.nonfinite != 1)} ({kinds}) where the "
+            f"expectation is finite")
     if (values == -numpy.inf).any() and pad_value == -numpy.inf:
         text += " (a cell left at -inf: max pooling's padding value, as a halo that was never filled leaves it)"
     return text

@@ -338,7 +338,8 @@ def ghost_cells(case, lo, bad) -> str | None:
                       and all(s.start <= i < s.stop for s, i in zip(q.index("x")[2:], g[2:]))
                       and q.samples[0] <= g[0] < q.samples[1]), None)
         owners.add(owner)
-    named = ", ".join(str(o) for o in sorted(o for o in owners if o is not None))
+    known = sorted(o for o in owners if o is not None)
+    named = f"rank{'s' * (len(known) != 1)} {', '.join(map(str, known))}"
     mask, parts = far_cells(case, lo)
     where = bad.any(axis=(0, 1))
     if parts and where.shape == mask.shape and not (where & ~mask).any():
@@ -349,10 +350,10 @@ def ghost_cells(case, lo, bad) -> str | None:
             view[a] = slice(f0 - lo.needed[a][0], f1 - lo.needed[a][0])
             if where[tuple(view)].any():
                 hit.append(_far_text(part, who=f"rank {lo.rank}").split(": ", 1)[1])
-        return (f"halo needs cells from a non-neighbour: {'; '.join(hit)}; its ghost cells from rank(s) {named} "
+        return (f"halo needs cells from a non-neighbour: {'; '.join(hit)}; its ghost cells from {named} "
                 f"are wrong, those from its neighbours right: the forward halo exchange served the direct "
                 f"neighbours only")
-    return (f"rank {lo.rank}'s ghost cells are wrong (cells owned by rank(s) {named}), its own block is right: "
+    return (f"rank {lo.rank}'s ghost cells are wrong (cells owned by {named}), its own block is right: "
             f"the forward halo exchange")
 
 
@@ -679,7 +680,7 @@ def reduction_candidates(case, dtype, tensor):
         for n0 in range(pn):
             for s0 in range(ps):
                 ranks = [lo.rank for lo in case.layouts if lo.coords[0] == n0 and spatial(lo) == s0]
-                out.append((f"{tensor} equals the partial sum of rank(s) {ranks} alone: not summed over the "
+                out.append((f"{tensor} equals the partial sum of {_who(ranks)} alone: not summed over the "
                             + ("spatial shards" if ps > 1 else "") + (" nor " if ps > 1 and pn > 1 else "")
                             + ("sample groups" if pn > 1 else "") + " (allreduce missing)",
                             total(lambda lo, n0=n0, s0=s0: lo.coords[0] == n0 and spatial(lo) == s0)))
