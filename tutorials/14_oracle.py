@@ -419,9 +419,10 @@ assert dt_verdicts["maxpool_d_split.1-2-1-1.h5"] == {"y": "pass", "dx": "refused
 # - Split over W, y is wrong. DTensor's conv strategy accepts only a batch split, so it
 #   asks for x to be gathered and calls y `Replicate`. But its conv handler runs the
 #   local conv on the un-gathered shard: each rank's "whole" y is the conv of its own
-#   block, with no halo, and the shape is wrong too. `compare` places each block at its
-#   offset and shows where it first goes wrong: rank 0's last output column, the first
-#   one whose window reaches rank 1's cells.
+#   block, with no halo, and its shape contradicts the label. The adapter places each
+#   block where its shape says (torch.chunk's block of the rank, not the label's offset
+#   0), and `compare` shows where it first goes wrong: rank 0's last output column, the
+#   first one whose window reaches rank 1's cells.
 # - Its backward does exchange halos along W. But the function that adds the ghost
 #   gradients back never returns its result, so x gets no gradient at all (dx crashed),
 #   and dw and db are computed from the wrong blocks.
