@@ -384,3 +384,21 @@ def test_the_gather_sizes_plant_is_diagnosed(cases, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "refimpl", "oracle", "run-torch", cases["pool"], "--out", str(out),
                            "--plant", "gather-sizes"], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 2 and "torch.chunk's shard sizes differ" in proc.stderr, proc.stderr
+
+
+def test_a_halo_buffer_wider_than_needed_keeps_the_case_layout(cases, tmp_path):
+    """x_needed written as a buffer one cell wider than the rank's windows read (inside the
+    domain; docs/oracle.md allows it): the case's block of it is judged, the rank keeps the
+    case's layout, and dw's "not summed" diagnosis is still made."""
+    pytest.importorskip("torch")
+    from refimpl.oracle import torch_adapter
+    case = load_case(cases["conv"])                  # W 10 over 3: rank 0 needs W [0, 5)
+    _, ranks = torch_adapter.run_case(case, torch_adapter.parse_plant("dw-unsummed", case))
+    x = case.inputs["float64"]["x"]
+    needed, offset = case.ranks["float64"][0]["x_needed"]
+    assert offset[4] == 0 and needed.shape[4] == 5
+    ranks["float64"][0]["x_needed"] = (x[..., :6].copy(), (0, 0, 0, 0, 0))      # one cell more
+    report = compare(case, load_results(written(tmp_path, case, ranks["float64"]), case))
+    assert report.layout == "case" and report.layout_note is None
+    assert all(f.ok for f in report.findings if f.tensor == "x_needed")
+    assert "not summed over the spatial shards" in root_cause(report).diagnosis
