@@ -232,70 +232,93 @@ def test_y_only_results_in_a_chunk_layout_get_the_halo_diagnosis(tmp_path):
 
 # ---------------------------------------------------------------- A.5: one plant, four layouts, one diagnosis
 
-PLANT_WORDS = {"halo:2": "halo", "dw-unsummed": "not summed over the", "ghost-clear": "without clearing"}
+def chunk_case(case):
+    """The case with torch.chunk's split of every split axis (inputs and outputs) in place of
+    refimpl's balanced blocks."""
+    import dataclasses
+    from refimpl.oracle import expect
+    from refimpl.oracle.compare import _window_range
+    from refimpl.parallel.partition import ceil_block_range
+    dims, out = expect.grid5(case.spec.grid), expect.output_shape(case.spec)[2:]
+    layouts = []
+    for lo in case.layouts:
+        outputs = tuple(ceil_block_range(out[a], dims[1 + a], lo.coords[1 + a]) for a in range(3))
+        owned = tuple(ceil_block_range(case.spec.input[2 + a], dims[1 + a], lo.coords[1 + a]) for a in range(3))
+        needed = tuple(_window_range(case, a, *outputs[a]) for a in range(3))
+        layouts.append(dataclasses.replace(lo, outputs=outputs, owned=owned, needed=needed))
+    return dataclasses.replace(case, layouts=layouts)
 
 
-@pytest.mark.parametrize("plant", sorted(PLANT_WORDS))
-def test_the_same_first_diagnosis_in_every_layout(tmp_path, plant):
-    """A planted bug in refimpl's layout, in torch.chunk's (an offset per block), with y alone
-    (where the bug shows in y) and with dw/db given once: the first diagnosis names the
-    planted cause in all of them, with the same hedge where x_needed is absent."""
-    pytest.importorskip("torch")
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_oracle_layouts import SUITE as LAYOUT_SUITE, chunk_results
+def chunk_layout_results(case, plant, names=None, params_once=False):
+    """PyTorch's per-rank run (run-torch's adapter) in torch.chunk's split, every block with its
+    offset; ``params_once``: dw and db on rank 0 only."""
+    import torch
     from refimpl.oracle import torch_adapter
-    spec = [s for s in parse_suite(LAYOUT_SUITE, "t") if s.name == "conv"][0]
-    case = load_case(write_case(spec, str(tmp_path)))
+    split = chunk_case(case)
+    where = {"y": "y", "dx": "x", "x_needed": "needed", "dx_needed": "needed", "y_partial": "y"}
+    ranks = {}
+    for dtype in case.spec.dtypes:
+        run = torch_adapter.run_ranks(split, dtype, torch, torch_adapter.parse_plant(plant, split))
+        ranks[dtype] = {}
+        for lo in split.layouts:
+            out = {}
+            for name, array in run[lo.rank].items():
+                if (names is not None and name not in names) or (name in ("dw", "db") and params_once and lo.rank):
+                    continue
+                if name in where:
+                    offset = [s.start for s in lo.index(where[name])]
+                    offset[1] = 0 if name == "y_partial" else offset[1]
+                    out[name] = (array, offset)
+                elif name in ("dw", "db"):
+                    out[name] = (array, [0] * array.ndim)
+            ranks[dtype][lo.rank] = out
+    return ranks
+
+
+#: (case of the hard suite, plant, words of its first diagnosis, whether y shows it)
+PLANTED = [
+    ("conv_even_kernel.1-2-2-1.h5", "halo:1", "halo", True),
+    ("conv_even_kernel.1-2-2-1.h5", "inner-padding", "padding applied at an internal face", True),
+    ("conv_even_kernel.1-2-2-1.h5", "padding:H", "off by one", True),
+    ("conv_even_kernel.1-2-2-1.h5", "dx-missing", "input gradient missing", False),
+    ("conv_stride_uneven.1-2-3-1.h5", "stride-phase:1", "strided windows misplaced", True),
+    ("maxpool_overlap_ties.1-3-1-2.h5", "pool-no-halo", "pooled locally without a halo", True),
+    ("batchnorm_global.2-2-1-1.h5", "bn-local-stats", "not reduced over the spatial group", True),
+    ("conv_dilation.1-1-2-3.h5", "ghost-clear", "without clearing", False),
+    ("conv_dilation.2-2-2-1.h5", "dw-unsummed", "not summed over the", False),
+    ("conv_wide_halo.1-4-1-1.h5", "far-halo:1", "non-neighbour", True),
+]
+
+
+@pytest.mark.parametrize("name, plant, words, in_y", PLANTED, ids=[p[1] for p in PLANTED])
+def test_the_same_first_diagnosis_in_every_layout(hard, tmp_path, name, plant, words, in_y):
+    """A planted bug written in refimpl's layout, in torch.chunk's (an offset per block), with
+    y alone (where the bug shows in y) and with dw/db given once: the first diagnosis names
+    the planted cause in all of them, hedged ("not confirmed") exactly where a halo claim
+    has no x_needed to stand on."""
+    pytest.importorskip("torch")
+    from refimpl.oracle import torch_adapter
+    case = load_case(str(hard / name))
     _, refimpl_layout = torch_adapter.run_case(case, torch_adapter.parse_plant(plant, case))
-    layouts = {"refimpl": refimpl_layout, "torch.chunk": chunk_results(case, plant=plant, root_params=False)[1],
-               "dw/db once": chunk_results(case, plant=plant, names=("y", "dx", "dw", "db"))[1]}
-    if plant == "halo:2":
-        layouts["y only"] = chunk_results(case, plant=plant, names=("y",))[1]
-        layouts["y only, refimpl"] = {d: {r: {"y": a["y"]} for r, a in per.items()} for d, per in refimpl_layout.items()}
+    layouts = {"refimpl": refimpl_layout}
+    if in_y:
+        layouts["refimpl, y only"] = {d: {r: {"y": a["y"]} for r, a in per.items()} for d, per in refimpl_layout.items()}
+    if plant != "far-halo:1":                 # torch.chunk's split of that case reads no cell past a neighbour
+        layouts["torch.chunk"] = chunk_layout_results(case, plant)
+        layouts["torch.chunk, dw/db once"] = chunk_layout_results(case, plant, ("y", "dx", "dw", "db"), True)
+        if in_y:
+            layouts["torch.chunk, y only"] = chunk_layout_results(case, plant, ("y",))
     firsts = {}
-    for name, ranks in layouts.items():
-        path = str(tmp_path / f"{len(firsts)}.h5")
+    for i, (layout, ranks) in enumerate(layouts.items()):
+        path = str(tmp_path / f"{i}.h5")
         write_results(path, case, None, ranks)
         cause = root_cause(compare(case, load_results(path, case)))
-        firsts[name] = cause and cause.diagnosis
-    assert all(text and PLANT_WORDS[plant] in text for text in firsts.values()), firsts
-    hedged = [name for name, text in firsts.items() if "not confirmed" in text]
-    no_x_needed = [n for n, ranks in layouts.items() if not any("x_needed" in a for a in ranks["float64"].values())]
-    assert sorted(hedged) == (sorted(no_x_needed) if plant == "halo:2" else []), firsts
-
-
-# ---------------------------------------------------------------- A.7: run-dtensor places what DTensor holds
-
-def test_run_dtensor_places_a_mislabelled_shard_by_its_shape(cases, tmp_path):
-    """A shard DTensor labels Replicate (claimed: the whole W, offset 0) while it holds rank
-    2's torch.chunk block of W: merged at the block's offset, so its right values pass, and
-    the label that contradicts the shape is reported in the summary record."""
-    import h5py
-    from refimpl.oracle import dtensor_adapter
-    case = load_case(cases["conv"])                    # W 10 over 3 ranks; torch.chunk: 4, 4, 2
-    parts = tmp_path / "parts"
-    parts.mkdir()
-    y = case.expected["float64"]["y"]
-    for r in range(3):
-        start, stop = min(4 * r, 10), min(4 * (r + 1), 10)
-        local = y[..., start:stop]
-        claimed = list(local.shape) if r != 2 else list(y.shape)          # rank 2: labelled Replicate
-        offset = [0, 0, 0, 0, start] if r != 2 else [0, 0, 0, 0, 0]
-        with h5py.File(parts / f"rank{r}.h5", "w") as h5:
-            ds = h5.create_dataset("float64/y", data=local)
-            ds.attrs["offset"], ds.attrs["claimed_shape"] = offset, claimed
-        (parts / f"rank{r}.json").write_text(json.dumps([
-            {"dtype": "float64", "tensor": "y", "status": "ok", "error": "", "secondary": False,
-             "placements": ["Replicate()" if r == 2 else "Shard(dim=4)"], "local_shape": list(local.shape),
-             "claimed_shape": claimed}]))
-    glob, ranks, records = dtensor_adapter.merge(case, str(parts), {})
-    assert [ranks["float64"][r]["y"][1][4] for r in range(3)] == [0, 4, 8]
-    y_record, = [rec for rec in records if rec["tensor"] == "y" and rec["dtype"] == "float64"]
-    assert y_record["shape_disagrees"] == [2]
-    path = str(tmp_path / "dt.h5")
-    dtensor_adapter.write_results(path, case, glob, ranks)
-    report = compare(case, load_results(path, case))
-    assert all(f.ok for f in report.findings if f.tensor == "y"), [f.as_dict() for f in report.findings if not f.ok]
+        firsts[layout] = cause and cause.diagnosis
+    assert all(text and words in text for text in firsts.values()), firsts
+    no_x_needed = {n for n, ranks in layouts.items() if not any("x_needed" in a for a in ranks["float64"].values())}
+    for layout, text in firsts.items():
+        if "not confirmed" in text:
+            assert layout in no_x_needed and "halo" in text, (layout, text)
 
 
 # ---------------------------------------------------------------- A.5: adjoint senders named, -inf named
