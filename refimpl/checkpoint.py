@@ -63,6 +63,7 @@ import numpy
 from .backend import to_host
 from .data.reader import check_stored
 from .failstop import atomic_write, describe
+from .paths import special_kind
 from .parallel.objects import bcast_object
 
 FORMAT = "refimpl-checkpoint"
@@ -265,7 +266,8 @@ def read_file(path):
     import h5py
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        kind = special_kind(path)
+        raise CheckpointError(f"checkpoint {path} " + (f"is {kind}, not a regular file" if kind else "does not exist"))
     try:
         _check_trailer(path)                  # before HDF5 parses a byte of it
     except OSError as err:

@@ -95,6 +95,9 @@ ENVIRONMENT = {"backend": "REFIMPL_BACKEND", "cuda_aware": "REFIMPL_CUDA_AWARE"}
 def load_toml(path, flag: str = "--config") -> dict:
     """The table of a TOML file, keys normalised ('-' -> '_'); ValueError naming ``flag`` and the file."""
     import tomllib
+
+    from .paths import refuse_special
+    refuse_special(path, flag)
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)

@@ -90,6 +90,8 @@ import threading
 import time
 import traceback
 
+from .paths import refuse_special
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -294,6 +296,7 @@ def check_writable(path, what: str, directory: bool = False) -> None:
     """
     path = os.path.abspath(os.fspath(path))
     _check_name_lengths(path, what)
+    refuse_special(path, what)                # a FIFO or a device would be replaced (or block)
     if os.path.islink(path) and not os.path.exists(path):
         raise ValueError(f"{what} {path} is a dangling symbolic link (to {os.readlink(path)})")
     if os.path.exists(path):
@@ -414,6 +417,7 @@ def atomic_write(path, write, *, binary: bool = False, fsync: bool = False) -> N
     directory after it), for files a crash must not lose.
     """
     path = os.fspath(path)
+    refuse_special(path, "output")            # never replace a device node, FIFO or socket
     tmp = f"{path}.tmp-{os.getpid()}"
     remove_on_abort(tmp)
     try:

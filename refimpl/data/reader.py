@@ -32,6 +32,7 @@ import numpy
 
 from ..functional._args import triple
 from ..parallel import partition
+from ..paths import refuse_special
 from .layout import DATA_KEY, LABEL_KEY, PER_SAMPLE_SUFFIXES, TARGET_KEY
 
 
@@ -145,6 +146,8 @@ class HDF5Reader:
                                 if n.endswith(PER_SAMPLE_SUFFIXES))
             if not self.files:
                 raise ValueError(f"{self.path}: directory holds no *.hdf5 / *.h5 sample files")
+            for name in self.files:               # a FIFO among them would block the first read
+                refuse_special(name, "sample file")
             self._file = None
             first = _OpenFile(self.files[0])
         elif os.path.isfile(self.path):
@@ -152,6 +155,7 @@ class HDF5Reader:
             self.files = [self.path]
             first = self._file = _OpenFile(self.path)
         else:
+            refuse_special(self.path, "data")
             raise ValueError(f"path {self.path!r} is neither an HDF5 file nor a directory")
         try:
             self._describe(first.h5)

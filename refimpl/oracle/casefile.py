@@ -126,6 +126,11 @@ class Case:
 
 def _open(path, what):
     import h5py
+
+    from ..paths import special_kind
+    kind = special_kind(path)
+    if kind is not None:                       # h5py would block on a FIFO forever
+        raise UnusableInput(f"{what} {path} is {kind}, not a regular file")
     try:
         return h5py.File(path, "r")
     except FileNotFoundError:

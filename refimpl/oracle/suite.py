@@ -35,6 +35,7 @@ from importlib import resources
 
 from ..check import LayerCheck
 from ..parallel.grid import format_grid
+from ..paths import refuse_special
 
 #: keys a case may set, with their defaults (None: check-layer's default)
 CASE_KEYS = {"name": None, "layer": None, "input": None, "out_channels": None, "kernel": 3,
@@ -183,6 +184,7 @@ def load_suite(name_or_path: str) -> list[CaseSpec]:
         text = resources.files("refimpl.oracle.suites").joinpath(f"{name_or_path}.toml").read_text()
         return parse_suite(tomllib.loads(text), f"suite {name_or_path}")
     try:
+        refuse_special(name_or_path, "suite")
         with open(name_or_path, "rb") as f:
             table = tomllib.load(f)
     except FileNotFoundError:
