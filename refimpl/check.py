@@ -27,6 +27,12 @@ from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
 from .parallel.grid import check_dims
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+#: the largest request a layer check (or an oracle case) accepts, checked before anything is
+#: allocated: a check holds every global array whole on every rank, and an oracle case file
+#: has a group per rank
+MAX_RANKS = 4096
+MAX_ELEMENTS = 2 ** 27          # per array: 1 GiB in float64
+MAX_TAPS = 4096                 # kd·kh·kw: the reference takes one strided slice per tap
 #: float32 tolerance where a conv may run Winograd: its rounding depends on where the
 #: 4x4x4 tiles fall, which differs between a rank's block and the whole volume
 #: (refimpl/kernels/winograd.py documents ~1e-4 of a typical output).
@@ -129,6 +135,38 @@ class LayerCheck:
                              f"(--model-parallel {self.model_parallel}): at most one rank per channel")
         if self.algorithm not in (None,) + ALGORITHMS:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        self._bound_sizes()
+
+    def _bound_sizes(self) -> None:
+        """Refuse a request over ``MAX_RANKS`` ranks or ``MAX_ELEMENTS`` elements in any array the
+        check holds whole (input, padded input, output, weight), computed from the arguments
+        alone: a typo (a padding of 99999999999, a grid of 10^10 ranks) is one line of exit 2,
+        not a MemoryError or an hour of building layouts."""
+        ranks = int(numpy.prod(self.grid, dtype=object))
+        if ranks > MAX_RANKS:
+            raise ValueError(f"--grid {_text(self.grid)} makes {ranks:,} ranks; a layer check takes at most "
+                             f"{MAX_RANKS:,}")
+        taps = int(numpy.prod(self.kernel, dtype=object))
+        if taps > MAX_TAPS:
+            raise ValueError(f"--kernel {_text(self.kernel)} has {taps:,} taps; a layer check takes at most "
+                             f"{MAX_TAPS:,} (the reference computes one strided slice per tap)")
+        n, c = self.input[:2]
+        sides = padding_sides(self.padding, self.kernel, self.dilation, self.stride, "--padding")
+        padded = [m + lo + hi for m, (lo, hi) in zip(self.input[2:], sides)]
+        f = self.kind.output_channels(self)
+        arrays = [("the input (--input)", (n, c) + tuple(self.input[2:])),
+                  ("the padded input (--input, --padding)", (n, c) + tuple(padded)),
+                  ("the weight (channels, --kernel)", (f, max(1, c // self.groups)) + tuple(self.kernel))]
+        try:
+            arrays.append(("the output (--input, --kernel, --stride, --padding)",
+                           (n, f) + tuple(self.kind.output_extent(self))))
+        except (ValueError, TypeError, NotImplementedError):
+            pass
+        for what, shape in arrays:
+            size = int(numpy.prod([int(v) for v in shape], dtype=object))
+            if size > MAX_ELEMENTS:
+                raise ValueError(f"{what} would hold {size:,} elements ({'x'.join(str(v) for v in shape)}); a "
+                                 f"layer check holds each array whole, at most {MAX_ELEMENTS:,} elements")
 
     @property
     def kind(self) -> layers.LayerKind:

@@ -113,3 +113,31 @@ def test_train_refuses_a_fifo_where_its_metrics_go(tmp_path):
     os.mkfifo(out / "metrics.jsonl")
     proc = cli("train", "--model", "cosmoflow", "--preset", "tiny", "--steps", "1", "--out", str(out), timeout=120)
     assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr and "FIFO" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- issue 41, item 3: sizes bounded before allocation
+
+@pytest.mark.parametrize("extra, words", [
+    ('grids = [[1, 100000, 100000, 1]]', "makes 10,000,000,000 ranks"),
+    ('padding = 1000\ngrids = [[1, 1, 1, 1]]', "the padded input"),
+    ('padding = [0, 99999999999, 0, 0, 0, 0]\ngrids = [[1, 1, 1, 1]]', "the padded input"),
+    ('input = [100000, 2, 800, 800, 800]\ngrids = [[1, 1, 1, 1]]', "the input"),
+    ('kernel = 1000000\npadding = "same"\ngrids = [[1, 1, 1, 1]]', "taps"),
+])
+def test_a_huge_suite_is_refused_at_once(tmp_path, extra, words):
+    import time
+    text = '[[case]]\nname = "x"\nlayer = "conv3d"\nout_channels = 2\n' + extra + "\n"
+    if "input =" not in extra:
+        text += "input = [1, 2, 8, 8, 8]\n"
+    (tmp_path / "s.toml").write_text(text)
+    start = time.monotonic()
+    proc = cli("oracle", "generate", str(tmp_path / "s.toml"), "--out", str(tmp_path / "cases"), timeout=30)
+    assert proc.returncode == 2 and words in proc.stderr and time.monotonic() - start < 10, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, words", [(("--padding", "100000000"), "the padded input"),
+                                          (("--kernel", "1000000,1,1", "--padding", "same"), "taps")])
+def test_check_layer_refuses_huge_sizes(flags, words):
+    proc = cli("check-layer", "conv3d", "--input", "1,2,8,8,8", "--grid", "1,1,1,1", *flags, timeout=30)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
