@@ -348,6 +348,7 @@ class Finding:
     diagnosis: str | None = None
     note: str | None = None
     scale: float | None = None    # got ≈ scale × want, when the error is one factor
+    drift: float | None = None    # follows: how far the peer's tensor is from the trace's
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -418,7 +419,8 @@ def check_trace(trace: T.Trace, peer: Peer) -> list[Finding]:
     """Every finding (passing tensors included), in the order: per dtype and step, the
     forward layers, the loss, the backward layers in reverse, the update."""
     findings = []
-    for dtype, steps in sorted(peer.steps.items()):
+    for dtype in [d for d in trace.spec.dtypes if d in peer.steps]:
+        steps = peer.steps[dtype]
         ref = Reference(trace, dtype)
         optimizers = _Optimizers(trace, dtype)
         for s in sorted(steps):
@@ -553,6 +555,11 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
             if f.status == "fail" and loss_scale and f.scale and abs(f.scale / loss_scale - 1) < 1e-6:
                 f.status, f.note = "follows", f"follows from the loss, scaled by the same {loss_scale:.6g}"
                 failed.remove(f)
+            elif f.status == "fail" and not f.diagnosis and any(
+                    g.layer == name and g.phase == "forward" for g in failed if g is not f):
+                f.status = "follows"         # the derivative of the layer's own wrong forward
+                f.note = f"follows from {name} y (forward): the backward of its wrong forward"
+                failed.remove(f)
             findings.append(f)
 
     # ---- the update, from the peer's own gradients
@@ -599,9 +606,8 @@ def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed
     elif failed and traced is not None and assembled is not None:
         drift = max_rel(assembled, numpy.asarray(traced, dtype=numpy.float64))
         if drift > max(tol, 1e-3 if dtype == "float32" else tol):
-            f.status = "follows"
-            f.note = (f"right on its input, {drift:.1e} from the trace: follows from {failed[0].layer} "
-                      f"{failed[0].tensor} ({failed[0].phase})")
+            f.status, f.drift = "follows", drift
+            f.note = f"follows from {failed[0].layer} {failed[0].tensor} ({failed[0].phase})"
     return f
 
 
@@ -672,13 +678,13 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
     """dw/db: one rank's own contribution, a sum over the data group only, or a count's
     factor; dx: a factor."""
     scale = float(numpy.max(numpy.abs(want))) or 1.0
-    got = {r: a for r, a, _ in blocks}
+    got = {r: (a, tuple(slice(o, o + n) for o, n in zip(offset, a.shape))) for r, a, offset in blocks}
     words = []
     for r in bad:
-        array = got[r]
+        array, sl = got[r]
         who = "global" if r is None else f"rank {r}"
         if tensor in ("dw", "db") and r is not None and len(dy.shape) in (5, 2) and r < int(numpy.prod(grid)):
-            own = _contribution(ref, entry, x, dy, mask, grid, [r])[tensor]
+            own = _contribution(ref, entry, x, dy, mask, grid, [r])[tensor][sl]
             if float(numpy.max(numpy.abs(array - own))) <= 4 * tol * scale:
                 words.append(f"{who}'s {tensor} is its own contribution only (its block's share, before the "
                              f"allreduce): not summed over the spatial shards")
@@ -686,12 +692,12 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
             coords = T.grid_coords(r, grid)
             mates = [q for q in range(int(numpy.prod(grid))) if T.grid_coords(q, grid)[1:] == coords[1:]]
             if len(mates) > 1 and len(mates) < int(numpy.prod(grid)):
-                part = _contribution(ref, entry, x, dy, mask, grid, mates)[tensor]
+                part = _contribution(ref, entry, x, dy, mask, grid, mates)[tensor][sl]
                 if float(numpy.max(numpy.abs(array - part))) <= 4 * tol * scale:
                     words.append(f"{who}'s {tensor} is summed over the data group only (the sample groups of its "
                                  f"spatial block), not over the spatial shards")
                     continue
-        c = scalar_fit(array, want, tol)
+        c = scalar_fit(array, want[sl], tol)
         if c is not None:
             what = "averaged over the wrong count" if c < 1 else "summed where it should be averaged"
             words.append(f"{who}'s {tensor} is {name_factor(c, grid)}: {what}" if tensor != "dx" else
