@@ -607,7 +607,8 @@ def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed
         drift = max_rel(assembled, numpy.asarray(traced, dtype=numpy.float64))
         if drift > max(tol, 1e-3 if dtype == "float32" else tol):
             f.status, f.drift = "follows", drift
-            f.note = f"follows from {failed[0].layer} {failed[0].tensor} ({failed[0].phase})"
+            f.note = "follows from the loss" if failed[0].phase == "loss" else \
+                f"follows from {failed[0].layer} {failed[0].tensor} ({failed[0].phase})"
     return f
 
 
@@ -676,33 +677,34 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
 
 def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, grid):
     """dw/db: one rank's own contribution, a sum over the data group only, or a count's
-    factor; dx: a factor."""
+    factor; dx: a factor.  Ranks with the same pattern are named together."""
     scale = float(numpy.max(numpy.abs(want))) or 1.0
     got = {r: (a, tuple(slice(o, o + n) for o, n in zip(offset, a.shape))) for r, a, offset in blocks}
-    words = []
+    patterns = {}
     for r in bad:
         array, sl = got[r]
-        who = "global" if r is None else f"rank {r}"
-        if tensor in ("dw", "db") and r is not None and len(dy.shape) in (5, 2) and r < int(numpy.prod(grid)):
+        pattern = None
+        if tensor in ("dw", "db") and r is not None and r < int(numpy.prod(grid)):
             own = _contribution(ref, entry, x, dy, mask, grid, [r])[tensor][sl]
-            if float(numpy.max(numpy.abs(array - own))) <= 4 * tol * scale:
-                words.append(f"{who}'s {tensor} is its own contribution only (its block's share, before the "
-                             f"allreduce): not summed over the spatial shards")
-                continue
             coords = T.grid_coords(r, grid)
             mates = [q for q in range(int(numpy.prod(grid))) if T.grid_coords(q, grid)[1:] == coords[1:]]
-            if len(mates) > 1 and len(mates) < int(numpy.prod(grid)):
+            if float(numpy.max(numpy.abs(array - own))) <= 4 * tol * scale:
+                pattern = (f"{tensor} is its own contribution only (its block's share, before the allreduce): "
+                           f"not summed over the spatial shards")
+            elif 1 < len(mates) < int(numpy.prod(grid)):
                 part = _contribution(ref, entry, x, dy, mask, grid, mates)[tensor][sl]
                 if float(numpy.max(numpy.abs(array - part))) <= 4 * tol * scale:
-                    words.append(f"{who}'s {tensor} is summed over the data group only (the sample groups of its "
-                                 f"spatial block), not over the spatial shards")
-                    continue
-        c = scalar_fit(array, want[sl], tol)
-        if c is not None:
-            what = "averaged over the wrong count" if c < 1 else "summed where it should be averaged"
-            words.append(f"{who}'s {tensor} is {name_factor(c, grid)}: {what}" if tensor != "dx" else
-                         f"{who}'s dx is {name_factor(c, grid)}")
-    return "; ".join(words) or None
+                    pattern = (f"{tensor} is summed over the data group only (the sample groups of its spatial "
+                               f"block), not over the spatial shards")
+        if pattern is None:
+            c = scalar_fit(array, want[sl], tol)
+            if c is not None:
+                pattern = f"{tensor} is {name_factor(c, grid)}"
+                if tensor != "dx":
+                    pattern += ": averaged over the wrong count" if c < 1 else ": summed where it should be averaged"
+        if pattern is not None:
+            patterns.setdefault(pattern, []).append("global" if r is None else f"rank {r}")
+    return "; ".join(f"{', '.join(who)}: {pattern}" for pattern, who in patterns.items()) or None
 
 
 def _contribution(ref, entry, x, dy, mask, grid, ranks):

@@ -80,13 +80,18 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: no layer {parts[1]!r} in the trace (layers: {', '.join(names)})")
         plant.layer = parts[1]
         entry = trace.layer(plant.layer)
-        if kind in ("halo", "inner-padding") and entry["kind"] not in WINDOW_KINDS:
-            raise ValueError(f"--plant {text}: {kind} needs a window layer (conv, pooling); "
-                             f"{plant.layer} is {entry['kind']}")
+        if kind in ("halo", "inner-padding") and (entry["kind"] not in WINDOW_KINDS
+                                                  or not _reads_neighbours(trace, plant.layer)):
+            raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows reach past a block "
+                             f"(kernel > stride, or padding); {plant.layer} is {entry['kind']}"
+                             + ("" if entry["kind"] not in WINDOW_KINDS else " with no halo"))
         if kind == "bn-local-stats" and entry["kind"] != "batch_norm3d":
             raise ValueError(f"--plant {text}: {plant.layer} is {entry['kind']}, not batch_norm3d")
         if kind in ("dw-unsummed", "dw-count", "update-skip") and not entry["params"]:
             raise ValueError(f"--plant {text}: {plant.layer} ({entry['kind']}) has no parameters")
+        if kind == "dw-unsummed" and len(entry["y_shape"]) != 5:
+            raise ValueError(f"--plant {text}: {plant.layer} is in the dense head, whose gradient every rank "
+                             f"computes whole; plant it in a conv or batch-norm layer")
         if kind in ("inner-padding", "dw-count") and spec.ranks == 1:
             raise ValueError(f"--plant {text}: the trace's grid {list(spec.grid)} has one rank")
     if "rank" in wanted:
@@ -100,6 +105,15 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: rank {plant.rank}'s block of {plant.layer}'s input has no "
                              f"internal face on grid {list(spec.grid)} (no halo to lose)")
     return plant
+
+
+def _reads_neighbours(trace: Trace, name: str) -> bool:
+    """Whether the windows of layer ``name`` read cells of the neighbouring blocks (a halo)."""
+    from .trace import build_reference, model_layers
+    module = next(l.module for l in model_layers(trace.spec.model, build_reference(trace.spec)) if l.name == name)
+    dilation = getattr(module, "dilation", (1, 1, 1))
+    return any((k - 1) * d + 1 > s for k, d, s in zip(module.kernel_size, dilation, module.stride)) \
+        or any(module.padding)
 
 
 def run_trace(trace: Trace, plant: Plant | None = None) -> dict:
