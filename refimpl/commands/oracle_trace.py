@@ -65,15 +65,24 @@ def add_parser(sub):
     gen.add_argument("--optimizer", default="sgd", metavar="sgd|adam",
                      help="sgd (lr 0.01, momentum 0.9) or adam (lr 1e-3); default sgd")
     gen.add_argument("--out", required=True, metavar="TRACE.h5", help="the trace file to write")
-    run = actions.add_parser("run-torch", help="the PyTorch twin's results on a trace",
-                             description="Run the trace's steps with the model's PyTorch twin and write "
-                                         "every rank's blocks in the results layout.")
+    run = actions.add_parser(
+        "run-torch", help="the PyTorch twin's results on a trace", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run the trace's steps with the model's PyTorch twin (refimpl/oracle/model_twins.py)
+and write every rank's blocks in the results layout (docs/oracle.md, Model traces).
+
+--plant KIND:LAYER[:RANK] builds one known mistake into one layer (on one rank):
+  halo:LAYER:R           rank R's block computed with zeros beyond its first internal face
+  inner-padding:LAYER    every rank pads its block at its internal faces (no halo)
+  bn-local-stats:LAYER   batch norm normalises each rank's block by its own statistics
+  dw-unsummed:LAYER:R    rank R reports its own share of dw/db (no allreduce there)
+  dw-count:LAYER         dw/db divided by the number of ranks P (and the update uses them)
+  loss-count             the loss (so every gradient) multiplied by P
+  update-skip:LAYER:R    rank R does not update LAYER's parameters""")
     run.add_argument("trace", metavar="TRACE", help="a trace file (trace generate)")
     run.add_argument("--out", required=True, metavar="RESULTS.h5", help="the results file to write")
     run.add_argument("--plant", default=None, metavar="KIND:LAYER[:RANK]",
-                     help="build one mistake into one layer: halo:LAYER:R, inner-padding:LAYER, "
-                          "bn-local-stats:LAYER, dw-unsummed:LAYER:R, dw-count:LAYER, loss-count, "
-                          "update-skip:LAYER:R (refimpl/oracle/trace_torch.py)")
+                     help="build one known mistake into one layer (the kinds above)")
     chk = actions.add_parser("check", help="judge a peer's results layer by layer",
                              description="Judge RESULTS against TRACE: each layer on the peer's own input, "
                                          "forward in order, the loss, backward in reverse, the update.")
