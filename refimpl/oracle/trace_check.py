@@ -696,6 +696,14 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
                 if float(numpy.max(numpy.abs(array - part))) <= 4 * tol * scale:
                     pattern = (f"{tensor} is summed over the data group only (the sample groups of its spatial "
                                f"block), not over the spatial shards")
+        if tensor == "dx" and r is not None and entry["kind"] in WINDOW_KINDS and r < int(numpy.prod(grid)):
+            own = _own_input_gradient(ref, entry, x, dy, mask, grid, r)[sl]
+            if float(numpy.max(numpy.abs(array - own))) <= 4 * tol * scale:
+                pattern = ("dx holds only the gradient of its own outputs: the ghost gradients its neighbours "
+                           "computed for its cells never arrived (the adjoint halo exchange is missing)")
+            elif float(numpy.max(numpy.abs(array - (2 * want[sl] - own)))) <= 4 * tol * scale:
+                pattern = ("dx holds its neighbours' ghost gradients twice: the adjoint halo exchange added "
+                           "them without clearing the ghosts")
         if pattern is None:
             c = scalar_fit(array, want[sl], tol)
             if c is not None:
@@ -705,6 +713,13 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
         if pattern is not None:
             patterns.setdefault(pattern, []).append("global" if r is None else f"rank {r}")
     return "; ".join(f"{', '.join(who)}: {pattern}" for pattern, who in patterns.items()) or None
+
+
+def _own_input_gradient(ref, entry, x, dy, mask, grid, rank):
+    """The layer's dx from rank's output block alone (no ghost gradients from the others)."""
+    keep = numpy.zeros(dy.shape, dtype=bool)
+    keep[T.rank_slices(dy.shape, grid, rank)] = True
+    return ref.backward64(entry["name"], x, numpy.where(keep, dy, 0.0), mask)["dx"]
 
 
 def _contribution(ref, entry, x, dy, mask, grid, ranks):

@@ -20,6 +20,7 @@ autograd, so their backward is the buggy forward's:
 |---|---|
 | ``halo:LAYER:R`` | rank R computes its block of LAYER with zeros beyond its first internal face (the forward halo delivered zeros) |
 | ``inner-padding:LAYER`` | every rank computes its block of LAYER as if its internal faces were the domain's edge (padding instead of a halo) |
+| ``adjoint-halo:LAYER:R`` | rank R's dx of LAYER keeps only the gradient of its own outputs: the ghost gradients its neighbours computed for its cells never arrive (the adjoint halo exchange is missing); the wrong dx flows on backward |
 | ``bn-local-stats:LAYER`` | batch norm LAYER normalises every rank's block by that block's own statistics (not reduced) |
 | ``dw-unsummed:LAYER:R`` | rank R reports its own contribution to LAYER's dw/db only (the allreduce is missing there) |
 | ``dw-count:LAYER`` | LAYER's dw/db divided by the number of ranks P (averaged over the whole grid instead of summed over the spatial shards), and the update uses them |
@@ -34,7 +35,7 @@ import numpy
 
 from .trace import OPTIMIZERS, Trace, model_config, rank_slices
 
-PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "bn-local-stats": "layer", "dw-unsummed": "layer:rank",
+PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "bn-local-stats": "layer", "dw-unsummed": "layer:rank",
           "dw-count": "layer", "loss-count": "", "update-skip": "layer:rank"}
 WINDOW_KINDS = ("conv3d", "max_pool3d", "avg_pool3d", "conv_transpose3d")
 
@@ -80,7 +81,7 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: no layer {parts[1]!r} in the trace (layers: {', '.join(names)})")
         plant.layer = parts[1]
         entry = trace.layer(plant.layer)
-        if kind in ("halo", "inner-padding") and (entry["kind"] not in WINDOW_KINDS
+        if kind in ("halo", "inner-padding", "adjoint-halo") and (entry["kind"] not in WINDOW_KINDS
                                                   or not _reads_neighbours(trace, plant.layer)):
             raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows reach past a block "
                              f"(kernel > stride, or padding); {plant.layer} is {entry['kind']}"
@@ -101,7 +102,7 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: RANK must be an integer, got {parts[2]!r}") from None
         if not 0 <= plant.rank < spec.ranks:
             raise ValueError(f"--plant {text}: the trace's grid {list(spec.grid)} has ranks 0..{spec.ranks - 1}")
-        if kind == "halo" and not internal_faces(trace.layer(plant.layer)["x_shape"], spec.grid, plant.rank):
+        if kind in ("halo", "adjoint-halo") and not internal_faces(trace.layer(plant.layer)["x_shape"], spec.grid, plant.rank):
             raise ValueError(f"--plant {text}: rank {plant.rank}'s block of {plant.layer}'s input has no "
                              f"internal face on grid {list(spec.grid)} (no halo to lose)")
     return plant
@@ -160,6 +161,8 @@ def _run_dtype(trace: Trace, dtype: str, plant):
                 return None
             inp = args[0].clone()
             if inp.requires_grad:
+                if plant is not None and plant.kind == "adjoint-halo" and plant.layer == name:
+                    inp.register_hook(lambda g: _without_ghosts(module, inp, g, state, spec.grid, plant.rank, fresh))
                 inp.retain_grad()
             state["record"][name] = {"x": inp}
             return (inp,)
@@ -172,6 +175,8 @@ def _run_dtype(trace: Trace, dtype: str, plant):
             if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats"):
                 out = _planted_forward(plant, spec.grid, module, args[0], out, fresh)
             out.retain_grad()
+            if plant is not None and plant.kind == "adjoint-halo" and plant.layer == name:
+                out.register_hook(lambda g: state.update(dy=g))      # runs before the input's gradient
             state["record"][name]["y"] = out
             return out
         return hook
@@ -259,6 +264,21 @@ def _planted_forward(plant, grid, module, x, out, fresh):
             mask[in_sl] = 1
             x_bug = x * mask
         out[out_sl] = fresh(module, x_bug)[out_sl]
+    return out
+
+
+def _without_ghosts(module, inp, dx, state, grid, rank, fresh):
+    """dx with rank's block replaced by the gradient of rank's own outputs alone."""
+    import torch
+    dy = state["dy"]
+    mask = torch.zeros_like(dy)
+    mask[rank_slices(tuple(dy.shape), grid, rank)] = 1
+    x = inp.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (own,) = torch.autograd.grad(fresh(module, x), x, grad_outputs=dy * mask)
+    out = dx.clone()
+    block = rank_slices(tuple(dx.shape), grid, rank)
+    out[block] = own[block]
     return out
 
 
