@@ -182,48 +182,71 @@ def test_a_plant_through_the_cli_exits_1_and_names_the_cell(traces, tmp_path, ca
 
 # ---------------------------------------------------------------- a hand-written results file
 
-def test_one_layer_one_rank_scaled_is_named_and_the_rest_follows(traces, tmp_path):
-    """Rank 1's block of features.3's y is 1.01 × right; every later layer computes right on
-    what it receives (the error travels on, forward and backward), as a real bug's would."""
-    trace = T.load_trace(traces("cosmoflow", (1, 2, 1, 1), dtypes=("float64",)))
+def write_buggy_step(trace, path, bugs, offsets=True):
+    """A results file written by hand: refimpl's layers, each computing right on what it
+    receives, except that ``bugs`` ({layer: (rank, factor)}) scale one rank's block of
+    that layer's y (and, as the adjoint, of the gradient at its output)."""
     data, spec = trace.data["float64"], trace.spec
     model = T.build_reference(spec)
     T.load_parameters(model, data["initial"])
     layers = T.model_layers("cosmoflow", model)
     masks = data["steps"][0]["masks"]
-    sick = T.rank_slices(trace.layer("features.3")["y_shape"], spec.grid, 1)
+    sick = {name: (T.rank_slices(trace.layer(name)["y_shape"], spec.grid, r), f) for name, (r, f) in bugs.items()}
     acts, xs = {"input": data["x"]}, {}
     for layer in layers:
         xs[layer.name] = acts[layer.inputs[0]]
         acts[layer.name] = T.forward(layer, xs[layer.name], masks.get(layer.name))
-        if layer.name == "features.3":
-            acts[layer.name][sick] *= 1.01
+        if layer.name in sick:
+            acts[layer.name][sick[layer.name][0]] *= sick[layer.name][1]
     loss, dy, _ = model.loss(acts[layers[-1].name], data["target"])
     grads = {}
     for layer in reversed(layers):
-        if layer.name == "features.3":
+        if layer.name in sick:
             dy = dy.copy()
-            dy[sick] *= 1.01                      # the adjoint of the scaled block
+            dy[sick[layer.name][0]] *= sick[layer.name][1]         # the adjoint of the scaled block
         dx, g = T.backward(layer, xs[layer.name], dy, masks.get(layer.name))
         grads[layer.name] = {"dx": dx, **g}
         dy = dx
-    with h5py.File(tmp_path / "mine.h5", "w") as h5:
+    with h5py.File(path, "w") as h5:
         h5.attrs["trace_digest"] = trace.digest
         h5["float64/step/0/loss"] = loss
         for layer in layers:
             for r in range(spec.ranks):
                 for t, array in (("y", acts[layer.name]), ("dx", grads[layer.name]["dx"])):
                     sl = T.rank_slices(array.shape, spec.grid, r)
-                    h5.create_dataset(f"float64/step/0/{layer.name}/rank/{r}/{t}",
-                                      data=array[sl]).attrs["offset"] = [s.start for s in sl]
+                    block = h5.create_dataset(f"float64/step/0/{layer.name}/rank/{r}/{t}", data=array[sl])
+                    if offsets:
+                        block.attrs["offset"] = [s.start for s in sl]
             for t in layer.params:
                 h5[f"float64/step/0/{layer.name}/global/{t}"] = grads[layer.name][t]
+
+
+def test_one_layer_one_rank_scaled_is_named_and_the_rest_follows(traces, tmp_path):
+    """Rank 1's block of features.3's y is 1.01 × right; every later layer computes right on
+    what it receives (the error travels on, forward and backward), as a real bug's would."""
+    trace = T.load_trace(traces("cosmoflow", (1, 2, 1, 1), dtypes=("float64",)))
+    write_buggy_step(trace, tmp_path / "mine.h5", {"features.3": (1, 1.01)})
     findings = judged(trace, tmp_path / "mine.h5")
     fails = [f for f in findings if f.status == "fail"]
     assert [(f.layer, f.tensor, f.ranks) for f in fails] == [("features.3", "y", [1])]
-    assert "1.01" in f"{fails[0].scale:.6g}" and fails[0].first_index[2] >= 2     # rank 1 holds D 2..3
+    assert f"{fails[0].scale:.6g}" == "1.01" and fails[0].first_index[2] >= 2     # rank 1 holds D 2..3
     follows = {(f.layer, f.tensor) for f in findings if f.status == "follows"}
     assert {("features.4", "y"), ("head.7", "y"), ("features.3", "dx"), ("features.3", "dw")} <= follows
+
+
+def test_a_second_independent_bug_later_is_named_too(traces, tmp_path):
+    trace = T.load_trace(traces("cosmoflow", (1, 2, 1, 1), dtypes=("float64",)))
+    write_buggy_step(trace, tmp_path / "mine.h5", {"features.3": (1, 1.01), "head.3": (0, 0.5)})
+    fails = [f for f in judged(trace, tmp_path / "mine.h5") if f.status == "fail"]
+    # the dense head is replicated over the spatial ranks: both hold the wrong block
+    assert [(f.layer, f.tensor, f.ranks) for f in fails] == [("features.3", "y", [1]), ("head.3", "y", [0, 1])]
+    assert f"{fails[1].scale:.6g}" == "0.5"
+
+
+def test_blocks_without_offset_are_the_traces_blocks(traces, tmp_path):
+    trace = T.load_trace(traces("cosmoflow", (1, 1, 2, 2), dtypes=("float64",)))
+    write_buggy_step(trace, tmp_path / "mine.h5", {}, offsets=False)
+    assert [f.where for f in judged(trace, tmp_path / "mine.h5") if f.status != "pass"] == []
 
 
 # ---------------------------------------------------------------- names, help, bad input

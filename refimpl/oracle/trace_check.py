@@ -555,8 +555,7 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
             if f.status == "fail" and loss_scale and f.scale and abs(f.scale / loss_scale - 1) < 1e-6:
                 f.status, f.note = "follows", f"follows from the loss, scaled by the same {loss_scale:.6g}"
                 failed.remove(f)
-            elif f.status == "fail" and not f.diagnosis and any(
-                    g.layer == name and g.phase == "forward" for g in failed if g is not f):
+            elif f.status == "fail" and any(g.layer == name and g.phase == "forward" for g in failed if g is not f):
                 f.status = "follows"         # the derivative of the layer's own wrong forward
                 f.note = f"follows from {name} y (forward): the backward of its wrong forward"
                 failed.remove(f)
