@@ -243,6 +243,21 @@ def test_a_second_independent_bug_later_is_named_too(traces, tmp_path):
     assert f"{fails[1].scale:.6g}" == "0.5"
 
 
+def test_the_layer_level_diagnoses_apply_to_a_traced_layer(traces, tmp_path):
+    """A pattern the trace has no test of its own for (a block shifted by one cell) is
+    named by diagnose.py, run on the layer as a layer-level case on the peer's input."""
+    path = traces("cosmoflow", (1, 2, 2, 1), dtypes=("float64",))
+    trace = torch_results(path, tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5", "a") as h5:
+        block = h5["float64/step/0/features.3/rank/1/y"]
+        shifted = block[()]
+        shifted[..., 1:] = shifted[..., :-1].copy()
+        block[...] = shifted
+    first = next(f for f in judged(trace, tmp_path / "r.h5") if f.status == "fail")
+    assert (first.layer, first.tensor, first.ranks) == ("features.3", "y", [1])
+    assert "shifted by +1 along W" in first.diagnosis
+
+
 def test_blocks_without_offset_are_the_traces_blocks(traces, tmp_path):
     trace = T.load_trace(traces("cosmoflow", (1, 1, 2, 2), dtypes=("float64",)))
     write_buggy_step(trace, tmp_path / "mine.h5", {}, offsets=False)

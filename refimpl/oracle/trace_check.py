@@ -18,12 +18,16 @@ implementation differs from the float64 answer by about as much as refimpl's own
 float32 one does), with 16·eps32·sqrt(K) as its floor.  The float32 verdict is
 compared with the float64 answer.
 
-Diagnoses are the trace's own, by rebuilding what a known mistake would produce (the
+Diagnoses.  First the trace's own, by rebuilding what a known mistake would produce (the
 same approach as diagnose.py on one layer): a rank's block computed with zeros beyond
 one internal face (forward halo) or beyond every internal face (padding at internal
-faces), batch-norm statistics of a rank's own block, a gradient that is one rank's own
-contribution or scaled by a count of ranks, a loss scaled by a count, an update not
-applied (or scaled) on one rank.
+faces), batch-norm statistics of a rank's own block, a dx without (or with twice) the
+neighbours' ghost gradients, a gradient that is one rank's own contribution or scaled by
+a count of ranks, a loss scaled by a count, an update not applied (or scaled) on one
+rank.  Where none matches, a window or batch-norm layer's y / dx is handed to the
+layer-level diagnoses (diagnose.py) as an in-memory layer case (``layer_case``: the
+layer's spec through the suite's rules, its expectations through expect.py, on the
+peer's input and output gradient): shifts, strided windows, far halos, ...
 """
 from __future__ import annotations
 
@@ -497,7 +501,9 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
         findings.append(_finding(dtype, s, "forward", name, "y", want, blocks, tol, why, notes[name], failed,
                                  step_trace["tensors"][name]["y"], peer_y[name],
                                  lambda bad: diagnose_forward(ref, entry, x, masks.get(name), want, blocks, bad,
-                                                              tol, spec.grid)))
+                                                              tol, spec.grid),
+                                 lambda bad: layer_level_diagnosis(ref, entry, x, None, dtype, "y", blocks, bad, tol,
+                                                                   spec.grid)))
 
     # ---- the loss, on the peer's output
     last = trace.layers[-1]["name"]
@@ -551,7 +557,9 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
             traced = step_trace["tensors"][name].get(t)
             f = _finding(dtype, s, "backward", name, t, want, blocks, tol, why, note, failed, traced, assembled,
                          lambda bad, t=t, want=want, tol=tol, blocks=blocks:
-                         diagnose_gradient(ref, entry, t, x, dy, masks.get(name), want, blocks, bad, tol, spec.grid))
+                         diagnose_gradient(ref, entry, t, x, dy, masks.get(name), want, blocks, bad, tol, spec.grid),
+                         lambda bad, t=t, tol=tol, blocks=blocks:
+                         layer_level_diagnosis(ref, entry, x, dy, dtype, t, blocks, bad, tol, spec.grid))
             if f.status == "fail" and loss_scale and f.scale and abs(f.scale / loss_scale - 1) < 1e-6:
                 f.status, f.note = "follows", f"follows from the loss, scaled by the same {loss_scale:.6g}"
                 failed.remove(f)
@@ -589,13 +597,16 @@ def _output_gradient(entry, consumers, peer_dx, step_trace, dout, last):
     return total, note
 
 
-def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed, traced, assembled, diagnose):
+def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed, traced, assembled, diagnose,
+             layer_level=None):
     worst, bad, count, first = judge(want, blocks, tol)
     f = Finding(dtype, s, phase, name, tensor, "fail" if bad else "pass", worst, tol, why, ranks=bad,
                 mismatches=count, note=note)
     if bad:
         f.first_index, f.owner = first
         f.diagnosis = diagnose(bad)
+        if f.diagnosis is None and layer_level is not None:
+            f.diagnosis = layer_level(bad)
         whole = [b for b in blocks if b[0] in bad]
         f.scale = scalar_fit(numpy.concatenate([numpy.ravel(b[1]) for b in whole]),
                              numpy.concatenate([numpy.ravel(want[tuple(slice(a, a + n) for a, n in
@@ -712,6 +723,66 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
         if pattern is not None:
             patterns.setdefault(pattern, []).append("global" if r is None else f"rank {r}")
     return "; ".join(f"{', '.join(who)}: {pattern}" for pattern, who in patterns.items()) or None
+
+
+CASE_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d")
+
+
+def layer_case(ref, entry, x, dy, grid, dtype):
+    """The layer as a layer-level oracle case (casefile.Case, in memory) on the peer's input
+    ``x`` and output gradient ``dy``: its spec through the suite's own rules, its
+    expectations through expect.py, so diagnose.py's patterns apply to it unchanged."""
+    from .. import layers as registry
+    from .casefile import Case
+    from .expect import rank_arrays, rank_layouts
+    from .suite import parse_suite
+    module = ref.layers64[entry["name"]].module
+    case = {"name": entry["name"].replace(".", "_"), "layer": entry["kind"], "input": list(x.shape),
+            "grids": [list(grid)], "dtypes": [dtype]}
+    if entry["kind"] != "batch_norm3d":
+        case.update(kernel=list(module.kernel_size), stride=list(module.stride), padding=list(module.padding))
+    if entry["kind"].startswith("conv"):
+        case.update(out_channels=entry["y_shape"][1], dilation=list(module.dilation))
+    (spec,) = parse_suite({"case": [case]}, f"trace layer {entry['name']}")
+    params = {t: numpy.asarray(T._param(ref.layers64[entry["name"]], t).data, dtype=numpy.float64)
+              for t in entry["params"]}
+    inputs = {"x": x, "dy": numpy.zeros(entry["y_shape"]) if dy is None else dy,
+              "w": params.get("dw"), "b": params.get("db")}
+    if inputs["w"] is not None and inputs["b"] is None:
+        inputs["b"] = numpy.zeros(entry["y_shape"][1])          # a conv without bias: a zero bias
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    with T.reference_math():
+        expected = registry.lookup(spec.layer).reference(spec, x, inputs.get("w"), inputs.get("b"), inputs["dy"])
+        layouts = rank_layouts(spec)
+        ranks = [rank_arrays(spec, inputs, expected, lo) for lo in layouts]
+    glob = {k: v for k, v in zip(("y", "dx", "dw", "db"), expected) if v is not None}
+    return Case(path=f"layer {entry['name']}", spec=spec, digest="", layouts=layouts, inputs={dtype: inputs},
+                expected={dtype: glob}, ranks={dtype: ranks})
+
+
+def layer_level_diagnosis(ref, entry, x, dy, dtype, tensor, blocks, bad, tol, grid):
+    """diagnose.py's diagnosis of the failing ranks' blocks (y, dx), on the layer as a case;
+    None where the layer is no case kind, a block is not the case's, or nothing matches."""
+    if entry["kind"] not in CASE_KINDS or tensor not in ("y", "dx") or (tensor == "dx" and dy is None):
+        return None
+    try:
+        from . import diagnose
+        case = layer_case(ref, entry, x, dy, grid, dtype)
+        scale = float(numpy.max(numpy.abs(case.expected[dtype][tensor]))) or 1.0
+        words = []
+        for r, array, offset in blocks:
+            if r not in bad or r is None or r >= len(case.layouts):
+                continue
+            want, want_offset = case.ranks[dtype][r][tensor]
+            if list(want_offset) != list(offset) or want.shape != array.shape:
+                return None
+            wrong = numpy.abs(array - want) > tol * scale
+            found = diagnose.rank_tensor(case, dtype, tensor, r, array, want, wrong, tol * scale)
+            if found:
+                words.append(found)
+        return "; ".join(dict.fromkeys(words)) or None
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, ArithmeticError):
+        return None            # the layer-level patterns must never stop a report
 
 
 def _own_input_gradient(ref, entry, x, dy, mask, grid, rank):
