@@ -127,7 +127,7 @@ def test_two_adam_steps_pass_and_the_cli_says_so(traces, tmp_path, capsys):
     assert main(["oracle", "trace", "check", path, str(tmp_path / "r.h5"), "--json", str(tmp_path / "rep.json")]) == 0
     assert capsys.readouterr().out.startswith("PASS")
     report = json.loads((tmp_path / "rep.json").read_text())
-    assert report["ok"] and {f["step"] for f in report["findings"]} == {0, 1}
+    assert report["ok"] and report["first_finding"] is None and {f["step"] for f in report["findings"]} == {0, 1}
 
 
 # ---------------------------------------------------------------- planted mistakes are named
@@ -332,3 +332,7 @@ def test_unusable_files_exit_2(traces, tmp_path, capsys):
     assert "dtype float32, expected float64" in capsys.readouterr().err
     assert main(["oracle", "trace", "run-torch", path, "--out", str(tmp_path / "x.h5"), "--plant", "halo:head.0:1"]) == 2
     assert "needs a window layer" in capsys.readouterr().err
+    with h5py.File(tmp_path / "empty.h5", "w") as h5:
+        h5.attrs["trace_digest"] = T.load_trace(path).digest
+    assert main(["oracle", "trace", "check", path, str(tmp_path / "empty.h5")]) == 2
+    assert "holds nothing to judge" in capsys.readouterr().err

@@ -198,6 +198,9 @@ def check(args) -> int:
         _check_out_json(args.json)
     peer = load_peer(args.results, trace, names)
     findings = check_trace(trace, peer)
+    if not findings:
+        raise ValueError(f"results file {args.results} holds nothing to judge: no loss, no update and no "
+                         f"layer tensor of the trace (layout: docs/oracle.md, Model traces)")
     fails = [f for f in findings if f.status == "fail"]
     follows = [f for f in findings if f.status == "follows"]
     print(f"{'FAIL' if fails else 'PASS'} {args.results} against {args.trace} ({trace.spec.model} "
@@ -227,6 +230,8 @@ def check(args) -> int:
     code = 1 if fails else 0
     if args.json:
         text = json.dumps({"ok": code == 0, "exit": code, "trace": args.trace, "results": args.results,
+                           "first_finding": fails[0].as_dict() if fails else None,
+                           "summary": {"passed": passed, "findings": len(fails), "follows": len(follows)},
                            "findings": [f.as_dict() for f in findings]}, indent=1)
         atomic_write(args.json, lambda fh: fh.write(text))
     return code
