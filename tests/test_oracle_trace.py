@@ -169,6 +169,18 @@ def test_each_plant_is_named_first(traces, tmp_path, model, grid, plant, phase, 
         {layer.rsplit(".", 1)[0] if phase == "update" else layer}
 
 
+def test_a_skipped_update_drifts_and_the_later_steps_follow_from_it(traces, tmp_path):
+    """Rank 3 keeps features.0's old parameters: its later blocks of features.0 are computed
+    with them; the first step's update is the finding, the rest follows from it."""
+    trace = torch_results(traces("cosmoflow", (1, 1, 2, 2), steps=2, dtypes=("float64",)), tmp_path / "bad.h5",
+                          "update-skip:features.0:3")
+    findings = judged(trace, tmp_path / "bad.h5")
+    assert [(f.step, f.layer, f.ranks) for f in findings if f.status == "fail"] == \
+        [(0, "features.0.weight", [3]), (0, "features.0.bias", [3])]
+    drift = next(f for f in findings if f.step == 1 and f.layer == "features.0" and f.tensor == "y")
+    assert drift.status == "follows" and drift.ranks == [3] and "drifted between ranks" in drift.diagnosis
+
+
 def test_a_plant_through_the_cli_exits_1_and_names_the_cell(traces, tmp_path, capsys):
     pytest.importorskip("torch")
     path, bad = traces("cosmoflow", (1, 2, 1, 1), dtypes=("float64",)), str(tmp_path / "bad.h5")

@@ -213,7 +213,8 @@ def check(args) -> int:
             print(_line(f))
     by_source = {}
     for f in follows:
-        by_source.setdefault((f.dtype, f.note), []).append(f"{f.layer} {f.tensor}")
+        step = f" (step {f.step})" if trace.spec.steps > 1 else ""
+        by_source.setdefault((f.dtype, f.note), []).append(f"{f.layer} {f.tensor}{step}")
     for (dtype, note), where in by_source.items():
         print(f"    {dtype} {note}: {', '.join(where)}")
     passed = sum(f.status == "pass" for f in findings)

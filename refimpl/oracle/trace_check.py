@@ -429,10 +429,32 @@ def check_trace(trace: T.Trace, peer: Peer) -> list[Finding]:
         optimizers = _Optimizers(trace, dtype)
         for s in sorted(steps):
             findings += _check_step(trace, peer, ref, optimizers, dtype, s)
+    _drift_follows(findings)
     for dtype, s, layer, t, r, message in peer.shape_errors:
         findings.append(Finding(dtype, s, "forward" if t == "y" else "backward", layer, t, "fail",
                                 ranks=[r], diagnosis=message, note="shape"))
     return findings
+
+
+def _drift_follows(findings) -> None:
+    """After a rank's update went wrong, its parameters differ from the others' in every later
+    step: its later updates of them, and its blocks computed with them, follow from the first."""
+    first = {}
+    for f in findings:
+        if f.phase != "update" or f.status != "fail":
+            continue
+        for r in f.ranks:
+            key = (f.dtype, f.layer, r)
+            if key in first and first[key].step < f.step:
+                f.status, f.note = "follows", f"follows from the update of {f.layer} at step {first[key].step}"
+            else:
+                first.setdefault(key, f)
+    for f in findings:
+        if f.status == "fail" and f.phase == "forward" and f.diagnosis and "drifted between ranks" in f.diagnosis:
+            earlier = [g for (d, _, r), g in first.items() if d == f.dtype and r in f.ranks and g.step < f.step]
+            if earlier:
+                f.status = "follows"
+                f.note = f"follows from the update of {earlier[0].layer} at step {earlier[0].step} (drift)"
 
 
 def _params_before(trace, peer, dtype, s):
@@ -501,7 +523,9 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
         findings.append(_finding(dtype, s, "forward", name, "y", want, blocks, tol, why, notes[name], failed,
                                  step_trace["tensors"][name]["y"], peer_y[name],
                                  lambda bad: diagnose_forward(ref, entry, x, masks.get(name), want, blocks, bad,
-                                                              tol, spec.grid),
+                                                              tol, spec.grid)
+                                 or diagnose_drift(ref, entry, x, masks.get(name), blocks, bad, tol, want,
+                                                   peer.steps[dtype].get(s - 1, {}).get("update_ranks", {}), s),
                                  lambda bad: layer_level_diagnosis(ref, entry, x, None, dtype, "y", blocks, bad, tol,
                                                                    spec.grid)))
 
@@ -683,6 +707,35 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
         else:
             parts.append(f"rank {r} read zeros beyond all its internal faces: no halo exchange (padding at internal faces)")
     return "; ".join(parts)
+
+
+def diagnose_drift(ref, entry, x, mask, blocks, bad, tol, want, rank_params, step):
+    """Ranks whose block of y is the layer with their own parameters of the step before
+    (``update/rank/<r>`` of step s-1) where those differ from the others': drift."""
+    if step == 0 or not entry["params"] or not rank_params:
+        return None
+    layer = ref.layers64[entry["name"]]
+    saved = {t: T._param(layer, t).data.copy() for t in entry["params"]}
+    scale = float(numpy.max(numpy.abs(want))) or 1.0
+    drifted = []
+    try:
+        for r, array, offset in blocks:
+            own = rank_params.get(r, {})
+            if r not in bad or not all(p in own for p in entry["params"].values()):
+                continue
+            for t, pname in entry["params"].items():
+                T._param(layer, t).data[...] = own[pname]
+            y = T.forward(layer, x, mask)[tuple(slice(a, a + n) for a, n in zip(offset, array.shape))]
+            if float(numpy.max(numpy.abs(array - y))) <= 4 * tol * scale:
+                drifted.append(r)
+    finally:
+        for t, data in saved.items():
+            T._param(layer, t).data[...] = data
+    if not drifted:
+        return None
+    return (f"rank(s) {', '.join(map(str, drifted))} computed their block with their own parameters of "
+            f"{', '.join(entry['params'].values())} (their update/rank of step {step - 1}), which differ from "
+            f"the others': the parameters drifted between ranks")
 
 
 def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, grid):

@@ -25,7 +25,7 @@ autograd, so their backward is the buggy forward's:
 | ``dw-unsummed:LAYER:R`` | rank R reports its own contribution to LAYER's dw/db only (the allreduce is missing there) |
 | ``dw-count:LAYER`` | LAYER's dw/db divided by the number of ranks P (averaged over the whole grid instead of summed over the spatial shards), and the update uses them |
 | ``loss-count`` | the loss (and so every gradient) multiplied by P: normalised by one rank's count |
-| ``update-skip:LAYER:R`` | rank R does not apply the update to LAYER's parameters (its parameters drift from the others') |
+| ``update-skip:LAYER:R`` | rank R does not apply the update to LAYER's parameters (its parameters drift from the others'), and computes its block of LAYER with them in the later steps |
 """
 from __future__ import annotations
 
@@ -174,6 +174,8 @@ def _run_dtype(trace: Trace, dtype: str, plant):
                 return None
             if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats"):
                 out = _planted_forward(plant, spec.grid, module, args[0], out, fresh)
+            if plant is not None and plant.layer == name and state.get("stale") is not None:
+                out = _stale_block(module, args[0], out, state["stale"], spec.grid, plant.rank, fresh)
             out.retain_grad()
             if plant is not None and plant.kind == "adjoint-halo" and plant.layer == name:
                 out.register_hook(lambda g: state.update(dy=g))      # runs before the input's gradient
@@ -224,7 +226,9 @@ def _run_dtype(trace: Trace, dtype: str, plant):
         update_ranks = None
         if plant is not None and plant.kind == "update-skip":
             skipped = set(trace.layer(plant.layer)["params"].values())
-            update_ranks = [{n: (before[n].numpy() if r == plant.rank and n in skipped else a)
+            stale = state.get("stale") or {n.rsplit(".", 1)[1]: before[n] for n in skipped}
+            state["stale"] = stale        # rank R keeps them: its next steps compute its block with them
+            update_ranks = [{n: (stale[n.rsplit(".", 1)[1]].numpy() if r == plant.rank and n in skipped else a)
                              for n, a in update.items()} for r in range(spec.ranks)]
         steps.append({"layers": layers, "loss": float(loss.detach()), "update": update,
                       "update_ranks": update_ranks})
@@ -280,6 +284,26 @@ def _without_ghosts(module, inp, dx, state, grid, rank, fresh):
     block = rank_slices(tuple(dx.shape), grid, rank)
     out[block] = own[block]
     return out
+
+
+def _stale_block(module, x, out, stale, grid, rank, fresh):
+    """``out`` with rank's block computed with rank's own (stale) parameters of the module."""
+    from torch.func import functional_call
+    out = out.clone()
+    block = rank_slices(tuple(out.shape), grid, rank)
+    with_stale = lambda inp: functional_call(module, stale, (inp,))      # noqa: E731
+    out[block] = fresh(_Call(with_stale), x)[block]
+    return out
+
+
+class _Call:
+    """A callable as a module stand-in for ``fresh`` (which silences the hooks around a call)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, inp):
+        return self.fn(inp)
 
 
 def _own_contribution(module, rec, grid, rank, fresh):
