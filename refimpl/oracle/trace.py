@@ -261,7 +261,7 @@ def backward(layer: Layer, x, dy, mask=None):
         layer.module.zero_grad()
         layer.module.forward(x)
         dx = layer.module.backward(dy)
-        grads = {t: _param(layer, t).grad for t in layer.params}
+        grads = {t: parameter(layer, t).grad for t in layer.params}
         layer.module.zero_grad()
         return dx, grads
 
@@ -272,7 +272,8 @@ def _apply_mask(a, mask, p):
     return a if p == 0.0 else dropout_backward(a, mask.astype(bool), p)
 
 
-def _param(layer: Layer, tensor: str):
+def parameter(layer: Layer, tensor: str):
+    """The Parameter of ``layer`` whose gradient is ``tensor`` ("dw": weight, "db": bias)."""
     attr = {v: k for k, v in PARAM_TENSORS.items()}[tensor]
     return layer.module._parameters[attr]
 
@@ -356,7 +357,7 @@ def compute(spec: TraceSpec):
             tensors, loss, masks = run_step(model, layers, xd, td, s)
             for layer in layers:
                 for t, param_name in layer.params.items():
-                    _param(layer, t).grad = tensors[layer.name][t]
+                    parameter(layer, t).grad = tensors[layer.name][t]
             optimizer.step()
             optimizer.zero_grad()
             steps.append({"tensors": tensors, "loss": loss, "masks": masks,

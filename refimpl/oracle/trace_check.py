@@ -93,13 +93,17 @@ def load_peer(path: str, trace: T.Trace, names: dict | None = None) -> Peer:
     def bad(where, message):
         raise UnusableInput(f"{what} {path}: /{where}: {message}")
 
-    def read(dataset, where, dtype, ndim):
+    def read(dataset, where, dtype, ndim, limit=None):
+        """The dataset's array once its metadata holds: a dataset, ``dtype``, ``ndim`` axes, no
+        axis longer than ``limit`` (the global tensor's), and the bytes it declares stored."""
         if not isinstance(dataset, h5py.Dataset):
             bad(where, "must be a dataset")
         if dataset.dtype != numpy.dtype(dtype):
             bad(where, f"dtype {dataset.dtype}, expected {dtype}")
         if len(dataset.shape) != ndim:
             bad(where, f"{len(dataset.shape)} dimensions, expected {ndim}")
+        if limit is not None and any(n > m for n, m in zip(dataset.shape, limit)):
+            bad(where, f"shape {dataset.shape} is larger than the whole tensor {tuple(limit)}")
         try:
             check_stored(dataset, path)
             return dataset[()]
@@ -151,12 +155,14 @@ def load_peer(path: str, trace: T.Trace, names: dict | None = None) -> Peer:
                                         pname = _param_name(pk, names, param_shapes, f"{where}/rank/{r_key}/{pk}", bad)
                                         entry["update_ranks"].setdefault(int(r_key), {})[pname] = \
                                             _whole(read(group[key]["rank"][r_key][pk], f"{where}/rank/{r_key}/{pk}",
-                                                        dtype, len(param_shapes[pname])), param_shapes[pname],
+                                                        dtype, len(param_shapes[pname]), param_shapes[pname]),
+                                                   param_shapes[pname],
                                                    f"{where}/rank/{r_key}/{pk}", bad)
                                 continue
                             pname = _param_name(pkey, names, param_shapes, f"{where}/{pkey}", bad)
                             entry["update"][pname] = _whole(read(group[key][pkey], f"{where}/{pkey}", dtype,
-                                                                 len(param_shapes[pname])), param_shapes[pname],
+                                                                 len(param_shapes[pname]), param_shapes[pname]),
+                                                            param_shapes[pname],
                                                             f"{where}/{pkey}", bad)
                     else:
                         layer = names.get(key, key)
@@ -192,7 +198,7 @@ def _read_layer(group, where, entry, trace, dtype, step, param_shapes, out, peer
             for t in group[key]:
                 if t not in allowed:
                     bad(f"{where}/global/{t}", f"unknown tensor (this layer has: {', '.join(allowed)})")
-                out["global"][t] = read(group[key][t], f"{where}/global/{t}", dtype, len(shapes[t]))
+                out["global"][t] = read(group[key][t], f"{where}/global/{t}", dtype, len(shapes[t]), shapes[t])
                 if tuple(out["global"][t].shape) != tuple(shapes[t]):
                     peer.shape_errors.append((dtype, step, entry["name"], t, None,
                                               f"global {t} has shape {tuple(out['global'][t].shape)}, the layer "
@@ -210,7 +216,7 @@ def _read_layer(group, where, entry, trace, dtype, step, param_shapes, out, peer
                     dataset = group[key][r_key][t]
                     ndim = len(shapes[t])
                     start = offset(dataset, w, ndim) if isinstance(dataset, _h5dataset()) else None
-                    array = read(dataset, w, dtype, ndim)
+                    array = read(dataset, w, dtype, ndim, shapes[t])
                     if start is None:
                         if t in ("dw", "db"):
                             start = [0] * ndim
@@ -715,7 +721,7 @@ def diagnose_drift(ref, entry, x, mask, blocks, bad, tol, want, rank_params, ste
     if step == 0 or not entry["params"] or not rank_params:
         return None
     layer = ref.layers64[entry["name"]]
-    saved = {t: T._param(layer, t).data.copy() for t in entry["params"]}
+    saved = {t: T.parameter(layer, t).data.copy() for t in entry["params"]}
     scale = float(numpy.max(numpy.abs(want))) or 1.0
     drifted = []
     try:
@@ -724,13 +730,13 @@ def diagnose_drift(ref, entry, x, mask, blocks, bad, tol, want, rank_params, ste
             if r not in bad or not all(p in own for p in entry["params"].values()):
                 continue
             for t, pname in entry["params"].items():
-                T._param(layer, t).data[...] = own[pname]
+                T.parameter(layer, t).data[...] = own[pname]
             y = T.forward(layer, x, mask)[tuple(slice(a, a + n) for a, n in zip(offset, array.shape))]
             if float(numpy.max(numpy.abs(array - y))) <= 4 * tol * scale:
                 drifted.append(r)
     finally:
         for t, data in saved.items():
-            T._param(layer, t).data[...] = data
+            T.parameter(layer, t).data[...] = data
     if not drifted:
         return None
     return (f"rank(s) {', '.join(map(str, drifted))} computed their block with their own parameters of "
@@ -797,7 +803,7 @@ def layer_case(ref, entry, x, dy, grid, dtype):
     if entry["kind"].startswith("conv"):
         case.update(out_channels=entry["y_shape"][1], dilation=list(module.dilation))
     (spec,) = parse_suite({"case": [case]}, f"trace layer {entry['name']}")
-    params = {t: numpy.asarray(T._param(ref.layers64[entry["name"]], t).data, dtype=numpy.float64)
+    params = {t: numpy.asarray(T.parameter(ref.layers64[entry["name"]], t).data, dtype=numpy.float64)
               for t in entry["params"]}
     inputs = {"x": x, "dy": numpy.zeros(entry["y_shape"]) if dy is None else dy,
               "w": params.get("dw"), "b": params.get("db")}
