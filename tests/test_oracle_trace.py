@@ -56,7 +56,7 @@ def test_layers_are_the_models_modules_in_forward_order(capsys):
     from refimpl.models import UNet3D
     assert main(["oracle", "trace", "layers", "--model", "unet3d", "--preset", "tiny", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    model = T.build_reference("unet3d", "tiny")
+    model = T.reference_model("unet3d", "tiny")
     assert [r["name"] for r in rows] == [n for n, m in model.named_modules() if n and not m.children()]
     described = {e["name"]: e for e in UNet3D.describe(model.config)}
     for r in rows:

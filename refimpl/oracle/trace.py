@@ -144,18 +144,18 @@ class Layer:
         return bool(self.params)
 
 
-def build_reference(spec_or_model, preset=None, input_shape=None, seed=0, dtype="float64"):
-    """refimpl's unpartitioned model (grid None) of a trace, in ``dtype``, every layer
-    computing its input gradient (the trace records dx of the first layer too)."""
+def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64"):
+    """refimpl's unpartitioned model (grid None) ``name`` of ``preset``, in ``dtype``, every
+    layer computing its input gradient (the trace records dx of the first layer too)."""
     from ..models import build_model
-    if isinstance(spec_or_model, TraceSpec):
-        spec = spec_or_model
-        name, preset, input_shape, seed = spec.model, spec.preset, spec.input, spec.seed
-    else:
-        name = spec_or_model
     model = build_model(name, model_config(name, preset, input_shape), grid=None, seed=seed, dtype=dtype)
     model.needs_input_grad = True
     return model
+
+
+def build_reference(spec: TraceSpec, dtype="float64"):
+    """The reference model of a trace (its weights depend on the seed only)."""
+    return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype)
 
 
 def model_layers(name: str, model) -> list[Layer]:
@@ -188,7 +188,7 @@ def layer_table(model: str, preset: str, input_shape=None) -> list[dict]:
     config = model_config(model, preset, input_shape)
     n = (input_shape or default_input(model, preset))[0]
     described = {e["name"]: e for e in MODELS[model].describe(config)}
-    built = build_reference(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32")
+    built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32")
     rows, shape = [], (n,) + tuple(config["input_shape"])
     for layer in model_layers(model, built):
         entry = described.get(layer.name)
@@ -341,8 +341,7 @@ def compute(spec: TraceSpec):
     spec = check_spec(spec)
     config = model_config(spec.model, spec.preset, spec.input)
     x, target = batch(spec, config)
-    initial = build_reference(spec).state_dict()
-    params0 = {name: initial[name] for name, _ in build_reference(spec).named_parameters()}
+    params0 = {name: p.data.copy() for name, p in build_reference(spec).named_parameters()}   # float64
     content, layers64 = {}, None
     for dtype in spec.dtypes:
         model = build_reference(spec, dtype=dtype)
@@ -356,7 +355,7 @@ def compute(spec: TraceSpec):
         for s in range(spec.steps):
             tensors, loss, masks = run_step(model, layers, xd, td, s)
             for layer in layers:
-                for t, param_name in layer.params.items():
+                for t in layer.params:
                     parameter(layer, t).grad = tensors[layer.name][t]
             optimizer.step()
             optimizer.zero_grad()
