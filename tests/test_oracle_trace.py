@@ -103,7 +103,7 @@ def test_torch_twin_passes_cosmoflow(traces, tmp_path, grid):
         {"forward", "loss", "backward", "update"}
 
 
-@pytest.mark.parametrize("grid", [(1, 1, 2, 2), (2, 1, 1, 1)], ids=lambda g: "-".join(map(str, g)))
+@pytest.mark.parametrize("grid", [(1, 1, 2, 2), (2, 1, 1, 1), (1, 3, 1, 1)], ids=lambda g: "-".join(map(str, g)))
 def test_torch_twin_passes_unet(traces, tmp_path, grid):
     trace = torch_results(traces("unet3d", grid), tmp_path / "r.h5")
     assert [f.where for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"] == []
@@ -142,6 +142,7 @@ PLANTS = [
      "the adjoint halo exchange is missing"),
     ("unet3d", (1, 1, 2, 2), "adjoint-halo:enc1.3:2", "backward", "enc1.3", "dx", [2],
      "the adjoint halo exchange is missing"),
+    ("unet3d", (1, 3, 1, 1), "halo:pool0:0", "forward", "pool0", "y", [0], "pooled without its halo"),
     ("unet3d", (1, 1, 2, 2), "bn-local-stats:enc1.1", "forward", "enc1.1", "y", [0, 1, 2, 3],
      "not reduced over the spatial group"),
     ("unet3d", (2, 1, 1, 1), "bn-local-stats:dec0.4", "forward", "dec0.4", "y", [0, 1],
@@ -344,6 +345,9 @@ def test_unusable_files_exit_2(traces, tmp_path, capsys):
     assert "dtype float32, expected float64" in capsys.readouterr().err
     assert main(["oracle", "trace", "run-torch", path, "--out", str(tmp_path / "x.h5"), "--plant", "halo:head.0:1"]) == 2
     assert "needs a window layer" in capsys.readouterr().err
+    uneven = traces("unet3d", (1, 3, 1, 1), dtypes=("float64",))       # D blocks 3, 3, 2: pool0 of rank 0 reads past
+    assert main(["oracle", "trace", "run-torch", uneven, "--out", str(tmp_path / "x.h5"), "--plant", "halo:pool0:1"]) == 2
+    assert "rank 1's windows of pool0 stay inside its own block" in capsys.readouterr().err
     with h5py.File(tmp_path / "empty.h5", "w") as h5:
         h5.attrs["trace_digest"] = T.load_trace(path).digest
     assert main(["oracle", "trace", "check", path, str(tmp_path / "empty.h5")]) == 2

@@ -699,17 +699,33 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
             else "the spatial and data groups"
         return (f"batch-norm statistics of each failing rank's own block (rank(s) {', '.join(map(str, matched))}): "
                 f"not reduced over {group}")
-    with_faces = [r for r in range(ranks) if internal_faces(tuple(x.shape), grid, r)]
-    every_face = all(m[0] == "all" or m[3] == 1 for m in matched.values())
-    if set(matched) == set(with_faces) and every_face and len(with_faces) > 1:
+    def only_own_block(r):
+        """Rank r's block of y computed from its own input block alone (zeros beyond every face)."""
+        in_sl = T.rank_slices(tuple(x.shape), grid, r)
+        out_sl = T.rank_slices(tuple(want.shape), grid, r)
+        x_bug = numpy.zeros_like(x)
+        x_bug[in_sl] = x[in_sl]
+        return ref.forward64(entry["name"], x_bug, mask)[out_sl], out_sl
+
+    def close(a, b):
+        return a.size == 0 or float(numpy.max(numpy.abs(a - b))) <= 4 * tol * scale
+
+    # the ranks whose windows read past their block at all, and whether each of them read zeros there
+    reads_past = [r for r in range(ranks) if internal_faces(tuple(x.shape), grid, r)
+                  and not close(*(lambda y, sl: (y, want[sl]))(*only_own_block(r)))]
+    if len(reads_past) > 1 and set(matched) == set(reads_past) and \
+            all(close(only_own_block(r)[0], got[r][0]) for r in reads_past):
         return ("every rank computed its block as if its internal faces were the domain's edge: padding applied "
-                "at internal faces instead of a halo exchange")
+                "at internal faces instead of a halo exchange"
+                + (" (pooled locally, without a halo)" if "pool" in entry["kind"] else ""))
+    pooling = "pool" in entry["kind"]
     parts = []
     for r, m in matched.items():
         if m[0] == "face":
             axis, side = "DHW"[m[1] - 2], m[2]
             parts.append(f"rank {r} read zeros beyond its {axis} {side} face (a neighbour's cells): the forward halo "
-                         f"exchange delivered zeros there, or padding was applied at that internal face")
+                         f"exchange delivered zeros there, or padding was applied at that internal face"
+                         + (" (pooled without its halo)" if pooling else ""))
         else:
             parts.append(f"rank {r} read zeros beyond all its internal faces: no halo exchange (padding at internal faces)")
     return "; ".join(parts)

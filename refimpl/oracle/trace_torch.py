@@ -18,7 +18,7 @@ autograd, so their backward is the buggy forward's:
 
 | plant | the mistake |
 |---|---|
-| ``halo:LAYER:R`` | rank R computes its block of LAYER with zeros beyond its first internal face (the forward halo delivered zeros) |
+| ``halo:LAYER:R`` | rank R computes its block of LAYER with zeros beyond the first internal face its windows read past (the forward halo delivered zeros) |
 | ``inner-padding:LAYER`` | every rank computes its block of LAYER as if its internal faces were the domain's edge (padding instead of a halo) |
 | ``adjoint-halo:LAYER:R`` | rank R's dx of LAYER keeps only the gradient of its own outputs: the ghost gradients its neighbours computed for its cells never arrive (the adjoint halo exchange is missing); the wrong dx flows on backward |
 | ``bn-local-stats:LAYER`` | batch norm LAYER normalises every rank's block by that block's own statistics (not reduced) |
@@ -81,11 +81,12 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: no layer {parts[1]!r} in the trace (layers: {', '.join(names)})")
         plant.layer = parts[1]
         entry = trace.layer(plant.layer)
-        if kind in ("halo", "inner-padding", "adjoint-halo") and (entry["kind"] not in WINDOW_KINDS
-                                                  or not _reads_neighbours(trace, plant.layer)):
-            raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows reach past a block "
-                             f"(kernel > stride, or padding); {plant.layer} is {entry['kind']}"
-                             + ("" if entry["kind"] not in WINDOW_KINDS else " with no halo"))
+        if kind in ("halo", "inner-padding", "adjoint-halo") and (
+                entry["kind"] not in WINDOW_KINDS
+                or not any(halo_faces(trace, plant.layer, r) for r in range(spec.ranks))):
+            raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows read past a rank's "
+                             f"block on grid {list(spec.grid)}; {plant.layer} is {entry['kind']}"
+                             + ("" if entry["kind"] not in WINDOW_KINDS else " with no halo there"))
         if kind == "bn-local-stats" and entry["kind"] != "batch_norm3d":
             raise ValueError(f"--plant {text}: {plant.layer} is {entry['kind']}, not batch_norm3d")
         if kind in ("dw-unsummed", "dw-count", "update-skip") and not entry["params"]:
@@ -102,19 +103,42 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: RANK must be an integer, got {parts[2]!r}") from None
         if not 0 <= plant.rank < spec.ranks:
             raise ValueError(f"--plant {text}: the trace's grid {list(spec.grid)} has ranks 0..{spec.ranks - 1}")
-        if kind in ("halo", "adjoint-halo") and not internal_faces(trace.layer(plant.layer)["x_shape"], spec.grid, plant.rank):
+        if kind == "halo" and not halo_faces(trace, plant.layer, plant.rank):
+            raise ValueError(f"--plant {text}: rank {plant.rank}'s windows of {plant.layer} stay inside its own "
+                             f"block on grid {list(spec.grid)} (no halo to lose)")
+        if kind == "adjoint-halo" and not internal_faces(trace.layer(plant.layer)["x_shape"], spec.grid, plant.rank):
             raise ValueError(f"--plant {text}: rank {plant.rank}'s block of {plant.layer}'s input has no "
-                             f"internal face on grid {list(spec.grid)} (no halo to lose)")
+                             f"internal face on grid {list(spec.grid)} (no ghost gradients to lose)")
     return plant
 
 
-def _reads_neighbours(trace: Trace, name: str) -> bool:
-    """Whether the windows of layer ``name`` read cells of the neighbouring blocks (a halo)."""
+def halo_faces(trace: Trace, name: str, rank: int) -> list:
+    """(axis, side) of each face of rank's input block of layer ``name`` that its outputs'
+    windows read past (partition.needed_input_range: the halo it needs from a neighbour)."""
+    from ..parallel.partition import needed_input_range, transposed_needed_input_range
     from .trace import build_reference, model_layers
     module = next(l.module for l in model_layers(trace.spec.model, build_reference(trace.spec)) if l.name == name)
-    dilation = getattr(module, "dilation", (1, 1, 1))
-    return any((k - 1) * d + 1 > s for k, d, s in zip(module.kernel_size, dilation, module.stride)) \
-        or any(module.padding)
+    entry = trace.layer(name)
+    x_block = rank_slices(entry["x_shape"], trace.spec.grid, rank)
+    y_block = rank_slices(entry["y_shape"], trace.spec.grid, rank)
+    pads = list(module.padding)
+    pads = [(p, p) for p in pads] if len(pads) == 3 else list(zip(pads[0::2], pads[1::2]))
+    faces = []
+    for a in range(3):
+        k, s, d = module.kernel_size[a], module.stride[a], getattr(module, "dilation", (1, 1, 1))[a]
+        o0, o1, n_in = y_block[2 + a].start, y_block[2 + a].stop, entry["x_shape"][2 + a]
+        if o0 == o1:
+            continue
+        if entry["kind"] == "conv_transpose3d":
+            i0, i1 = transposed_needed_input_range(o0, o1, k, s, pads[a][0], d, n_in,
+                                                   getattr(module, "output_padding", (0, 0, 0))[a])
+        else:
+            (i0, i1), _ = needed_input_range(o0, o1, k, s, pads[a], d, n_in)
+        if i0 < x_block[2 + a].start:
+            faces.append((2 + a, "low"))
+        if i1 > x_block[2 + a].stop:
+            faces.append((2 + a, "high"))
+    return faces
 
 
 def run_trace(trace: Trace, plant: Plant | None = None) -> dict:
@@ -146,6 +170,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
     target = torch.as_tensor(data["target"])
     loss_fn = torch.nn.MSELoss() if spec.model == "cosmoflow" else torch.nn.CrossEntropyLoss()
     state = {"busy": False, "record": {}}
+    face = halo_faces(trace, plant.layer, plant.rank)[0] if plant is not None and plant.kind == "halo" else None
 
     def fresh(module, inp):
         """The module on ``inp`` with the hooks silent (a planted rank's recomputation)."""
@@ -173,7 +198,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
             if state["busy"]:
                 return None
             if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats"):
-                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh)
+                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, face)
             if plant is not None and plant.layer == name and state.get("stale") is not None:
                 out = _stale_block(module, args[0], out, state["stale"], spec.grid, plant.rank, fresh)
             out.retain_grad()
@@ -244,7 +269,7 @@ def _cut(array, grid):
     return out
 
 
-def _planted_forward(plant, grid, module, x, out, fresh):
+def _planted_forward(plant, grid, module, x, out, fresh, face=None):
     """``out`` with the planted ranks' blocks recomputed the buggy way (through autograd)."""
     import torch
     out = out.clone()
@@ -254,8 +279,8 @@ def _planted_forward(plant, grid, module, x, out, fresh):
         if plant.kind == "bn-local-stats":
             out[out_sl] = fresh(module, x[in_sl])
             continue
-        if plant.kind == "halo":                       # zeros beyond the first internal face
-            axis, side = internal_faces(tuple(x.shape), grid, r)[0]
+        if plant.kind == "halo":                       # zeros beyond the first face it reads past
+            axis, side = face
             keep = [slice(None)] * 5
             keep[axis] = slice(0, in_sl[axis].stop) if side == "low" else slice(in_sl[axis].start, None)
             cut = [slice(None)] * 5
