@@ -14,18 +14,23 @@ encoder output feeds the pooling and the skip, whose gradients add up in the ori
 
 ``--plant KIND:LAYER[:RANK]`` builds one known mistake into one layer (on one rank), the
 way a partitioned implementation would make it; the forward mistakes go through
-autograd, so their backward is the buggy forward's:
+autograd, so their backward is the buggy forward's::
 
-| plant | the mistake |
-|---|---|
-| ``halo:LAYER:R`` | rank R computes its block of LAYER with zeros beyond the first internal face its windows read past (the forward halo delivered zeros) |
-| ``inner-padding:LAYER`` | every rank computes its block of LAYER as if its internal faces were the domain's edge (padding instead of a halo) |
-| ``adjoint-halo:LAYER:R`` | rank R's dx of LAYER keeps only the gradient of its own outputs: the ghost gradients its neighbours computed for its cells never arrive (the adjoint halo exchange is missing); the wrong dx flows on backward |
-| ``bn-local-stats:LAYER`` | batch norm LAYER normalises every rank's block by that block's own statistics (not reduced) |
-| ``dw-unsummed:LAYER:R`` | rank R reports its own contribution to LAYER's dw/db only (the allreduce is missing there) |
-| ``dw-count:LAYER`` | LAYER's dw/db divided by the number of ranks P (averaged over the whole grid instead of summed over the spatial shards), and the update uses them |
-| ``loss-count`` | the loss (and so every gradient) multiplied by P: normalised by one rank's count |
-| ``update-skip:LAYER:R`` | rank R does not apply the update to LAYER's parameters (its parameters drift from the others'), and computes its block of LAYER with them in the later steps |
+    halo:LAYER:R          rank R computes its block of LAYER with zeros beyond the first internal
+                          face its windows read past (the forward halo delivered zeros)
+    inner-padding:LAYER   every rank computes its block of LAYER as if its internal faces were the
+                          domain's edge (padding instead of a halo)
+    adjoint-halo:LAYER:R  rank R's dx of LAYER keeps only the gradient of its own outputs: the ghost
+                          gradients its neighbours computed for its cells never arrive; the wrong dx
+                          flows on backward
+    bn-local-stats:LAYER  batch norm LAYER normalises each rank's block by that block's own
+                          statistics (not reduced)
+    dw-unsummed:LAYER:R   rank R reports its own contribution to LAYER's dw/db only (no allreduce there)
+    dw-count:LAYER        LAYER's dw/db divided by the number of ranks P (averaged over the whole grid
+                          instead of summed over the spatial shards), and the update uses them
+    loss-count            the loss (and so every gradient) multiplied by P: normalised by one rank's count
+    update-skip:LAYER:R   rank R does not apply the update to LAYER's parameters, and computes its block
+                          of LAYER with its own (stale) ones in the later steps: the parameters drift
 """
 from __future__ import annotations
 
