@@ -57,6 +57,7 @@ PARAM_TENSORS = {"weight": "dw", "bias": "db"}      # parameter attribute -> its
 KIND_OF_CLASS = {"LeakyReLU": "leaky_relu", "ReLU": "relu", "ScaledTanh": "scaled_tanh", "Tanh": "tanh",
                  "Dropout": "dropout", "SpatialDropout": "dropout"}
 MAX_STEPS = 100
+WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
 
 
 # ---------------------------------------------------------------- what a trace is of
@@ -211,6 +212,17 @@ def rank_slices(shape, grid, rank: int) -> tuple:
     if len(shape) == 2:
         return block_slices(shape, (grid[0], 1), (n, 0))
     raise ValueError(f"no rank blocks for a tensor of shape {tuple(shape)}")
+
+
+def internal_faces(shape, grid, rank):
+    """(axis, side) of each face of rank's block of a 5-d tensor that borders another rank."""
+    faces = []
+    for axis, sl in zip((2, 3, 4), rank_slices(shape, grid, rank)[2:]):
+        if sl.start > 0:
+            faces.append((axis, "low"))
+        if sl.stop < shape[axis]:
+            faces.append((axis, "high"))
+    return faces
 
 
 def offset_of(slices) -> list:

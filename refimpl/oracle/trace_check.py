@@ -39,13 +39,11 @@ import numpy
 
 from . import trace as T
 from .casefile import UnusableInput
-from .trace_torch import internal_faces
 
 EPS = {"float64": float(numpy.finfo(numpy.float64).eps), "float32": float(numpy.finfo(numpy.float32).eps)}
 SAFETY = 16               # the layer oracle's factor over eps·sqrt(K)
 SPREAD_FACTOR = 16        # float32: the tolerance over the float32-vs-float64 spread of the reference
 TENSORS = ("y", "dx", "dw", "db")
-WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")
 
 
 # ---------------------------------------------------------------- the peer's results file
@@ -656,7 +654,7 @@ def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed
 
 def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
     """What a known mistake in the failing ranks' blocks of y rebuilds, in words, or None."""
-    if entry["kind"] not in WINDOW_KINDS + ("batch_norm3d",) or len(entry["y_shape"]) != 5:
+    if entry["kind"] not in T.WINDOW_KINDS + ("batch_norm3d",) or len(entry["y_shape"]) != 5:
         return None
     scale = float(numpy.max(numpy.abs(want))) or 1.0
     got = {r: (a, o) for r, a, o in blocks if r is not None}
@@ -676,7 +674,7 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
             if same(ref.forward64(entry["name"], x[in_sl], mask)):
                 matched[r] = ("bn",)
             continue
-        faces = internal_faces(tuple(x.shape), grid, r)
+        faces = T.internal_faces(tuple(x.shape), grid, r)
         for axis, side in faces:
             cut = [slice(None)] * 5
             cut[axis] = slice(0, in_sl[axis].start) if side == "low" else slice(in_sl[axis].stop, None)
@@ -711,7 +709,7 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
         return a.size == 0 or float(numpy.max(numpy.abs(a - b))) <= 4 * tol * scale
 
     # the ranks whose windows read past their block at all, and whether each of them read zeros there
-    reads_past = [r for r in range(ranks) if internal_faces(tuple(x.shape), grid, r)
+    reads_past = [r for r in range(ranks) if T.internal_faces(tuple(x.shape), grid, r)
                   and not close(*(lambda y, sl: (y, want[sl]))(*only_own_block(r)))]
     if len(reads_past) > 1 and set(matched) == set(reads_past) and \
             all(close(only_own_block(r)[0], got[r][0]) for r in reads_past):
@@ -781,7 +779,7 @@ def diagnose_gradient(ref, entry, tensor, x, dy, mask, want, blocks, bad, tol, g
                 if float(numpy.max(numpy.abs(array - part))) <= 4 * tol * scale:
                     pattern = (f"{tensor} is summed over the data group only (the sample groups of its spatial "
                                f"block), not over the spatial shards")
-        if tensor == "dx" and r is not None and entry["kind"] in WINDOW_KINDS and r < int(numpy.prod(grid)):
+        if tensor == "dx" and r is not None and entry["kind"] in T.WINDOW_KINDS and r < int(numpy.prod(grid)):
             own = _own_input_gradient(ref, entry, x, dy, mask, grid, r)[sl]
             if float(numpy.max(numpy.abs(array - own))) <= 4 * tol * scale:
                 pattern = ("dx holds only the gradient of its own outputs: the ghost gradients its neighbours "

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from .trace import OPTIMIZERS, Trace, model_config, rank_slices
+from .trace import OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, model_config, rank_slices
 
-PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "bn-local-stats": "layer", "dw-unsummed": "layer:rank",
-          "dw-count": "layer", "loss-count": "", "update-skip": "layer:rank"}
-WINDOW_KINDS = ("conv3d", "max_pool3d", "avg_pool3d", "conv_transpose3d")
+PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "bn-local-stats": "layer",
+          "dw-unsummed": "layer:rank", "dw-count": "layer", "loss-count": "", "update-skip": "layer:rank"}
 
 
 @dataclass
@@ -50,17 +49,6 @@ class Plant:
     kind: str
     layer: str | None = None
     rank: int | None = None
-
-
-def internal_faces(shape, grid, rank):
-    """(axis, side) of each face of rank's block of a 5-d tensor that borders another rank."""
-    faces = []
-    for axis, sl in zip((2, 3, 4), rank_slices(shape, grid, rank)[2:]):
-        if sl.start > 0:
-            faces.append((axis, "low"))
-        if sl.stop < shape[axis]:
-            faces.append((axis, "high"))
-    return faces
 
 
 def parse_plant(text: str | None, trace: Trace) -> Plant | None:
@@ -376,4 +364,4 @@ def write_results(path: str, trace: Trace, results: dict) -> None:
     atomic_write(path, write, binary=True)
 
 
-__all__ = ["PLANTS", "Plant", "parse_plant", "run_trace", "write_results", "internal_faces"]
+__all__ = ["PLANTS", "Plant", "parse_plant", "run_trace", "write_results", "halo_faces"]
