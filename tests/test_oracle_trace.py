@@ -143,6 +143,7 @@ PLANTS = [
     ("unet3d", (1, 1, 2, 2), "adjoint-halo:enc1.3:2", "backward", "enc1.3", "dx", [2],
      "the adjoint halo exchange is missing"),
     ("unet3d", (1, 3, 1, 1), "halo:pool0:0", "forward", "pool0", "y", [0], "pooled without its halo"),
+    ("unet3d", (1, 3, 1, 1), "stride-phase:pool0:1", "forward", "pool0", "y", [1], "strided windows misplaced"),
     ("unet3d", (1, 1, 2, 2), "bn-local-stats:enc1.1", "forward", "enc1.1", "y", [0, 1, 2, 3],
      "not reduced over the spatial group"),
     ("unet3d", (2, 1, 1, 1), "bn-local-stats:dec0.4", "forward", "dec0.4", "y", [0, 1],

@@ -75,6 +75,7 @@ and write every rank's blocks in the results layout (docs/oracle.md, Model trace
   halo:LAYER:R           rank R's block computed with zeros beyond its first internal face
   inner-padding:LAYER    every rank pads its block at its internal faces (no halo)
   adjoint-halo:LAYER:R   rank R's dx lacks the ghost gradients its neighbours send back
+  stride-phase:LAYER:R   rank R's strided windows restart at its own block's first cell
   bn-local-stats:LAYER   batch norm normalises each rank's block by its own statistics
   dw-unsummed:LAYER:R    rank R reports its own share of dw/db (no allreduce there)
   dw-count:LAYER         dw/db divided by the number of ranks P (and the update uses them)

@@ -23,6 +23,8 @@ autograd, so their backward is the buggy forward's::
     adjoint-halo:LAYER:R  rank R's dx of LAYER keeps only the gradient of its own outputs: the ghost
                           gradients its neighbours computed for its cells never arrive; the wrong dx
                           flows on backward
+    stride-phase:LAYER:R  rank R's strided windows of LAYER restart at its own input block's first
+                          cell instead of the global stride grid
     bn-local-stats:LAYER  batch norm LAYER normalises each rank's block by that block's own
                           statistics (not reduced)
     dw-unsummed:LAYER:R   rank R reports its own contribution to LAYER's dw/db only (no allreduce there)
@@ -40,7 +42,8 @@ import numpy
 
 from .trace import OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, model_config, rank_slices
 
-PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "bn-local-stats": "layer",
+PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "stride-phase": "layer:rank",
+          "bn-local-stats": "layer",
           "dw-unsummed": "layer:rank", "dw-count": "layer", "loss-count": "", "update-skip": "layer:rank"}
 
 
@@ -74,7 +77,7 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: no layer {parts[1]!r} in the trace (layers: {', '.join(names)})")
         plant.layer = parts[1]
         entry = trace.layer(plant.layer)
-        if kind in ("halo", "inner-padding", "adjoint-halo") and (
+        if kind in ("halo", "inner-padding", "adjoint-halo", "stride-phase") and (
                 entry["kind"] not in WINDOW_KINDS
                 or not any(halo_faces(trace, plant.layer, r) for r in range(spec.ranks))):
             raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows read past a rank's "
@@ -99,23 +102,49 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
         if kind == "halo" and not halo_faces(trace, plant.layer, plant.rank):
             raise ValueError(f"--plant {text}: rank {plant.rank}'s windows of {plant.layer} stay inside its own "
                              f"block on grid {list(spec.grid)} (no halo to lose)")
+        if kind == "stride-phase" and not _phase_shift(trace, plant.layer, plant.rank):
+            raise ValueError(f"--plant {text}: rank {plant.rank}'s first window of {plant.layer} starts at its own "
+                             f"block's first cell on grid {list(spec.grid)} (no stride phase to lose)")
         if kind == "adjoint-halo" and not internal_faces(trace.layer(plant.layer)["x_shape"], spec.grid, plant.rank):
             raise ValueError(f"--plant {text}: rank {plant.rank}'s block of {plant.layer}'s input has no "
                              f"internal face on grid {list(spec.grid)} (no ghost gradients to lose)")
     return plant
 
 
+def _module(trace: Trace, name: str):
+    """Layer ``name``'s module in the trace's reference model (its kernel, stride, padding)."""
+    from .trace import build_reference, model_layers
+    return next(l.module for l in model_layers(trace.spec.model, build_reference(trace.spec)) if l.name == name)
+
+
+def _pads(module) -> list:
+    """(low, high) padding per axis of a window module (3 or 6 compact integers)."""
+    pads = list(module.padding)
+    return [(p, p) for p in pads] if len(pads) == 3 else list(zip(pads[0::2], pads[1::2]))
+
+
+def _phase_shift(trace: Trace, name: str, rank: int) -> bool:
+    """Whether rank's first window of ``name`` (global stride grid) starts elsewhere than its
+    own input block's first cell: where restarting the windows there is a mistake."""
+    module, entry = _module(trace, name), trace.layer(name)
+    if entry["kind"] == "conv_transpose3d":
+        return False
+    x_block = rank_slices(entry["x_shape"], trace.spec.grid, rank)
+    y_block = rank_slices(entry["y_shape"], trace.spec.grid, rank)
+    pads = _pads(module)
+    return any(y_block[2 + a].stop > y_block[2 + a].start and
+               module.stride[a] * y_block[2 + a].start - pads[a][0] != x_block[2 + a].start for a in range(3)
+               if x_block[2 + a].start > 0)
+
+
 def halo_faces(trace: Trace, name: str, rank: int) -> list:
     """(axis, side) of each face of rank's input block of layer ``name`` that its outputs'
     windows read past (partition.needed_input_range: the halo it needs from a neighbour)."""
     from ..parallel.partition import needed_input_range, transposed_needed_input_range
-    from .trace import build_reference, model_layers
-    module = next(l.module for l in model_layers(trace.spec.model, build_reference(trace.spec)) if l.name == name)
-    entry = trace.layer(name)
+    module, entry = _module(trace, name), trace.layer(name)
     x_block = rank_slices(entry["x_shape"], trace.spec.grid, rank)
     y_block = rank_slices(entry["y_shape"], trace.spec.grid, rank)
-    pads = list(module.padding)
-    pads = [(p, p) for p in pads] if len(pads) == 3 else list(zip(pads[0::2], pads[1::2]))
+    pads = _pads(module)
     faces = []
     for a in range(3):
         k, s, d = module.kernel_size[a], module.stride[a], getattr(module, "dilation", (1, 1, 1))[a]
@@ -164,6 +193,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
     loss_fn = torch.nn.MSELoss() if spec.model == "cosmoflow" else torch.nn.CrossEntropyLoss()
     state = {"busy": False, "record": {}}
     face = halo_faces(trace, plant.layer, plant.rank)[0] if plant is not None and plant.kind == "halo" else None
+    pads = _pads(_module(trace, plant.layer)) if plant is not None and plant.kind == "stride-phase" else None
 
     def fresh(module, inp):
         """The module on ``inp`` with the hooks silent (a planted rank's recomputation)."""
@@ -190,8 +220,9 @@ def _run_dtype(trace: Trace, dtype: str, plant):
         def hook(module, args, out):
             if state["busy"]:
                 return None
-            if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats"):
-                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, face)
+            if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats",
+                                                                            "stride-phase"):
+                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, face, pads)
             if plant is not None and plant.layer == name and state.get("stale") is not None:
                 out = _stale_block(module, args[0], out, state["stale"], spec.grid, plant.rank, fresh)
             out.retain_grad()
@@ -262,15 +293,20 @@ def _cut(array, grid):
     return out
 
 
-def _planted_forward(plant, grid, module, x, out, fresh, face=None):
+def _planted_forward(plant, grid, module, x, out, fresh, face=None, pads=None):
     """``out`` with the planted ranks' blocks recomputed the buggy way (through autograd)."""
     import torch
     out = out.clone()
-    ranks = [plant.rank] if plant.kind == "halo" else range(int(numpy.prod(grid)))
+    ranks = [plant.rank] if plant.kind in ("halo", "stride-phase") else range(int(numpy.prod(grid)))
     for r in ranks:
         in_sl, out_sl = rank_slices(tuple(x.shape), grid, r), rank_slices(tuple(out.shape), grid, r)
         if plant.kind == "bn-local-stats":
             out[out_sl] = fresh(module, x[in_sl])
+            continue
+        if plant.kind == "stride-phase":             # windows from its own block's first cell on
+            starts = [max(in_sl[2 + a].start + pads[a][0], 0) for a in range(3)]
+            y_own = fresh(module, x[(in_sl[0], slice(None)) + tuple(slice(a, None) for a in starts)])
+            out[out_sl] = y_own[(slice(None), slice(None)) + tuple(slice(0, sl.stop - sl.start) for sl in out_sl[2:])]
             continue
         if plant.kind == "halo":                       # zeros beyond the first face it reads past
             axis, side = face
