@@ -319,6 +319,8 @@ BAD = [
      "must be divisible by 4"),
     (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1", "--out", "t.txt"], "ending in .h5"),
     (["layers", "--model", "unet3d", "--input", "2,1,8"], "--input must be 5 positive integers"),
+    (["generate", "--model", "unet3d", "--preset", "default", "--grid", "1,1,1,1", "--out", "t.h5"],
+     "GiB: give a smaller --input"),
 ]
 
 

@@ -57,6 +57,7 @@ PARAM_TENSORS = {"weight": "dw", "bias": "db"}      # parameter attribute -> its
 KIND_OF_CLASS = {"LeakyReLU": "leaky_relu", "ReLU": "relu", "ScaledTanh": "scaled_tanh", "Tanh": "tanh",
                  "Dropout": "dropout", "SpatialDropout": "dropout"}
 MAX_STEPS = 100
+MAX_TRACE_BYTES = 8 * 2 ** 30       # a trace past this is a mistake of --input (the file holds every activation)
 WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
 
 
@@ -118,8 +119,27 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
         raise ValueError(f"--seed must be an integer in [0, 2^32), got {spec.seed!r}")
     if spec.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+    size = trace_bytes(spec.model, spec.preset, spec.input, spec.steps, dtypes)
+    if size > MAX_TRACE_BYTES:
+        raise ValueError(f"a trace of {spec.model} {spec.preset} with input {list(spec.input)} would hold about "
+                         f"{size / 2 ** 30:.0f} GiB ({spec.steps} step(s), {', '.join(dtypes)}), more than "
+                         f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
+                         f"are for training, a trace checks the same layers at any size the model allows)")
     return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,
                      spec.optimizer)
+
+
+def trace_bytes(model: str, preset: str, input_shape, steps: int, dtypes) -> int:
+    """About the bytes of a trace: y and dx of every layer, globally and in rank blocks,
+    per step and dtype (from ``describe()``: nothing is built)."""
+    from ..models import MODELS
+    config = model_config(model, preset, input_shape)
+    n, cells = input_shape[0], int(numpy.prod(input_shape[1:]))
+    for entry in MODELS[model].describe(config):
+        out = entry["c_out"] * int(numpy.prod(entry["out_dhw"] or (1,)))
+        cells += 2 * out if entry["kind"] in ("conv3d", "batch_norm3d") else out   # + its activation
+    per_dtype = sum(numpy.dtype(d).itemsize for d in dtypes)
+    return int(4 * n * cells * steps * per_dtype)                   # y and dx, global and blocks
 
 
 def digest(spec: TraceSpec) -> str:
