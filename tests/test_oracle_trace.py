@@ -272,6 +272,29 @@ def test_the_layer_level_diagnoses_apply_to_a_traced_layer(traces, tmp_path):
     assert "shifted by +1 along W" in first.diagnosis
 
 
+def test_any_subset_is_judged(traces, tmp_path, capsys):
+    """Forward only, some layers, some ranks: what is there is judged; a layer whose input
+    the peer did not report is judged on the trace's (and says so)."""
+    path = traces("cosmoflow", (1, 1, 2, 2), dtypes=("float64",))
+    trace = torch_results(path, tmp_path / "r.h5", "halo:features.3:2")
+    with h5py.File(tmp_path / "r.h5", "a") as h5:
+        step = h5["float64/step/0"]
+        for name in ("loss", "update", "features.2", "head.3"):
+            del step[name]
+        for name in list(step):
+            for r in list(step[f"{name}/rank"]):
+                for t in list(step[f"{name}/rank/{r}"]):
+                    if t != "y" or r == "3":
+                        del step[f"{name}/rank/{r}/{t}"]
+    findings = judged(trace, tmp_path / "r.h5")
+    assert {f.phase for f in findings} == {"forward"}
+    first = next(f for f in findings if f.status == "fail")
+    assert (first.layer, first.ranks) == ("features.3", [2]) and "rank 2 read zeros" in first.diagnosis
+    assert "input from the trace (features.2 not fully reported)" in first.note
+    assert main(["oracle", "trace", "check", path, str(tmp_path / "r.h5")]) == 1
+    assert "first finding: float64 step 0 forward features.3 y (rank 2)" in capsys.readouterr().out
+
+
 def test_blocks_without_offset_are_the_traces_blocks(traces, tmp_path):
     trace = T.load_trace(traces("cosmoflow", (1, 1, 2, 2), dtypes=("float64",)))
     write_buggy_step(trace, tmp_path / "mine.h5", {}, offsets=False)
@@ -351,6 +374,11 @@ def test_unusable_files_exit_2(traces, tmp_path, capsys):
     uneven = traces("unet3d", (1, 3, 1, 1), dtypes=("float64",))       # D blocks 3, 3, 2: pool0 of rank 0 reads past
     assert main(["oracle", "trace", "run-torch", uneven, "--out", str(tmp_path / "x.h5"), "--plant", "halo:pool0:1"]) == 2
     assert "rank 1's windows of pool0 stay inside its own block" in capsys.readouterr().err
+    dice = str(tmp_path / "dice.h5")                 # the U-Net's 'default' preset trains on ce+dice
+    assert main(["oracle", "trace", "generate", "--model", "unet3d", "--preset", "default", "--input", "2,1,8,8,8",
+                 "--grid", "1,1,1,1", "--dtype", "float64", "--out", dice]) == 0
+    assert main(["oracle", "trace", "run-torch", dice, "--out", str(tmp_path / "x.h5")]) == 2
+    assert "has loss 'ce+dice'" in capsys.readouterr().err
     with h5py.File(tmp_path / "empty.h5", "w") as h5:
         h5.attrs["trace_digest"] = T.load_trace(path).digest
     assert main(["oracle", "trace", "check", path, str(tmp_path / "empty.h5")]) == 2
