@@ -295,6 +295,39 @@ def test_any_subset_is_judged(traces, tmp_path, capsys):
     assert "first finding: float64 step 0 forward features.3 y (rank 2)" in capsys.readouterr().out
 
 
+def test_a_peer_with_its_own_split_is_judged_and_located(traces, tmp_path):
+    """torch.chunk's split (W = 4 over 3 ranks: 2, 2, 0; the trace's is 2, 1, 1), every block
+    with its offset: a right peer passes, and a wrong block is found on the peer's own rank."""
+    from refimpl.parallel.partition import ceil_block_range
+    path = traces("cosmoflow", (1, 1, 1, 3), dtypes=("float64",))
+    trace = torch_results(path, tmp_path / "r.h5")
+
+    def rechunk(sick=None):
+        with h5py.File(tmp_path / "r.h5", "a") as h5:
+            step = h5["float64/step/0"]
+            for name in [n for n in step if n not in ("loss", "update")]:
+                for t in ("y", "dx"):
+                    shape = trace.layer(name)["y_shape" if t == "y" else "x_shape"]
+                    if len(shape) != 5 or f"{name}/rank/0/{t}" not in step:
+                        continue
+                    whole = numpy.zeros(shape)
+                    for r in step[f"{name}/rank"]:
+                        block = step[f"{name}/rank/{r}/{t}"]
+                        whole[tuple(slice(o, o + n) for o, n in zip(block.attrs["offset"], block.shape))] = block[()]
+                        del step[f"{name}/rank/{r}/{t}"]
+                    for r in range(3):
+                        w0, w1 = ceil_block_range(shape[4], 3, r)
+                        block = whole[..., w0:w1] * (1.01 if (name, t, r) == sick else 1.0)
+                        step.create_dataset(f"{name}/rank/{r}/{t}", data=block).attrs["offset"] = [0, 0, 0, 0, w0]
+
+    rechunk()
+    assert [f.where for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"] == []
+    rechunk(sick=("features.3", "y", 1))
+    first = next(f for f in judged(trace, tmp_path / "r.h5") if f.status == "fail")
+    assert (first.layer, first.tensor, first.ranks) == ("features.3", "y", [1])
+    assert 2 <= first.first_index[4] < 4 and f"{first.scale:.6g}" == "1.01"      # rank 1's chunk: W [2, 4)
+
+
 def test_blocks_without_offset_are_the_traces_blocks(traces, tmp_path):
     trace = T.load_trace(traces("cosmoflow", (1, 1, 2, 2), dtypes=("float64",)))
     write_buggy_step(trace, tmp_path / "mine.h5", {}, offsets=False)

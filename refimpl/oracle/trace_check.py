@@ -384,6 +384,15 @@ def _output_gradient(entry, consumers, peer_dx, step_trace, dout, last):
     return total, note
 
 
+def _never_stopping(diagnose, bad):
+    """A diagnosis, or None where the blocks do not fit its rebuild (a peer's own split: the
+    patterns assume the trace's grid); a diagnosis must never stop a report."""
+    try:
+        return diagnose(bad)
+    except (KeyError, IndexError, ValueError, TypeError, ArithmeticError):
+        return None
+
+
 def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed, traced, assembled, diagnose,
              layer_level=None):
     worst, bad, count, first = judge(want, blocks, tol)
@@ -391,9 +400,9 @@ def _finding(dtype, s, phase, name, tensor, want, blocks, tol, why, note, failed
                 mismatches=count, note=note)
     if bad:
         f.first_index, f.owner = first
-        f.diagnosis = diagnose(bad)
+        f.diagnosis = _never_stopping(diagnose, bad)
         if f.diagnosis is None and layer_level is not None:
-            f.diagnosis = layer_level(bad)
+            f.diagnosis = _never_stopping(layer_level, bad)
         whole = [b for b in blocks if b[0] in bad]
         f.scale = scalar_fit(numpy.concatenate([numpy.ravel(b[1]) for b in whole]),
                              numpy.concatenate([numpy.ravel(want[tuple(slice(a, a + n) for a, n in
