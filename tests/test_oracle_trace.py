@@ -196,10 +196,11 @@ def test_a_plant_through_the_cli_exits_1_and_names_the_cell(traces, tmp_path, ca
 
 # ---------------------------------------------------------------- a hand-written results file
 
-def write_buggy_step(trace, path, bugs, offsets=True):
+def write_buggy_step(trace, path, bugs, offsets=True, dx_scale=1.0):
     """A results file written by hand: refimpl's layers, each computing right on what it
     receives, except that ``bugs`` ({layer: (rank, factor)}) scale one rank's block of
-    that layer's y (and, as the adjoint, of the gradient at its output)."""
+    that layer's y (and, as the adjoint, of the gradient at its output); ``dx_scale``
+    multiplies the loss's gradient (the data-parallel convention: Pn)."""
     data, spec = trace.data["float64"], trace.spec
     model = T.build_reference(spec)
     T.load_parameters(model, data["initial"])
@@ -213,6 +214,7 @@ def write_buggy_step(trace, path, bugs, offsets=True):
         if layer.name in sick:
             acts[layer.name][sick[layer.name][0]] *= sick[layer.name][1]
     loss, dy, _ = model.loss(acts[layers[-1].name], data["target"])
+    dy = dy * dx_scale
     grads = {}
     for layer in reversed(layers):
         if layer.name in sick:
@@ -232,7 +234,7 @@ def write_buggy_step(trace, path, bugs, offsets=True):
                     if offsets:
                         block.attrs["offset"] = [s.start for s in sl]
             for t in layer.params:
-                h5[f"float64/step/0/{layer.name}/global/{t}"] = grads[layer.name][t]
+                h5[f"float64/step/0/{layer.name}/global/{t}"] = grads[layer.name][t] / dx_scale
 
 
 def test_one_layer_one_rank_scaled_is_named_and_the_rest_follows(traces, tmp_path):
@@ -246,6 +248,22 @@ def test_one_layer_one_rank_scaled_is_named_and_the_rest_follows(traces, tmp_pat
     assert f"{fails[0].scale:.6g}" == "1.01" and fails[0].first_index[2] >= 2     # rank 1 holds D 2..3
     follows = {(f.layer, f.tensor) for f in findings if f.status == "follows"}
     assert {("features.4", "y"), ("head.7", "y"), ("features.3", "dx"), ("features.3", "dw")} <= follows
+
+
+def test_the_data_parallel_gradient_convention_is_recognised(traces, tmp_path, capsys):
+    """Each of Pn sample groups normalising its loss by its own samples gives dx of Pn × the
+    global loss's (DDP, refimpl): no finding, a note; a wrong loss is still a finding."""
+    path = traces("cosmoflow", (2, 1, 1, 1), dtypes=("float64",))
+    trace = T.load_trace(path)
+    write_buggy_step(trace, tmp_path / "ddp.h5", {}, dx_scale=2.0)
+    findings = judged(trace, tmp_path / "ddp.h5")
+    assert [f.where for f in findings if f.status != "pass"] == []
+    assert any(f.phase == "convention" and "2 × the global loss's" in f.note for f in findings)
+    assert main(["oracle", "trace", "check", path, str(tmp_path / "ddp.h5")]) == 0
+    assert "note: float64 step 0: the input gradients carry 2 × the global loss's" in capsys.readouterr().out
+    trace_torch = torch_results(path, tmp_path / "bad.h5", "loss-count")
+    first = next(f for f in judged(trace_torch, tmp_path / "bad.h5") if f.status == "fail")
+    assert first.phase == "loss" and "2 × the expected" in first.diagnosis
 
 
 def test_a_second_independent_bug_later_is_named_too(traces, tmp_path):

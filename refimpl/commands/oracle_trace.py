@@ -206,11 +206,14 @@ def check(args) -> int:
     follows = [f for f in findings if f.status == "follows"]
     print(f"{'FAIL' if fails else 'PASS'} {args.results} against {args.trace} ({trace.spec.model} "
           f"{trace.spec.preset}, grid {list(trace.spec.grid)})")
+    for f in findings:
+        if f.phase == "convention":
+            print(f"    note: {f.dtype} step {f.step}: {f.note}")
     if fails:
         first = fails[0]
         print(f"    first finding: {first.where}: {first.diagnosis or 'no known pattern'}")
     for f in findings:
-        if f.status == "fail" or (args.verbose and f.status == "pass"):
+        if f.status == "fail" or (args.verbose and f.status == "pass" and f.phase != "convention"):
             print(_line(f))
     by_source = {}
     for f in follows:
@@ -218,7 +221,7 @@ def check(args) -> int:
         by_source.setdefault((f.dtype, f.note), []).append(f"{f.layer} {f.tensor}{step}")
     for (dtype, note), where in by_source.items():
         print(f"    {dtype} {note}: {', '.join(where)}")
-    passed = sum(f.status == "pass" for f in findings)
+    passed = sum(f.status == "pass" and f.phase != "convention" for f in findings)
     worst = {}
     for f in findings:
         if f.status == "pass" and f.max_rel is not None and f.tolerance:
@@ -228,7 +231,7 @@ def check(args) -> int:
     if worst:
         print("    passing: " + "; ".join(f"{d} worst {w.layer} {w.tensor} = {r:.2f} of its tolerance"
                                           for d, (r, w) in sorted(worst.items())))
-    print(f"{len(findings)} tensor(s): {passed} passed, {len(fails)} finding(s), {len(follows)} follow(s)")
+    print(f"{passed + len(fails) + len(follows)} tensor(s): {passed} passed, {len(fails)} finding(s), {len(follows)} follow(s)")
     code = 1 if fails else 0
     if args.json:
         text = json.dumps({"ok": code == 0, "exit": code, "trace": args.trace, "results": args.results,

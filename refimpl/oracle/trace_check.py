@@ -321,6 +321,12 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
 
     # ---- backward, in reverse
     consumers = {e["name"]: [c for c in trace.layers if e["name"] in c["inputs"]] for e in trace.layers}
+    scale = gradient_convention(trace, ref, results, step_trace, dout, layer_input, masks, loss_scale)
+    if scale != 1.0:
+        findings.append(Finding(dtype, s, "convention", "", "dx", "pass", note=(
+            f"the input gradients carry {scale:g} × the global loss's (the data-parallel convention: each of the "
+            f"{scale:g} sample groups normalises its loss by its own samples, and the parameter gradients are "
+            f"averaged over the groups); judged so, with dw and db those of the global loss")))
     peer_dx = {}
     for entry in reversed(trace.layers):
         name = entry["name"]
@@ -331,7 +337,7 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
             peer_dx[name] = _assemble(tuple(entry["x_shape"]), dx_blocks)
         if not wanted:
             continue
-        dy, dy_note = _output_gradient(entry, consumers[name], peer_dx, step_trace, dout, last)
+        dy, dy_note = _output_gradient(entry, consumers[name], peer_dx, step_trace, dout, last, scale)
         x, note = layer_input(entry)
         note = "; ".join(n for n in (note, dy_note) if n) or None
         wants = ref.backward(entry, x, dy, masks.get(name))
@@ -339,9 +345,13 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
             if t not in wants:
                 continue
             want, tol, why = wants[t]
+            if t != "dx":
+                want = want / scale            # the parameter gradients: of the global loss
             blocks = _blocks(layer_results, t)
             assembled = peer_dx.get(name) if t == "dx" else None
             traced = step_trace["tensors"][name].get(t)
+            if t == "dx" and traced is not None:
+                traced = traced * scale
             f = _finding(dtype, s, "backward", name, t, want, blocks, tol, why, note, failed, traced, assembled,
                          lambda bad, t=t, want=want, tol=tol, blocks=blocks:
                          diagnose_gradient(ref, entry, t, x, dy, masks.get(name), want, blocks, bad, tol, spec.grid),
@@ -361,16 +371,44 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
     return findings
 
 
-def _output_gradient(entry, consumers, peer_dx, step_trace, dout, last):
+def gradient_convention(trace, ref, results, step_trace, dout, layer_input, masks, loss_scale) -> float:
+    """Pn where the peer's input gradients carry Pn × the global loss's, else 1.
+
+    A data-parallel implementation normalises each sample group's loss by its own samples
+    (PyTorch's DDP; refimpl hands back Pn × dL/dout for the same reason) and averages the
+    parameter gradients over the Pn groups: its dx are then Pn × those of the global loss,
+    with nothing wrong.  Seen on the first layer (in backward order) whose dx the peer
+    reports, judged from the global loss's gradient, when the loss itself is right."""
+    pn = trace.spec.grid[0]
+    if pn == 1 or loss_scale is not None:
+        return 1.0
+    for entry in reversed(trace.layers):
+        blocks = _blocks(results.get(entry["name"], {"rank": {}, "global": {}}), "dx")
+        if not blocks:
+            continue
+        dy, _ = _output_gradient(entry, [c for c in trace.layers if entry["name"] in c["inputs"]], {},
+                                 step_trace, dout, trace.layers[-1]["name"])
+        x, _ = layer_input(entry)
+        want, tol, _ = ref.backward(entry, x, dy, masks.get(entry["name"]))["dx"]
+        got = numpy.concatenate([numpy.ravel(b) for _, b, _ in blocks])
+        wanted = numpy.concatenate([numpy.ravel(want[tuple(slice(o, o + n) for o, n in zip(off, b.shape))])
+                                    for _, b, off in blocks])
+        factor = scalar_fit(got, wanted, tol)
+        return float(pn) if factor is not None and abs(factor / pn - 1.0) < 1e-6 else 1.0
+    return 1.0
+
+
+def _output_gradient(entry, consumers, peer_dx, step_trace, dout, last, scale=1.0):
     """The gradient at a layer's output: d loss/d out for the last layer (from the peer's
-    output), else the sum of its consumers' input gradients (the peer's where reported)."""
+    output), else the sum of its consumers' input gradients (the peer's where reported);
+    ``scale``: the peer's gradient convention (``gradient_convention``)."""
     if entry["name"] == last:
-        return dout, None
+        return dout * scale, None
     total, missing = None, []
     for consumer in consumers:
         dx = peer_dx.get(consumer["name"])
         if dx is None:
-            dx = step_trace["tensors"][consumer["name"]]["dx"]
+            dx = step_trace["tensors"][consumer["name"]]["dx"] * scale
             missing.append(consumer["name"])
         start = 0
         for source in consumer["inputs"]:
