@@ -6,7 +6,7 @@ are left out: before the gradient synchroniser they are each rank's share), and 
 writes them in the documented results layout with each block's offset
 (``grid.local_block``: the blocks the spatial layers hold) and checks them against the
 trace computed unpartitioned: the trace's block math and refimpl's partitioned layers
-agree, and a real partitioned run is judged as the docs say (run under ``mpiexec -n N``
+agree, and a real partitioned run (float64 and float32) is judged as the docs say (run under ``mpiexec -n N``
 by tests/test_mpiexec.py; a 1-rank world in plain pytest).
 """
 import numpy as np
@@ -19,6 +19,8 @@ from refimpl.oracle import trace as T  # noqa: E402
 from refimpl.oracle.trace_check import check_trace, load_peer  # noqa: E402
 
 INPUTS = {"cosmoflow": (2, 4, 8, 8, 8), "unet3d": (2, 1, 8, 8, 8)}
+
+
 
 
 def recorded_step(model, trace, x, target):
@@ -60,28 +62,30 @@ def test_refimpl_partitioned_passes_its_trace(comm, grids, all_ranks_agree, tmp_
     for grid in plain[:2] + data_parallel[:1]:                           # spatial, and data-parallel
         path = comm.bcast(str(tmp_path / f"{name}.h5") if comm.rank == 0 else None)
         if comm.rank == 0:
-            T.write_trace(T.TraceSpec(name, "tiny", INPUTS[name], tuple(grid.dims[:4]), 1, ("float64",)), path)
+            T.write_trace(T.TraceSpec(name, "tiny", INPUTS[name], tuple(grid.dims[:4]), 1), path)
         comm.Barrier()
         trace = T.load_trace(path)
-        data = trace.data["float64"]
-        model = build_model(name, T.model_config(name, "tiny", INPUTS[name]), grid=grid, seed=0, dtype="float64",
-                            global_batch=INPUTS[name][0])
-        model.load_state_dict(data["initial"], strict=False)
-        blocks, loss = recorded_step(model, trace, data["x"], data["target"])
-        gathered = comm.gather(blocks)
+        mine = {}
+        for dtype in trace.spec.dtypes:          # refimpl in float64 and in float32
+            data = trace.data[dtype]
+            model = build_model(name, T.model_config(name, "tiny", INPUTS[name]), grid=grid, seed=0, dtype=dtype,
+                                global_batch=INPUTS[name][0])
+            model.load_state_dict(data["initial"], strict=False)
+            mine[dtype] = comm.gather(recorded_step(model, trace, data["x"], data["target"]))
         verdict = None
         if comm.rank == 0:
             results = path.replace(".h5", ".mine.h5")
             with h5py.File(results, "w") as h5:
                 h5.attrs["trace_digest"] = trace.digest
-                h5["float64/step/0/loss"] = loss
-                for rank, rank_blocks in enumerate(gathered):
-                    for layer, tensor, block, offset in rank_blocks:
-                        h5.create_dataset(f"float64/step/0/{layer}/rank/{rank}/{tensor}",
-                                          data=block).attrs["offset"] = offset
+                for dtype, gathered in mine.items():
+                    h5[f"{dtype}/step/0/loss"] = np.asarray(gathered[0][1], dtype=dtype)
+                    for rank, (rank_blocks, _) in enumerate(gathered):
+                        for layer, tensor, block, offset in rank_blocks:
+                            h5.create_dataset(f"{dtype}/step/0/{layer}/rank/{rank}/{tensor}",
+                                              data=block).attrs["offset"] = offset
             findings = check_trace(trace, load_peer(results, trace))
             verdict = ([f.where for f in findings if f.status != "pass"],
                        sum(f.phase == "forward" for f in findings), sum(f.phase == "backward" for f in findings))
         verdict = comm.bcast(verdict)
-        all_ranks_agree(verdict[0] == [] and verdict[1] == len(trace.layers) and verdict[2] > 0,
+        all_ranks_agree(verdict[0] == [] and verdict[1] == 2 * len(trace.layers) and verdict[2] > 0,
                         f"grid {grid.dims}: {verdict}")
