@@ -166,7 +166,10 @@ def halo_faces(trace: Trace, name: str, rank: int) -> list:
 def run_trace(trace: Trace, plant: Plant | None = None) -> dict:
     """{dtype: [per step {"layers": {name: {"y", "dx", "dw", "db": per-rank lists}}, "loss",
     "update", "update_ranks"}]}: the twin's steps, cut into the trace grid's blocks."""
-    return {dtype: _run_dtype(trace, dtype, plant) for dtype in trace.spec.dtypes}
+    import warnings
+    with warnings.catch_warnings():       # torch's note that an even kernel 'same' pads a copy: as meant
+        warnings.filterwarnings("ignore", message="Using padding='same' with even kernel")
+        return {dtype: _run_dtype(trace, dtype, plant) for dtype in trace.spec.dtypes}
 
 
 def _run_dtype(trace: Trace, dtype: str, plant):
