@@ -23,11 +23,12 @@ COSMO_INPUT, UNET_INPUT = (2, 4, 8, 8, 8), (2, 1, 8, 8, 8)
 GRIDS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2)]
 
 
-def make_trace(directory, model, grid, seed=0, dtypes=T.DTYPES, steps=1, optimizer="sgd"):
+def make_trace(directory, model, grid, seed=0, dtypes=T.DTYPES, steps=1, optimizer="sgd", preset="tiny"):
     shape = COSMO_INPUT if model == "cosmoflow" else UNET_INPUT
-    path = directory / f"{model}.{'-'.join(map(str, grid))}.s{seed}.{'-'.join(dtypes)}.k{steps}{optimizer}.h5"
+    path = directory / (f"{model}-{preset}.{'-'.join(map(str, grid))}.s{seed}.{'-'.join(dtypes)}."
+                        f"k{steps}{optimizer}.h5")
     if not path.exists():
-        T.write_trace(T.TraceSpec(model, "tiny", shape, grid, steps, tuple(dtypes), seed, optimizer), str(path))
+        T.write_trace(T.TraceSpec(model, preset, shape, grid, steps, tuple(dtypes), seed, optimizer), str(path))
     return str(path)
 
 
@@ -101,6 +102,12 @@ def test_torch_twin_passes_cosmoflow(traces, tmp_path, grid):
     assert [f.where for f in findings if f.status != "pass"] == []
     assert {f.dtype for f in findings} == {"float64", "float32"} and {f.phase for f in findings} == \
         {"forward", "loss", "backward", "update"}
+
+
+def test_torch_twin_passes_the_even_kernel_cosmoflow(traces, tmp_path):
+    """tiny-same: MLPerf's kernel 2 'same' (one cell of padding after, none before)."""
+    trace = torch_results(traces("cosmoflow", (1, 2, 1, 2), preset="tiny-same"), tmp_path / "r.h5")
+    assert [f.where for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"] == []
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 2, 2), (2, 1, 1, 1), (1, 3, 1, 1)], ids=lambda g: "-".join(map(str, g)))
