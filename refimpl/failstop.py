@@ -830,7 +830,8 @@ class SignalThread:
             self.previous[PREEMPTION] = signal.signal(getattr(signal, PREEMPTION), _note)
         _preemption.clear()
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        threading.Thread(target=self._wait, name="refimpl-signals", daemon=True).start()
+        self.thread = threading.Thread(target=self._wait, name="refimpl-signals", daemon=True)
+        self.thread.start()
 
     def _wait(self) -> None:
         import signal
@@ -849,13 +850,21 @@ class SignalThread:
                     _preemption.set()
 
     def close(self) -> None:
-        """Give the signals back (the command ended); a signal from now on acts as before."""
+        """Give the signals back (the command ended); a signal from now on acts as before.
+
+        The write end is closed first, so the thread's read returns end-of-file and the
+        thread ends; only then is the read end closed.  Closed the other way round, a thread
+        between two reads would read whatever file next got the read end's number (an
+        HDF5 file's bytes 2 or 15 then read as SIGINT / SIGTERM: a command run after this
+        one in the same process ended with 130)."""
         import signal
         signal.set_wakeup_fd(self.previous_fd)
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)
         os.close(self.write_fd)
-        os.close(self.read_fd)
+        self.thread.join(timeout=5.0)
+        if not self.thread.is_alive():       # still ending the job (a signal came): leave it its pipe
+            os.close(self.read_fd)
 
 
 def _note(signum, frame) -> None:

@@ -237,73 +237,14 @@ def watchdog_driver(args) -> int:
 
 # ---------------------------------------------------------------------------- torch worker (one process per rank)
 
-def torch_cosmoflow(config: dict):
-    """The same network as refimpl.models.CosmoFlow, in torch.nn."""
-    import torch
-    from torch import nn
-    c_in, layers = config["input_shape"][0], []
-    for i in range(config["n_conv_layers"]):
-        c_out = config["conv_size"] * 2 ** i
-        layers += [nn.Conv3d(c_in, c_out, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2)]
-        c_in = c_out
-    final = config["input_shape"][1] // 2 ** config["n_conv_layers"]
-    p = config["dropout"]
-
-    class ScaledTanh(nn.Module):
-        def forward(self, t):
-            return 1.2 * torch.tanh(t)
-
-    return nn.Sequential(*layers, nn.Flatten(),
-                         nn.Linear(c_in * final ** 3, config["fc1_size"]), nn.LeakyReLU(0.3), nn.Dropout(p),
-                         nn.Linear(config["fc1_size"], config["fc2_size"]), nn.LeakyReLU(0.3), nn.Dropout(p),
-                         nn.Linear(config["fc2_size"], 4), ScaledTanh())
-
-
-def torch_unet3d(config: dict):
-    """The same network as refimpl.models.UNet3D, in torch.nn."""
-    import torch
-    from torch import nn
-
-    def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2
-        return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.ReLU(),
-                             nn.Conv3d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.ReLU())
-
-    levels = config["levels"]
-    widths = [config["base_width"] * 2 ** i for i in range(levels + 1)]
-
-    class UNet3D(nn.Module):
-        def __init__(self):
-            super().__init__()
-            c_in, self.enc = config["input_shape"][0], nn.ModuleList()
-            for w in widths[:levels]:
-                self.enc.append(conv_block(c_in, w))
-                c_in = w
-            self.pool = nn.MaxPool3d(2)
-            self.bottleneck = conv_block(widths[levels - 1], widths[levels])
-            self.up = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2)
-                                    for i in range(levels))
-            self.dec = nn.ModuleList(conv_block(2 * widths[i], widths[i]) for i in range(levels))
-            self.out = nn.Conv3d(widths[0], config["num_classes"], 1)
-
-        def forward(self, x):                                         # (B, C, S, S, S)
-            skips = []
-            for enc in self.enc:
-                skips.append(enc(x))                                  # (B, w_i, S/2^i, ...)
-                x = self.pool(skips[-1])
-            x = self.bottleneck(x)                                    # (B, w_L, S/2^L, ...)
-            for i in reversed(range(levels)):
-                x = self.dec[i](torch.cat([self.up[i](x), skips[i]], dim=1))   # (B, w_i, S/2^i, ...)
-            return self.out(x)                                        # (B, K, S, S, S)
-
-    return UNet3D()
-
-
 def torch_model(name: str, config: dict):
-    """(network, loss) of the torch baseline: the same layers and loss as refimpl's ``name``."""
+    """(network, loss) of the torch baseline: refimpl's PyTorch twin of ``name``
+    (refimpl/oracle/model_twins.py: the same layers and names) and the same loss."""
     from torch import nn
-    if name == "cosmoflow":
-        return torch_cosmoflow(config), nn.MSELoss()
-    return torch_unet3d(config), nn.CrossEntropyLoss()   # model_config: loss "ce", no class weights
+    from refimpl.models import CHECK_CONFIG
+    from refimpl.oracle.model_twins import torch_model as twin
+    net = twin(name, CHECK_CONFIG[name](config))
+    return net, (nn.MSELoss() if name == "cosmoflow" else nn.CrossEntropyLoss())   # U-Net: loss "ce", no class weights
 
 
 def torch_worker(args) -> dict:

@@ -152,6 +152,8 @@ def cli_reference() -> str:
                       "```text", _help(sub), "```", ""]
             for action, subsub in _subparsers(sub).items():
                 lines += [f"### refimpl {name} {action}", "", "```text", _help(subsub), "```", ""]
+                for inner, parser3 in _subparsers(subsub).items():     # e.g. refimpl oracle trace check
+                    lines += [f"#### refimpl {name} {action} {inner}", "", "```text", _help(parser3), "```", ""]
     finally:
         for key, value in saved.items():
             if value is None:

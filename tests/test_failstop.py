@@ -184,3 +184,17 @@ def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
     lock.release()
     assert not (tmp_path / ".lock").exists()
     child.wait()
+
+
+def test_the_signal_thread_ends_before_its_pipe_is_closed(tmp_path):
+    """After close() the thread is gone, so no later file that reuses the pipe's descriptor
+    number is read as signals (HDF5 bytes 2 / 15 ended a later in-process command with 130)."""
+    for _ in range(3):
+        thread = failstop.handle_signals("test")
+        read_fd = thread.read_fd
+        thread.close()
+        assert not thread.thread.is_alive()
+        with open(tmp_path / "bytes", "wb") as f:           # likely the same descriptor number now
+            f.write(bytes([2, 15] * 64))
+        with open(tmp_path / "bytes", "rb") as f:
+            assert f.fileno() != read_fd or not thread.thread.is_alive()

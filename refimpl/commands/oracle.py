@@ -18,6 +18,11 @@
                                any block layout (an 'offset' attribute per block) and
                                partial (some tensors, some ranks, some cases: the rest is
                                'not provided' / 'not run'; --require makes it a failure).
+  trace ACTION                 one training step of a whole model (CosmoFlow, U-Net) compared
+                               layer by layer: 'trace layers', 'trace generate' (the reference
+                               trace), 'trace run-torch' (the PyTorch twin), 'trace check'
+                               (each layer judged on the peer's own input; the first wrong
+                               layer, rank and cell): refimpl oracle trace --help.
 
 CASES is a case file or a directory of them; RESULTS a results file or a directory with
 the same file names.  Layout of both files, the tolerances and a minimal writer:
@@ -38,6 +43,7 @@ Examples:
     refimpl oracle check cases/ mine/ --require forward     # y must be there for every case
     refimpl oracle run-torch cases/ --out bad/ --plant halo:1 && refimpl oracle check cases/ bad/
     refimpl oracle run-dtensor cases/ --out dtensor/ && refimpl oracle check cases/ dtensor/
+    refimpl oracle trace generate --model cosmoflow --preset tiny --grid 1,2,2,1 --out trace.h5
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ import os
 import sys
 import time
 
-ACTIONS = ("generate", "run-torch", "run-dtensor", "check")
+ACTIONS = ("generate", "run-torch", "run-dtensor", "check", "trace")
 
 
 def add_arguments(parser):
@@ -121,6 +127,8 @@ Then: refimpl oracle check CASES DIR.  What it finds in DTensor: docs/peers.md."
                      help="the peer runs on fewer ranks on purpose: a tensor some ranks hold and others lack "
                           "is judged on the ranks that hold it (default: the case is 'incomplete', exit 1 — "
                           "the mark of a rank that crashed)")
+    from . import oracle_trace         # the 'trace' action: refimpl/commands/oracle_trace.py
+    oracle_trace.add_parser(sub)
     for p in (gen, run, chk):           # --debug after the action too ('refimpl oracle check ... --debug')
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
@@ -414,6 +422,9 @@ def run(args) -> int:
         if launcher_size() > 1:
             raise InputError("refimpl oracle runs in one process: start it without mpiexec", agreed=True)
         try:
+            if args.action == "trace":
+                from . import oracle_trace
+                return oracle_trace.run(args)
             return {"generate": generate, "run-torch": run_torch, "run-dtensor": run_dtensor,
                     "check": check}[args.action](args)
         except ValueError as err:          # UnusableInput included: exit 2, one line

@@ -7,6 +7,12 @@ diagnosis of another implementation's results (``refimpl oracle``; docs/oracle.m
     compare.py        errors, tolerances and why, first mismatch and its owner
     diagnose.py       known mistakes recognised from the error pattern
     torch_adapter.py  PyTorch as the implementation under test (run-torch; --plant)
+    trace.py          whole-model step traces: the reference step layer by layer (oracle trace)
+    trace_check.py    a peer's step judged layer by layer on its own input (oracle trace check)
+    trace_results.py  a peer's results of a trace: read and validated
+    trace_diagnose.py known mistakes rebuilt on a traced layer (and diagnose.py on it as a case)
+    trace_torch.py    the PyTorch twin runs a trace (oracle trace run-torch; --plant)
+    model_twins.py    PyTorch twins of CosmoFlow and the U-Net, named as refimpl's models
 
 What each kind of layer contributes (its reference, halo plan, tolerances, known mistakes,
 PyTorch twin) comes from the layer registry, refimpl/layers.

@@ -1,0 +1,556 @@
+"""Whole-model step traces: one training step of CosmoFlow or the U-Net, layer by layer.
+
+A layer case (casefile.py) checks one layer on random inputs.  A peer whose spatially
+parallel model trains differently on 8 ranks than on 1 needs the same check on its own
+model: which layer, which rank, which cell.  A **trace** is refimpl's unpartitioned
+reference of K training steps of a model: the initial parameters, the batch, and per
+step and per layer the forward output ``y``, the gradient at the layer's input ``dx``,
+the parameter gradients ``dw``/``db``, the loss and the parameters after the update;
+each ``y``/``dx`` also cut into every rank's block of a process grid, with its
+``offset``, by the balanced-block rule of ``refimpl/parallel/partition.py``.
+
+The layers are the model's leaf modules in forward order, under their module names
+(``features.0``, ``enc1.3``, ``up0``: the names of ``state_dict``).  A layer reads the
+outputs of the layers in its ``inputs``, concatenated on the channel axis ("input" is
+the batch): a chain, except the U-Net's decoder, whose first conv also reads its
+level's skip (``dec{i}.0`` <- ``up{i}``, ``enc{i}.5``).
+
+The reference of a layer is refimpl's unpartitioned module (grid None) run with the
+math of ``refimpl/functional`` alone (``reference_math``), so the checker
+(trace_check.py) can recompute any single layer on any input.  Dropout is the one
+layer with hidden state (its mask): the trace stores each step's keep-mask, drawn from
+the model's seed as a refimpl run draws it, and applies it by hand.
+
+File layout (HDF5, no pickle; docs/oracle.md "Model traces")::
+
+    /  attrs  format = "refimpl-oracle-trace", format_version, refimpl_version, digest,
+              about, trace (JSON: TraceSpec fields, and the layers: name, kind, inputs,
+              y_shape, x_shape, params)
+    /<dtype>/initial/<parameter name>           parameters before step 0 (global)
+    /<dtype>/input/{x, target}                  the global batch (the same every step)
+    /<dtype>/step/<s>/loss                      scalar
+    /<dtype>/step/<s>/<layer>/global/{y, dx, dw, db}
+    /<dtype>/step/<s>/<layer>/rank/<r>/{y, dx}  rank r's blocks, attribute ``offset``
+    /<dtype>/step/<s>/<layer>/mask              dropout layers: the keep-mask (uint8)
+    /<dtype>/step/<s>/update/<parameter name>   parameters after the step's update
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy
+
+from .. import __version__
+from ..parallel.partition import block_slices, grid_coords
+
+FORMAT = "refimpl-oracle-trace"
+FORMAT_VERSION = 1
+DTYPES = ("float64", "float32")
+OPTIMIZERS = {"sgd": {"lr": 0.01, "momentum": 0.9}, "adam": {"lr": 1e-3}}
+PARAM_TENSORS = {"weight": "dw", "bias": "db"}      # parameter attribute -> its gradient's tensor name
+#: the layer kinds of leaf modules that ``describe()`` leaves out (activations, dropout)
+KIND_OF_CLASS = {"LeakyReLU": "leaky_relu", "ReLU": "relu", "ScaledTanh": "scaled_tanh", "Tanh": "tanh",
+                 "Dropout": "dropout", "SpatialDropout": "dropout"}
+MAX_STEPS = 100
+MAX_TRACE_BYTES = 8 * 2 ** 30       # a trace past this is a mistake of --input (the file holds every activation)
+WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
+
+
+# ---------------------------------------------------------------- what a trace is of
+
+@dataclass
+class TraceSpec:
+    """Everything a trace is computed from; validated by ``check_spec`` (ValueError, one line)."""
+    model: str
+    preset: str
+    input: tuple                 # (N, C, D, H, W) global batch
+    grid: tuple                  # (Pn, Pd, Ph, Pw)
+    steps: int = 1
+    dtypes: tuple = DTYPES
+    seed: int = 0
+    optimizer: str = "sgd"
+
+    @property
+    def ranks(self) -> int:
+        return int(numpy.prod(self.grid))
+
+    def as_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def model_config(model: str, preset: str, input_shape=None) -> dict:
+    """The full config of ``preset`` of ``model``, its input (C, D, H, W) replaced by
+    ``input_shape[1:]`` when given; ValueError naming the model, preset or key."""
+    from ..models import CHECK_CONFIG, resolve_config
+    config = resolve_config(model, preset)
+    if input_shape is not None:
+        config["input_shape"] = tuple(input_shape[1:])
+    return CHECK_CONFIG[model](config, where=f"{model} preset {preset!r}")
+
+
+def default_input(model: str, preset: str) -> tuple:
+    """(N, C, D, H, W): the preset's sample shape and a batch of 2."""
+    return (2,) + tuple(model_config(model, preset)["input_shape"])
+
+
+def check_spec(spec: TraceSpec) -> TraceSpec:
+    """``spec`` with its fields normalised, or ValueError naming the flag that is wrong."""
+    config = model_config(spec.model, spec.preset, spec.input)
+    if config.get("model_parallel", "none") != "none":
+        raise ValueError(f"--preset {spec.preset}: traces cover the spatial models (model_parallel 'none')")
+    grid = tuple(spec.grid)
+    if len(grid) != 4 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in grid):
+        raise ValueError(f"--grid must be 4 positive integers Pn,Pd,Ph,Pw, got {spec.grid!r}")
+    n = spec.input[0]
+    if n % grid[0]:
+        raise ValueError(f"--input batch N={n} must be divisible by the grid's sample groups Pn={grid[0]}")
+    if not (isinstance(spec.steps, int) and 1 <= spec.steps <= MAX_STEPS):
+        raise ValueError(f"--steps must be an integer in [1, {MAX_STEPS}], got {spec.steps!r}")
+    dtypes = tuple(spec.dtypes)
+    if not dtypes or len(set(dtypes)) != len(dtypes) or any(d not in DTYPES for d in dtypes):
+        raise ValueError(f"--dtype must be a comma-separated list of {', '.join(DTYPES)} (each once), "
+                         f"got {','.join(dtypes)!r}")
+    if isinstance(spec.seed, bool) or not isinstance(spec.seed, int) or not 0 <= spec.seed < 2 ** 32:
+        raise ValueError(f"--seed must be an integer in [0, 2^32), got {spec.seed!r}")
+    if spec.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+    size = trace_bytes(spec.model, spec.preset, spec.input, spec.steps, dtypes)
+    if size > MAX_TRACE_BYTES:
+        raise ValueError(f"a trace of {spec.model} {spec.preset} with input {list(spec.input)} would hold about "
+                         f"{size / 2 ** 30:.0f} GiB ({spec.steps} step(s), {', '.join(dtypes)}), more than "
+                         f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
+                         f"are for training, a trace checks the same layers at any size the model allows)")
+    return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,
+                     spec.optimizer)
+
+
+def trace_bytes(model: str, preset: str, input_shape, steps: int, dtypes) -> int:
+    """About the bytes of a trace: y and dx of every layer, globally and in rank blocks,
+    per step and dtype (from ``describe()``: nothing is built)."""
+    from ..models import MODELS
+    config = model_config(model, preset, input_shape)
+    n, cells = input_shape[0], int(numpy.prod(input_shape[1:]))
+    for entry in MODELS[model].describe(config):
+        out = entry["c_out"] * int(numpy.prod(entry["out_dhw"] or (1,)))
+        cells += 2 * out if entry["kind"] in ("conv3d", "batch_norm3d") else out   # + its activation
+    per_dtype = sum(numpy.dtype(d).itemsize for d in dtypes)
+    return int(4 * n * cells * steps * per_dtype)                   # y and dx, global and blocks
+
+
+def digest(spec: TraceSpec) -> str:
+    """Identifies a trace: its spec and the refimpl version that computed it."""
+    text = json.dumps({"spec": spec.as_json(), "version": __version__, "format": FORMAT_VERSION},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------- the model's layers
+
+@dataclass
+class Layer:
+    """One leaf module of the model, as the trace sees it."""
+    name: str
+    kind: str                    # a layer-registry kind (conv3d, max_pool3d, ...) or an activation
+    inputs: tuple                # the layers whose outputs it reads, channel-concatenated ("input": the batch)
+    module: object = field(repr=False, default=None)
+    params: dict = field(default_factory=dict)      # "dw"/"db" -> the parameter's full name
+
+    @property
+    def has_params(self) -> bool:
+        return bool(self.params)
+
+
+def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64"):
+    """refimpl's unpartitioned model (grid None) ``name`` of ``preset``, in ``dtype``, every
+    layer computing its input gradient (the trace records dx of the first layer too)."""
+    from ..models import build_model
+    model = build_model(name, model_config(name, preset, input_shape), grid=None, seed=seed, dtype=dtype)
+    model.needs_input_grad = True
+    return model
+
+
+def build_reference(spec: TraceSpec, dtype="float64"):
+    """The reference model of a trace (its weights depend on the seed only)."""
+    return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype)
+
+
+def model_layers(name: str, model) -> list[Layer]:
+    """The leaf modules of ``model`` in forward order (registration order: the models add
+    their modules in the order the forward runs them), each with its kind and inputs."""
+    kinds = {entry["name"]: entry["kind"] for entry in type(model).describe(model.config)}
+    out, previous = [], "input"
+    for module_name, module in model.named_modules():
+        if not module_name or module.children():
+            continue
+        kind = kinds.get(module_name) or KIND_OF_CLASS.get(type(module).__name__)
+        if kind is None:
+            raise ValueError(f"layer {module_name}: no trace kind for {type(module).__name__}")
+        inputs = (previous,)
+        skip = re.fullmatch(r"dec(\d+)\.0", module_name) if name == "unet3d" else None
+        if skip:
+            inputs = (previous, f"enc{skip.group(1)}.5")     # concat (up_i, skip_i) on the channel axis
+        params = {PARAM_TENSORS[attr]: p.name for attr, p in module._parameters.items()}
+        out.append(Layer(module_name, kind, inputs, module, params))
+        previous = module_name
+    return out
+
+
+def layer_table(model: str, preset: str, input_shape=None) -> list[dict]:
+    """``trace layers``: name, kind, inputs and global output shape of every layer, from the
+    model's ``describe()`` where it lists the layer, else the shape of the layer before it
+    (activations and dropout keep their input's shape).  The model is built unpartitioned
+    in float32 for its module names (the presets build in a second or less)."""
+    from ..models import MODELS
+    config = model_config(model, preset, input_shape)
+    n = (input_shape or default_input(model, preset))[0]
+    described = {e["name"]: e for e in MODELS[model].describe(config)}
+    built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32")
+    rows, shape = [], (n,) + tuple(config["input_shape"])
+    for layer in model_layers(model, built):
+        entry = described.get(layer.name)
+        if entry is not None:
+            shape = (n, entry["c_out"]) + tuple(entry["out_dhw"])
+        rows.append({"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
+                     "shape": list(shape), "params": sorted(layer.params.values())})
+    return rows
+
+
+# ---------------------------------------------------------------- blocks of a grid
+
+def rank_slices(shape, grid, rank: int) -> tuple:
+    """Rank ``rank``'s block of a global tensor on grid (Pn, Pd, Ph, Pw): samples in equal
+    parts, D, H, W in balanced blocks (partition.block_slices), channels whole; a (N, F)
+    tensor (the dense head) is split by samples only, replicated over the spatial ranks."""
+    n, d, h, w = grid_coords(rank, grid)
+    if len(shape) == 5:
+        return block_slices(shape, (grid[0], 1) + tuple(grid[1:]), (n, 0, d, h, w))
+    if len(shape) == 2:
+        return block_slices(shape, (grid[0], 1), (n, 0))
+    raise ValueError(f"no rank blocks for a tensor of shape {tuple(shape)}")
+
+
+def internal_faces(shape, grid, rank):
+    """(axis, side) of each face of rank's block of a 5-d tensor that borders another rank."""
+    faces = []
+    for axis, sl in zip((2, 3, 4), rank_slices(shape, grid, rank)[2:]):
+        if sl.start > 0:
+            faces.append((axis, "low"))
+        if sl.stop < shape[axis]:
+            faces.append((axis, "high"))
+    return faces
+
+
+def offset_of(slices) -> list:
+    return [s.start for s in slices]
+
+
+# ---------------------------------------------------------------- the reference math of one layer
+
+@contextlib.contextmanager
+def reference_math():
+    """Every op computes with refimpl/functional's math, never a fast kernel (the oracle's rule)."""
+    from ..functional._route import reference_only
+    from ..functional.conv3d import ENV_ALGORITHM
+    saved = os.environ.get(ENV_ALGORITHM)
+    os.environ[ENV_ALGORITHM] = "reference"
+    try:
+        with reference_only():
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_ALGORITHM, None)
+        else:
+            os.environ[ENV_ALGORITHM] = saved
+
+
+def dropout_mask(layer: Layer, shape, step: int):
+    """The keep-mask a refimpl run draws at ``step`` for the whole (N, F) tensor."""
+    from ..functional.dropout import dropout_mask as mask, fold_seed
+    return mask(tuple(shape), layer.module.p, fold_seed(layer.module.seed, step))
+
+
+def forward(layer: Layer, x, mask=None):
+    """y of ``layer`` on the global input ``x`` (its dropout ``mask`` given)."""
+    with reference_math():
+        if layer.kind == "dropout":
+            return _apply_mask(x, mask, layer.module.p)
+        layer.module.zero_grad()
+        y = layer.module.forward(x)
+        layer.module._cache = None
+        return y
+
+
+def backward(layer: Layer, x, dy, mask=None):
+    """(dx, {"dw": ..., "db": ...}) of ``layer`` at input ``x`` for output gradient ``dy``."""
+    with reference_math():
+        if layer.kind == "dropout":
+            return _apply_mask(dy, mask, layer.module.p), {}
+        layer.module.zero_grad()
+        layer.module.forward(x)
+        dx = layer.module.backward(dy)
+        grads = {t: parameter(layer, t).grad for t in layer.params}
+        layer.module.zero_grad()
+        return dx, grads
+
+
+def _apply_mask(a, mask, p):
+    """Inverted dropout with a given keep-mask: a * mask / (1 - p) (its own adjoint)."""
+    from ..functional.dropout import dropout_backward
+    return a if p == 0.0 else dropout_backward(a, mask.astype(bool), p)
+
+
+def parameter(layer: Layer, tensor: str):
+    """The Parameter of ``layer`` whose gradient is ``tensor`` ("dw": weight, "db": bias)."""
+    attr = {v: k for k, v in PARAM_TENSORS.items()}[tensor]
+    return layer.module._parameters[attr]
+
+
+def load_parameters(model, params: dict) -> None:
+    """Set every parameter of ``model`` from ``params`` ({name: array}), cast to its dtype."""
+    for name, p in model.named_parameters():
+        p.data[...] = numpy.asarray(params[name], dtype=p.data.dtype)
+
+
+# ---------------------------------------------------------------- the reference step
+
+def batch(spec: TraceSpec, config: dict):
+    """The global batch: x ~ N(0, 1); CosmoFlow targets U(-1, 1), U-Net labels in [0, K)."""
+    rng = numpy.random.default_rng([spec.seed, 1])
+    x = rng.standard_normal(spec.input)
+    if spec.model == "cosmoflow":
+        target = rng.uniform(-1.0, 1.0, (spec.input[0], config["num_outputs"]))
+    else:
+        target = rng.integers(0, config["num_classes"], (spec.input[0],) + tuple(spec.input[2:]))
+    return x, target
+
+
+def make_optimizer(name: str, params):
+    from .. import optim
+    settings = OPTIMIZERS[name]
+    if name == "sgd":
+        return optim.SGD(params, settings["lr"], momentum=settings["momentum"])
+    return optim.Adam(params, settings["lr"])
+
+
+def run_step(model, layers, x, target, step: int, masks=None):
+    """One forward + backward of ``model`` walked layer by layer: per layer y, dx and its
+    parameter gradients, the masks drawn, the loss and d loss / d output."""
+    acts, masks = {"input": x}, dict(masks or {})
+    for layer in layers:
+        xin = _concat([acts[s] for s in layer.inputs])
+        if layer.kind == "dropout" and layer.name not in masks:
+            masks[layer.name] = dropout_mask(layer, xin.shape, step)
+        acts[layer.name] = forward(layer, xin, masks.get(layer.name))
+    loss, dout, _ = model.loss(acts[layers[-1].name], target)
+    douts = {layers[-1].name: dout}
+    out = {}
+    for layer in reversed(layers):
+        xin = _concat([acts[s] for s in layer.inputs])
+        dx, grads = backward(layer, xin, douts.pop(layer.name), masks.get(layer.name))
+        out[layer.name] = {"y": acts[layer.name], "dx": dx, **grads}
+        start = 0
+        for source in layer.inputs:
+            width = acts[source].shape[1]
+            if source != "input":
+                part = dx[:, start:start + width]
+                douts[source] = part.copy() if source not in douts else douts[source] + part
+            start += width
+    return out, float(loss), masks
+
+
+def _concat(arrays):
+    return arrays[0] if len(arrays) == 1 else numpy.concatenate(arrays, axis=1)
+
+
+def compute(spec: TraceSpec):
+    """The trace's content: {dtype: {"initial", "x", "target", "steps": [{layer: tensors},
+    loss, masks, update]}} and the layer list (of the float64 model)."""
+    spec = check_spec(spec)
+    config = model_config(spec.model, spec.preset, spec.input)
+    x, target = batch(spec, config)
+    params0 = {name: p.data.copy() for name, p in build_reference(spec).named_parameters()}   # float64
+    content, layers64 = {}, None
+    for dtype in spec.dtypes:
+        model = build_reference(spec, dtype=dtype)
+        load_parameters(model, params0)
+        layers = model_layers(spec.model, model)
+        layers64 = layers64 or layers
+        xd = x.astype(dtype)
+        td = target.astype(dtype) if spec.model == "cosmoflow" else target
+        optimizer = make_optimizer(spec.optimizer, model.parameters())
+        steps = []
+        for s in range(spec.steps):
+            tensors, loss, masks = run_step(model, layers, xd, td, s)
+            for layer in layers:
+                for t in layer.params:
+                    parameter(layer, t).grad = tensors[layer.name][t]
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append({"tensors": tensors, "loss": loss, "masks": masks,
+                          "update": {n: p.data.copy() for n, p in model.named_parameters()}})
+        content[dtype] = {"initial": {n: a.astype(dtype) for n, a in params0.items()}, "x": xd, "target": td,
+                          "steps": steps}
+    return spec, layers64, content
+
+
+def layer_json(layers, content) -> list[dict]:
+    first = next(iter(content.values()))
+    tensors = first["steps"][0]["tensors"]
+    out = []
+    for layer in layers:
+        y = tensors[layer.name]["y"]
+        x_shape = [first["x"].shape[0], 0] + list(first["x"].shape[2:])
+        for source in layer.inputs:
+            src = first["x"] if source == "input" else tensors[source]["y"]
+            x_shape = [src.shape[0], x_shape[1] + src.shape[1]] + list(src.shape[2:])
+        out.append({"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
+                    "y_shape": list(y.shape), "x_shape": x_shape, "params": dict(layer.params)})
+    return out
+
+
+def write_trace(spec: TraceSpec, path: str) -> dict:
+    """Compute the trace of ``spec`` and write it to ``path`` atomically; returns a summary."""
+    import h5py
+
+    from ..failstop import atomic_write
+    spec, layers, content = compute(spec)
+    meta = {**spec.as_json(), "layers": layer_json(layers, content)}
+
+    def write(f):
+        with h5py.File(f, "w") as h5:
+            h5.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "refimpl_version": __version__,
+                             "digest": digest(spec), "trace": json.dumps(meta),
+                             "about": "refimpl oracle trace: see docs/oracle.md, Model traces "
+                                      "(refimpl oracle trace check)"})
+            for dtype, c in content.items():
+                g = h5.create_group(dtype)
+                for name, array in c["initial"].items():
+                    g[f"initial/{name}"] = array
+                g["input/x"], g["input/target"] = c["x"], c["target"]
+                for s, step in enumerate(c["steps"]):
+                    sg = g.create_group(f"step/{s}")
+                    sg["loss"] = numpy.asarray(step["loss"], dtype=dtype)
+                    for layer in layers:
+                        lg = sg.create_group(layer.name)
+                        for t, array in step["tensors"][layer.name].items():
+                            if array is not None:
+                                lg[f"global/{t}"] = array
+                        for t in ("y", "dx"):
+                            array = step["tensors"][layer.name].get(t)
+                            if array is None:
+                                continue
+                            for r in range(spec.ranks):
+                                sl = rank_slices(array.shape, spec.grid, r)
+                                lg.create_dataset(f"rank/{r}/{t}", data=array[sl]).attrs["offset"] = offset_of(sl)
+                        if layer.name in step["masks"]:
+                            lg["mask"] = step["masks"][layer.name].astype(numpy.uint8)
+                    for name, array in step["update"].items():
+                        sg[f"update/{name}"] = array
+    atomic_write(path, write, binary=True)
+    return {"layers": len(layers), "params": len(content[spec.dtypes[0]]["initial"]), "spec": spec}
+
+
+# ---------------------------------------------------------------- reading a trace back
+
+@dataclass
+class Trace:
+    """A loaded trace file (validated: format, version, digest, every dataset's dtype and shape)."""
+    path: str
+    spec: TraceSpec
+    digest: str
+    layers: list                 # the layer dicts of the file (name, kind, inputs, y_shape, x_shape, params)
+    data: dict                   # dtype -> {"initial", "x", "target", "steps": [...]}
+
+    def layer(self, name):
+        return next(entry for entry in self.layers if entry["name"] == name)
+
+    @property
+    def param_names(self) -> list:
+        return list(next(iter(self.data.values()))["initial"])
+
+
+def load_trace(path: str) -> Trace:
+    """Read and validate a trace file; UnusableInput (a ValueError) naming what is wrong."""
+    from .casefile import UnusableInput, _open, _read
+    what = "trace file"
+    h5 = _open(path, what)
+    with h5:
+        attrs = dict(h5.attrs)
+        if attrs.get("format") != FORMAT:
+            raise UnusableInput(f"{what} {path}: not a refimpl oracle trace (format {attrs.get('format')!r}; "
+                                f"write one with 'refimpl oracle trace generate')")
+        version = attrs.get("refimpl_version")
+        if attrs.get("format_version") != FORMAT_VERSION or version != __version__:
+            raise UnusableInput(f"{what} {path}: generated by refimpl {version} (format "
+                                f"{attrs.get('format_version')}); this is refimpl {__version__} (format "
+                                f"{FORMAT_VERSION}): regenerate the trace with this version")
+        try:
+            meta = json.loads(attrs["trace"])
+            spec = check_spec(TraceSpec(meta["model"], meta["preset"], tuple(meta["input"]), tuple(meta["grid"]),
+                                        meta["steps"], tuple(meta["dtypes"]), meta["seed"], meta["optimizer"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise UnusableInput(f"{what} {path}: its 'trace' attribute is not a valid trace spec ({err})") from None
+        if attrs.get("digest") != digest(spec):
+            raise UnusableInput(f"{what} {path}: digest {attrs.get('digest')!r} does not match its spec "
+                                f"(edited or damaged): regenerate it")
+        # the layer list and every shape come from the spec (the model rebuilt), never from the file
+        computed = _expected_shapes(spec)
+        layers, params = computed["layers"], computed["params"]
+        data = {}
+        for dtype in spec.dtypes:
+            int_target = spec.model == "unet3d"
+            d = {"initial": {n: _read(h5, f"{dtype}/initial/{n}", path, what, dtype, shape)
+                             for n, shape in params.items()},
+                 "x": _read(h5, f"{dtype}/input/x", path, what, dtype, spec.input),
+                 "target": _read(h5, f"{dtype}/input/target", path, what,
+                                 numpy.dtype("int64") if int_target else dtype, computed["target"]),
+                 "steps": []}
+            for s in range(spec.steps):
+                step = {"loss": float(_read(h5, f"{dtype}/step/{s}/loss", path, what, dtype, ())),
+                        "tensors": {}, "masks": {},
+                        "update": {n: _read(h5, f"{dtype}/step/{s}/update/{n}", path, what, dtype, shape)
+                                   for n, shape in params.items()}}
+                for entry in layers:
+                    base = f"{dtype}/step/{s}/{entry['name']}"
+                    t = {"y": _read(h5, f"{base}/global/y", path, what, dtype, entry["y_shape"])}
+                    if f"{base}/global/dx" in h5:
+                        t["dx"] = _read(h5, f"{base}/global/dx", path, what, dtype, entry["x_shape"])
+                    for tensor, pname in entry["params"].items():
+                        t[tensor] = _read(h5, f"{base}/global/{tensor}", path, what, dtype, params[pname])
+                    step["tensors"][entry["name"]] = t
+                    if entry["kind"] == "dropout":
+                        step["masks"][entry["name"]] = _read(h5, f"{base}/mask", path, what,
+                                                             numpy.dtype("uint8"), entry["y_shape"])
+                d["steps"].append(step)
+            data[dtype] = d
+    return Trace(path, spec, attrs["digest"], layers, data)
+
+
+def _expected_shapes(spec: TraceSpec) -> dict:
+    """The layers (with y / x shapes) and parameter shapes of ``spec``'s model, from a
+    forward of a zero batch through the rebuilt model (cheap at trace sizes)."""
+    model = build_reference(spec)
+    layers = model_layers(spec.model, model)
+    shapes, acts = {}, {"input": spec.input}
+    for layer in layers:
+        src = [acts[s] for s in layer.inputs]
+        x_shape = (src[0][0], sum(s[1] for s in src)) + tuple(src[0][2:])
+        y = forward(layer, numpy.zeros(x_shape), numpy.ones((x_shape), dtype=bool)
+                    if layer.kind == "dropout" else None)
+        acts[layer.name] = tuple(y.shape)
+        shapes[layer.name] = {"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
+                              "y_shape": list(y.shape), "x_shape": list(x_shape), "params": dict(layer.params)}
+    config = model_config(spec.model, spec.preset, spec.input)
+    target = (spec.input[0], config["num_outputs"]) if spec.model == "cosmoflow" else \
+        (spec.input[0],) + tuple(spec.input[2:])
+    return {"layers": list(shapes.values()), "target": target,
+            "params": {n: tuple(p.data.shape) for n, p in model.named_parameters()}}
+
+
+__all__ = ["TraceSpec", "Trace", "Layer", "check_spec", "model_config", "model_layers", "layer_table",
+           "write_trace", "load_trace", "compute", "rank_slices", "forward", "backward", "reference_math"]
