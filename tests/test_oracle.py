@@ -371,16 +371,17 @@ def test_write_case_is_deterministic(tmp_path):
 
 def test_only_the_adapter_imports_torch():
     """refimpl's math never calls PyTorch: the torch imports in refimpl/ are the peers under test
-    (the run-torch adapter, DTensor's runner for run-dtensor, the models' PyTorch twins and the
-    trace's run-torch), and importing the oracle does not load torch."""
+    (the run-torch adapters of layer cases and traces, the models' PyTorch twins, and DTensor's
+    runners for run-dtensor), and importing the oracle does not load torch."""
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent / "refimpl"
     importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if "import torch" in p.read_text() or "from torch" in p.read_text())
-    assert importers == ["oracle/dtensor_runner.py", "oracle/model_twins.py", "oracle/torch_adapter.py",
-                         "oracle/trace_torch.py"]
+    assert importers == ["oracle/dtensor_runner.py", "oracle/dtensor_trace_runner.py", "oracle/model_twins.py",
+                         "oracle/torch_adapter.py", "oracle/trace_torch.py"]
     code = ("import sys, refimpl.oracle, refimpl.commands.oracle, refimpl.oracle.trace_check, "
-            "refimpl.oracle.trace_torch, refimpl.oracle.model_twins; print('torch' in sys.modules)")
+            "refimpl.oracle.trace_torch, refimpl.oracle.model_twins, refimpl.oracle.dtensor_trace_runner; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV).stdout.strip()
     assert out == "False"
 

@@ -132,3 +132,50 @@ def test_hard_table_covers_the_hard_suite():
         params = layers.lookup(specs[name].layer).parameter_shapes(specs[name])
         assert set(verdict) == ({"y", "dx", "dw", "db"} if params else {"y", "dx"}), name
         assert set(verdict.values()) <= {"pass", "fail", "refused", "crashed"}, name
+
+
+# ---------------------------------------------------------------- a whole CosmoFlow step under DTensor
+
+def trace_table() -> dict:
+    """{grid: (layer, tensor, ranks, first cell, diagnosis, backward)} of the page's table."""
+    text = PAGE.read_text()
+    lines = text[text.index("<!-- table: dtensor-trace -->"):].splitlines()[1:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("grid", "") or set(cells[0]) <= set("-: "):
+            continue
+        rows[cells[0].split()[0].replace("×", ",")] = cells[1:]
+    return rows
+
+
+@pytest.mark.parametrize("grid", ["1,1,1,2", "2,1,1,1"])
+def test_dtensor_cosmoflow_step_matches_the_page(tmp_path, grid):
+    """run-dtensor --trace on CosmoFlow tiny, then trace check: the first wrong layer, its
+    ranks, first cell and diagnosis (or a pass), and the backward's refusal, as the page says."""
+    row = trace_table()[grid]
+    trace, out, report = tmp_path / "trace.h5", tmp_path / "dt.h5", tmp_path / "r.json"
+    refimpl("trace", "generate", "--model", "cosmoflow", "--preset", "tiny", "--grid", grid, "--dtype", "float64",
+            "--out", str(trace))
+    run = refimpl("run-dtensor", "--trace", str(trace), "--out", str(out), "--timeout", "200")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ("refused in the backward" in run.stdout) == (row[5] == "refused"), run.stdout
+    check = refimpl("trace", "check", str(trace), str(out), "--json", str(report))
+    first = json.loads(report.read_text())["first_finding"]
+    if row[0].startswith("—"):
+        assert check.returncode == 0 and first is None, check.stdout
+        return
+    assert check.returncode == 1, check.stdout
+    assert row[0].startswith(f"`{first['layer']}`") and row[1] == first["tensor"]
+    assert row[2] == ", ".join(map(str, first["ranks"])) and row[3] == str(first["first_index"])
+    assert row[4] == first["diagnosis"], (row[4], first["diagnosis"])
+    assert "placements claim another local shape" in run.stdout
+
+
+def test_run_dtensor_needs_cases_or_a_trace(tmp_path):
+    proc = refimpl("run-dtensor", "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "CASES" in proc.stderr and "--trace" in proc.stderr

@@ -99,9 +99,23 @@ Forward and backward run in separate try blocks.  What DTensor refused or crashe
 left out of the results file and listed in DIR/dtensor_summary.json (case, dtype,
 tensor, ok / refused / crashed, the exception's first line).
 
-Then: refimpl oracle check CASES DIR.  What it finds in DTensor: docs/peers.md.""")
-    dt.add_argument("cases", metavar="CASES", help="a case file or a directory of case files")
-    dt.add_argument("--out", required=True, metavar="DIR", help="directory for the results files (created)")
+Then: refimpl oracle check CASES DIR.  What it finds in DTensor: docs/peers.md.
+
+With --trace TRACE (from 'refimpl oracle trace generate') instead of CASES: a whole
+model's training step under DTensor.  The model's PyTorch twin (the trace's module
+names) with the trace's initial parameters, every parameter Replicate, the batch
+distribute_tensor'd per the trace's grid (Shard on n, d, h, w), and hooks that write
+every layer's local shards of y and dx with their offsets, the gathered dw and db, the
+loss and the parameters after the update into --out (one results file, the trace
+results layout).  What fails (refused, crashed) ends the step there; what was written
+stays.  Then: refimpl oracle trace check TRACE RESULTS names the first layer that goes
+wrong, on which rank, and why (docs/peers.md, "A whole CosmoFlow step").""")
+    dt.add_argument("cases", metavar="CASES", nargs="?", default=None,
+                    help="a case file or a directory of case files (or --trace)")
+    dt.add_argument("--trace", default=None, metavar="TRACE",
+                    help="a trace file: run one training step of its model under DTensor instead of cases")
+    dt.add_argument("--out", required=True, metavar="DIR",
+                    help="directory for the results files (created); with --trace, the results file")
     dt.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="world size; default: each case's rank count.  Cases whose grid has another "
                          "rank count are skipped (listed as such)")
@@ -223,6 +237,11 @@ def run_dtensor(args) -> int:
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     dtensor_adapter.torch_version()                      # exit 2 without PyTorch
+    if (args.cases is None) == (args.trace is None):
+        raise ValueError("run-dtensor needs CASES (layer cases) or --trace TRACE (a model's step), not both "
+                         "or neither")
+    if args.trace is not None:
+        return run_dtensor_trace(args)
     cases = [casefile.load_case(p) for p in case_paths(args.cases)]
     run_cases = [c for c in cases if args.nproc is None or c.spec.ranks == args.nproc]   # in CASES order
     if not run_cases:
@@ -250,6 +269,43 @@ def run_dtensor(args) -> int:
                       f"hold{'s' * (len(ranks) == 1)}: placed by the shard's shape and torch.chunk's rule", flush=True)
     entries += dtensor_adapter.run_cases(run_cases, args.out, args.timeout, report=report)
     print(f"summary: {dtensor_adapter.write_summary(args.out, entries, args.nproc)}")
+    return 0
+
+
+def run_dtensor_trace(args) -> int:
+    """run-dtensor --trace: DTensor runs the trace's steps; one results file, and what failed."""
+    from ..failstop import check_writable
+    from ..oracle import dtensor_adapter
+    from ..oracle.trace import load_trace
+    if args.nproc is not None:
+        raise ValueError("--nproc does not apply to --trace: the world size is the trace grid's rank count")
+    trace = load_trace(args.trace)
+    if os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out}: a directory; with --trace, --out is the results file to write")
+    check_writable(args.out, "--out")
+    timeout = args.timeout if args.timeout != 120.0 else 300.0
+    events = dtensor_adapter.run_trace(trace, args.out, timeout)
+    print(f"wrote {args.out}  ({trace.spec.model} {trace.spec.preset}, grid {list(trace.spec.grid)}, "
+          f"{trace.spec.ranks} rank{'s' * (trace.spec.ranks > 1)}, {trace.spec.steps} step"
+          f"{'s' * (trace.spec.steps > 1)})", flush=True)
+    for e in events:
+        if e.get("failure"):
+            f = e["failure"]
+            where = f"{f['stage']}" + (f" of {f['layer']}" if f.get("layer") else "")
+            print(f"    {e['dtype']} rank {e['rank']}: {f['status']} in the {where}: {f['error']}", flush=True)
+        elif e.get("exit"):
+            print(f"    {e['dtype']} rank {e['rank']}: {e['exit']}: {e['log']}", flush=True)
+    labels = {}
+    for e in events:
+        if e.get("mislabelled"):
+            labels.setdefault((e["dtype"], e["mislabelled"]), []).append(e["rank"])
+    for (dtype, name), ranks in list(labels.items())[:8]:
+        print(f"    {dtype} {name}: DTensor's placements claim another local shape than rank"
+              f"{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} hold{'s' * (len(ranks) == 1)} "
+              f"(placed by the shard's shape)", flush=True)
+    if len(labels) > 8:
+        print(f"    ... {len(labels) - 8} more tensors whose placements contradict their shapes", flush=True)
+    print(f"then: refimpl oracle trace check {args.trace} {args.out}")
     return 0
 
 

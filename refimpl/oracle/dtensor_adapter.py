@@ -56,9 +56,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(parts: str, world: int, timeout_s: float, jobs: list) -> dict:
-    """Start ``world`` rank processes on ``jobs`` ([case path, dtype], in order); {rank: exit
-    description, or None for exit status 0 or 3 (stopped after a recorded failure)}."""
+def launch(parts: str, world: int, timeout_s: float, jobs: list, runner: str = "refimpl.oracle.dtensor_runner") -> dict:
+    """Start ``world`` rank processes of ``runner`` on ``jobs`` ([case or trace path, dtype],
+    in order); {rank: exit description, or None for exit status 0 or 3 (stopped after a
+    recorded failure)}."""
     port = _free_port()
     jobs_file = os.path.join(parts, "jobs.json")
     with open(jobs_file, "w") as f:
@@ -69,7 +70,7 @@ def launch(parts: str, world: int, timeout_s: float, jobs: list) -> dict:
     for r in range(world):
         log = open(os.path.join(parts, f"rank{r}.log"), "a")
         procs.append((subprocess.Popen(
-            [sys.executable, "-m", "refimpl.oracle.dtensor_runner", parts, str(timeout_s / 2), jobs_file],
+            [sys.executable, "-m", runner, parts, str(timeout_s / 2), jobs_file],
             env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True), log))
     deadline = time.monotonic() + timeout_s * len({path for path, _ in jobs})
@@ -171,21 +172,27 @@ def merge(case, parts: str, exits: dict):
 
 
 def offset_by_shape(case, r, dtype, name, shape, offset) -> list:
-    """Where rank r's local shard of ``name`` lies, from its shape, where DTensor's placements
-    claim another shape (a sharded result labelled Replicate is placed at 0 by its label):
-    along each axis whose extent is not the claimed one, the torch.chunk block of the
-    rank's mesh coordinate on the mesh axis that splits it, if that block has the shard's
-    extent (else DTensor's offset stays, and the oracle reports the misplaced block).  The
-    label that contradicts the shape is reported apart (the summary's ``shape_disagrees``)."""
-    from ..parallel.partition import ceil_block_range
+    """Where rank r's local shard of a case's tensor ``name`` lies (``offset_by_shape_in``)."""
     from .casefile import domain_shape
-    from .dtensor_runner import TENSOR_DIM, mesh_layout
-    axes = mesh_layout(case.spec)
+    from .dtensor_runner import mesh_layout
+    return offset_by_shape_in(mesh_layout(case.spec), r, domain_shape(case, dtype, name), shape, offset)
+
+
+def offset_by_shape_in(axes, r, domain, shape, offset) -> list:
+    """Where rank r's local shard of a tensor of shape ``domain`` lies, from its ``shape``,
+    where DTensor's placements claim another shape (a sharded result labelled Replicate is
+    placed at 0 by its label): along each axis whose extent is not the whole, the
+    torch.chunk block of the rank's coordinate on the mesh axis (of ``axes``, [(letter,
+    size)], row-major as ``init_device_mesh`` lays ranks out) that splits it, if that block
+    has the shard's extent (else DTensor's offset stays, and the oracle reports the
+    misplaced block).  The label that contradicts the shape is reported apart (the
+    summary's ``shape_disagrees``)."""
+    from ..parallel.partition import ceil_block_range
+    from .dtensor_runner import TENSOR_DIM
     coords, rest = [], r
-    for _, p in reversed(axes):               # init_device_mesh lays ranks out row-major
+    for _, p in reversed(axes):
         coords.insert(0, rest % p)
         rest //= p
-    domain = domain_shape(case, dtype, name)
     placed = list(offset)
     for d, (n, m) in enumerate(zip(shape, domain)):
         if n == m:
@@ -311,3 +318,69 @@ def verdicts(entry: dict, report: dict | None) -> dict:
         gap = any(n["tensor"] == tensor for n in report.get("not_provided", ()))
         out[tensor] = "fail" if bad or gap or report.get("error") else "pass"
     return out
+
+
+# ---------------------------------------------------------------- a whole model's step (run-dtensor --trace)
+
+def run_trace(trace, out_path: str, timeout_s: float = 300.0) -> list:
+    """DTensor runs the trace's steps on the trace grid's ranks (dtensor_trace_runner.py, one
+    launch per dtype); the ranks' shards are merged into one results file in the trace
+    results layout (docs/oracle.md, "Model traces"; each block with its ``offset``, dw and db
+    once in ``global``), written atomically to ``out_path``.  Returns the events: per dtype
+    and rank, the steps that ran and the first failure (stage, layer, refused/crashed, the
+    exception's first line), or how the rank ended."""
+    import h5py
+    import numpy
+
+    from ..failstop import atomic_write
+    world = trace.spec.ranks
+    directory = os.path.dirname(os.path.abspath(out_path))
+    parts = tempfile.mkdtemp(prefix=".run-dtensor-trace.", dir=directory)
+    events, arrays = [], {}
+    try:
+        for dtype in trace.spec.dtypes:
+            exits = launch(parts, world, timeout_s, [[os.path.abspath(trace.path), dtype]],
+                           runner="refimpl.oracle.dtensor_trace_runner")
+            for r in range(world):
+                try:
+                    with open(os.path.join(parts, f"rank{r}.{dtype}.json")) as f:
+                        mine = json.load(f)
+                except (OSError, ValueError):
+                    mine = []
+                failed = [e for e in mine if e["status"] != "ok"]
+                events.append({"dtype": dtype, "rank": r, "steps": sum(e["status"] == "ok" for e in mine),
+                               "failure": failed[0] if failed else None,
+                               "exit": exits.get(r) or None, "log": _tail(parts, r) if exits.get(r) else ""})
+                path = os.path.join(parts, f"rank{r}.{dtype}.h5")
+                if not os.path.exists(path):
+                    continue
+                with h5py.File(path, "r") as h5:
+                    def visit(name, obj, r=r, dtype=dtype):
+                        if isinstance(obj, h5py.Dataset):
+                            arrays[(dtype, r, name)] = (numpy.asarray(obj[()]),
+                                                        [int(o) for o in obj.attrs["offset"]]
+                                                        if "offset" in obj.attrs else None,
+                                                        obj.attrs.get("placements"),
+                                                        [int(n) for n in obj.attrs.get("claimed_shape", [])])
+                    h5.visititems(visit)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+
+    def write(f):
+        with h5py.File(f, "w") as h5:
+            h5.attrs["trace_digest"] = trace.digest
+            h5.attrs["about"] = "refimpl oracle run-dtensor --trace: PyTorch DTensor's own layout (docs/peers.md)"
+            for (dtype, r, name), (array, offset, _, _) in sorted(arrays.items()):
+                step, _, rest = name.partition("/")[2].partition("/")
+                head, _, tensor = rest.rpartition("/")
+                if offset is not None:                         # a layer's y or dx: rank r's block
+                    h5.create_dataset(f"{dtype}/step/{step}/{head}/rank/{r}/{tensor}",
+                                      data=array).attrs["offset"] = offset
+                else:                                          # loss, update, global dw / db: rank 0 once
+                    h5.create_dataset(f"{dtype}/{name}", data=array)
+    atomic_write(out_path, write, binary=True)
+    for (dtype, r, name), (array, offset, placements, claimed) in sorted(arrays.items()):
+        if offset is not None and claimed and list(array.shape) != claimed:
+            events.append({"dtype": dtype, "rank": r, "mislabelled": name, "placements": placements,
+                           "claimed_shape": claimed, "local_shape": list(array.shape)})
+    return events
