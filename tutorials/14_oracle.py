@@ -437,5 +437,92 @@ assert dt_verdicts["maxpool_d_split.1-2-1-1.h5"] == {"y": "pass", "dx": "refused
 # docs/peers.md has the whole `hard` suite under DTensor, case by case, with what a fix
 # must satisfy. It also shows how to write an adapter for another library.
 
+# %% [markdown]
+# ## 8. A whole model: one training step, layer by layer
+#
+# Your CosmoFlow trains differently on 8 ranks than on 1. Cutting it into single-layer
+# cases by hand is slow; a **model trace** does it for you. `refimpl oracle trace
+# generate` runs one training step of a whole model with refimpl's unpartitioned
+# reference and stores, for every layer (under the model's module names, `features.0`,
+# `head.3`, ...), its output `y`, the gradient at its input `dx`, its parameter gradients
+# `dw`, `db`, the loss and the parameters after the update. Each `y` and `dx` is also cut
+# into every rank's block of a process grid, with its offset.
+#
+# Your implementation writes what it computed in the same layout, and `trace check`
+# walks the forward layers in order, the backward in reverse, then the update. The key
+# idea: **each layer is judged on your own input** — the previous layer's output as *you*
+# reported it — recomputed through the reference for that layer alone. So one wrong layer
+# does not make every later layer look wrong: the report names the *first layer whose
+# output is wrong while its input was right*, and lists what merely follows from it.
+#
+# The model here is CosmoFlow's `tiny` preset on a grid that splits H over two ranks.
+
+# %%
+from refimpl.oracle import trace as model_trace, trace_check, trace_torch
+
+trace_path = os.path.join(workdir, "trace.h5")
+spec = model_trace.TraceSpec("cosmoflow", "tiny", model_trace.default_input("cosmoflow", "tiny"), (1, 1, 2, 1),
+                             steps=1, dtypes=("float64",))
+model_trace.write_trace(spec, trace_path)
+trace = model_trace.load_trace(trace_path)
+for entry in trace.layers:
+    print(f"{entry['name']:<11} {entry['kind']:<15} y {entry['y_shape']}")
+
+# %% [markdown]
+# Your implementation goes here. We use the model's PyTorch twin
+# (`refimpl/oracle/model_twins.py`: the same module names), which `trace run-torch` runs:
+# it computes the step globally and cuts every tensor into the ranks' blocks, as a correct
+# partitioned run would report them. Everything passes, within tolerances derived from
+# the reduction length of each tensor.
+
+# %%
+def judged(plant=None):
+    """Run the twin (with a planted bug), write its results, check them: the findings."""
+    results = trace_torch.run_trace(trace, trace_torch.parse_plant(plant, trace))
+    path = os.path.join(workdir, "peer.h5")
+    trace_torch.write_results(path, trace, results)
+    return trace_check.check_trace(trace, trace_check.load_peer(path, trace))
+
+
+findings = judged()
+print(f"{len(findings)} tensors judged, {sum(f.status == 'pass' for f in findings)} passed")
+assert all(f.status == "pass" for f in findings)
+
+# %% [markdown]
+# Now a bug: on rank 1, the second conv (`features.3`) reads zeros instead of its
+# neighbour's cells beyond its first internal face — its forward halo exchange delivered
+# nothing. Everything after it is computed from a wrong tensor, so every later layer's
+# output differs from the reference trace. The check still names the one layer at fault.
+
+# %%
+findings = judged("halo:features.3:1")
+fails = [f for f in findings if f.status == "fail"]
+first = fails[0]
+print("first finding:", first.where)
+print("   first wrong cell:", first.first_index, "  diagnosis:", first.diagnosis)
+print("following from it:", ", ".join(f"{f.layer} {f.tensor}" for f in findings if f.status == "follows"))
+assert (first.layer, first.tensor, first.ranks) == ("features.3", "y", [1])
+
+# %% [markdown]
+# How to read this:
+#
+# - The first finding is `features.3`'s `y` on rank 1, at the first output whose window
+#   reads past rank 1's block, with the layer-level diagnosis of that pattern.
+# - The layers after it are listed as *following*: judged on the wrong input the peer
+#   gave them, they compute what they should. A second, independent bug further on would
+#   still be named as a finding of its own.
+# - The backward is judged the same way, on the peer's own `dy`: the conv's `dx` and `dw`
+#   follow from its wrong forward.
+#
+# From the command line (your own results file in the layout of docs/oracle.md, "Model
+# traces"; `--names` maps your module names onto refimpl's):
+#
+#     refimpl oracle trace generate --model cosmoflow --preset tiny --grid 1,1,2,1 --out trace.h5
+#     refimpl oracle trace run-torch trace.h5 --out bad.h5 --plant halo:features.3:1
+#     refimpl oracle trace check trace.h5 bad.h5
+#
+# and a DTensor-sharded CosmoFlow step, checked the same way, is on docs/peers.md
+# ("A whole CosmoFlow step"): `refimpl oracle run-dtensor --trace trace.h5 --out dt.h5`.
+
 # %%
 shutil.rmtree(workdir)
