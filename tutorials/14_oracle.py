@@ -458,7 +458,7 @@ assert dt_verdicts["maxpool_d_split.1-2-1-1.h5"] == {"y": "pass", "dx": "refused
 # The model here is CosmoFlow's `tiny` preset on a grid that splits H over two ranks.
 
 # %%
-from refimpl.oracle import trace as model_trace, trace_check, trace_torch
+from refimpl.oracle import trace as model_trace, trace_check, trace_results, trace_torch
 
 trace_path = os.path.join(workdir, "trace.h5")
 spec = model_trace.TraceSpec("cosmoflow", "tiny", model_trace.default_input("cosmoflow", "tiny"), (1, 1, 2, 1),
@@ -481,7 +481,7 @@ def judged(plant=None):
     results = trace_torch.run_trace(trace, trace_torch.parse_plant(plant, trace))
     path = os.path.join(workdir, "peer.h5")
     trace_torch.write_results(path, trace, results)
-    return trace_check.check_trace(trace, trace_check.load_peer(path, trace))
+    return trace_check.check_trace(trace, trace_results.load_peer(path, trace))
 
 
 findings = judged()
