@@ -152,7 +152,7 @@ def generate(args) -> int:
     except OSError as err:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     print(f"wrote {args.out}  ({args.model} {args.preset}, input {list(spec.input)}, grid {list(spec.grid)}, "
-          f"{spec.ranks} rank{'s' * (spec.ranks > 1)}, {summary['layers']} layers, {spec.steps} step(s), "
+          f"{spec.ranks} rank{'s' * (spec.ranks > 1)}, {summary['layers']} layers, {spec.steps} step{'s' * (spec.steps != 1)}, "
           f"{', '.join(spec.dtypes)}, {spec.optimizer})")
     return 0
 
@@ -182,7 +182,7 @@ def _line(f) -> str:
     if f.status == "fail":
         if f.first_index is not None:
             owner = "global" if f.owner is None else f"rank {f.owner}"
-            text += f"\n        {f.mismatches} element(s) off; first at global index {f.first_index} ({owner})"
+            text += f"\n        {f.mismatches} element{'s' * (f.mismatches != 1)} off; first at global index {f.first_index} ({owner})"
         text += f"\n        diagnosis: {f.diagnosis or 'no known pattern'}"
         if f.note:
             text += f"\n        note: {f.note}"
@@ -231,7 +231,9 @@ def check(args) -> int:
     if worst:
         print("    passing: " + "; ".join(f"{d} worst {w.layer} {w.tensor} = {r:.2f} of its tolerance"
                                           for d, (r, w) in sorted(worst.items())))
-    print(f"{passed + len(fails) + len(follows)} tensor(s): {passed} passed, {len(fails)} finding(s), {len(follows)} follow(s)")
+    total = passed + len(fails) + len(follows)
+    print(f"{total} tensor{'s' * (total != 1)}: {passed} passed, {len(fails)} finding{'s' * (len(fails) != 1)}, "
+          f"{len(follows)} following")
     code = 1 if fails else 0
     if args.json:
         text = json.dumps({"ok": code == 0, "exit": code, "trace": args.trace, "results": args.results,

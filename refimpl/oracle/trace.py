@@ -122,7 +122,7 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
     size = trace_bytes(spec.model, spec.preset, spec.input, spec.steps, dtypes)
     if size > MAX_TRACE_BYTES:
         raise ValueError(f"a trace of {spec.model} {spec.preset} with input {list(spec.input)} would hold about "
-                         f"{size / 2 ** 30:.0f} GiB ({spec.steps} step(s), {', '.join(dtypes)}), more than "
+                         f"{size / 2 ** 30:.0f} GiB ({spec.steps} step{'s' * (spec.steps != 1)}, {', '.join(dtypes)}), more than "
                          f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
                          f"are for training, a trace checks the same layers at any size the model allows)")
     return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,

@@ -96,7 +96,7 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
     if kinds == {"bn"}:
         group = "the data group" if all(p == 1 for p in grid[1:]) else "the spatial group" if grid[0] == 1 \
             else "the spatial and data groups"
-        return (f"batch-norm statistics of each failing rank's own block (rank(s) {', '.join(map(str, matched))}): "
+        return (f"batch-norm statistics of each failing rank's own block (rank{'s' * (len(matched) != 1)} {', '.join(map(str, matched))}): "
                 f"not reduced over {group}")
     def only_own_block(r):
         """Rank r's block of y computed from its own input block alone (zeros beyond every face)."""
@@ -154,7 +154,7 @@ def diagnose_drift(ref, entry, x, mask, blocks, bad, tol, want, rank_params, ste
             T.parameter(layer, t).data[...] = data
     if not drifted:
         return None
-    return (f"rank(s) {', '.join(map(str, drifted))} computed their block with their own parameters of "
+    return (f"rank{'s' * (len(drifted) != 1)} {', '.join(map(str, drifted))} computed their block with their own parameters of "
             f"{', '.join(entry['params'].values())} (their update/rank of step {step - 1}), which differ from "
             f"the others': the parameters drifted between ranks")
 
