@@ -162,6 +162,16 @@ PLANTS = [
     ("cosmoflow", (1, 2, 1, 1), "loss-count", "loss", "loss", "loss", [None], "the loss is 2 × the expected"),
     ("cosmoflow", (1, 1, 2, 2), "update-skip:features.0:3", "update", "features.0.weight", "update", [3],
      "rank 3 did not apply the update"),
+    # every kind a second time, in another layer (of the other model where it has one) and on another grid
+    ("unet3d", (1, 2, 1, 1), "inner-padding:enc1.0", "forward", "enc1.0", "y", [0, 1],
+     "padding applied at internal faces"),
+    ("cosmoflow", (1, 3, 1, 1), "stride-phase:features.2:1", "forward", "features.2", "y", [1],
+     "strided windows misplaced"),
+    ("unet3d", (1, 1, 2, 2), "dw-unsummed:enc0.0:1", "backward", "enc0.0", "dw", [1], "own contribution only"),
+    ("unet3d", (1, 2, 1, 1), "dw-count:enc0.3", "backward", "enc0.3", "dw", [0, 1], "1/2 of the expected"),
+    ("cosmoflow", (1, 1, 2, 2), "loss-count", "loss", "loss", "loss", [None], "the loss is 4 × the expected"),
+    ("unet3d", (2, 1, 1, 1), "update-skip:dec0.0:1", "update", "dec0.0.weight", "update", [1],
+     "rank 1 did not apply the update"),
 ]
 
 
