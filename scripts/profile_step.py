@@ -193,8 +193,11 @@ def describe(in_shape, out_shape, weighted=False) -> str:
 
 
 def same_kind(ours: str, theirs: str) -> bool:
-    """refimpl's class name vs torch's: SpatialDropout ~ Dropout, FlattenLinear ~ (Flatten +) Linear."""
-    return ours.removeprefix("Spatial").removeprefix("Flatten") == theirs
+    """refimpl's class name vs torch's: SpatialDropout ~ Dropout, FlattenLinear ~ (Flatten +) Linear
+    (the twins of refimpl/oracle/model_twins.py have a FlattenLinear of their own)."""
+    def plain(name):
+        return name.removeprefix("Spatial").removeprefix("Flatten")
+    return plain(ours) == plain(theirs)
 
 
 # ---------------------------------------------------------------------------- one instrumented step

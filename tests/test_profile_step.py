@@ -60,7 +60,7 @@ def test_tiny_presets_one_repeat(tmp_path):
         assert f"## {name}, preset tiny" in proc.stdout and "step plain (best of 1)" in proc.stdout
     head = {r["layer"]: r for r in models["cosmoflow"]["rows"]}
     assert head["features.0"]["label"] == "features.0 Conv3d 4->4 @16^3"
-    assert head["head.0"]["torch_layer"] == "6+7"      # torch's Flatten + Linear against FlattenLinear
+    assert head["head.0"]["torch_layer"] == "head.0"   # the twin's FlattenLinear, named as refimpl's
     assert "Warning" not in proc.stderr
 
 

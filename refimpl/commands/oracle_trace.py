@@ -37,13 +37,13 @@ TRACE_ACTIONS = ("layers", "generate", "run-torch", "check")
 
 def add_parser(sub):
     """The ``trace`` action of ``refimpl oracle`` and its own actions."""
-    from ..models import MODELS
+    from ..config import CHOICES              # not refimpl.models: building the CLI starts no MPI
     parser = sub.add_parser("trace", help="one training step of a whole model, compared layer by layer",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = parser.add_subparsers(dest="trace_action", metavar="TRACE_ACTION", required=True)
 
     def model_args(p):
-        p.add_argument("--model", required=True, choices=sorted(MODELS), help="the model")
+        p.add_argument("--model", required=True, choices=CHOICES["model"], help="the model")
         p.add_argument("--preset", default="tiny", metavar="P", help="the model's preset (default tiny)")
         p.add_argument("--input", default=None, metavar="N,C,D,H,W",
                        help="the global batch shape (default: 2 samples of the preset's input)")
