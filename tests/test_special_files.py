@@ -141,3 +141,18 @@ def test_a_huge_suite_is_refused_at_once(tmp_path, extra, words):
 def test_check_layer_refuses_huge_sizes(flags, words):
     proc = cli("check-layer", "conv3d", "--input", "1,2,8,8,8", "--grid", "1,1,1,1", *flags, timeout=30)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- issue 41, item 9: a digest that is not a string
+
+@pytest.mark.parametrize("value", [[1, 2], 7])
+def test_a_case_digest_that_is_not_a_string_names_file_and_attribute(case, tmp_path, value):
+    import h5py
+    import numpy as np
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as h5:
+        h5.attrs["case_digest"] = np.asarray(value)
+        h5.create_dataset("float64/global/y", data=np.zeros(1))
+    proc = cli("oracle", "check", case, str(path))
+    assert proc.returncode == 2 and str(path) in proc.stderr and "'case_digest' must be one string" in proc.stderr, \
+        proc.stderr

@@ -139,6 +139,22 @@ def _open(path, what):
         raise UnusableInput(f"{what} {path}: not a readable HDF5 file (truncated or corrupt?): {err}") from None
 
 
+def digest_attribute(h5, name: str, path: str, what: str) -> str | None:
+    """The root attribute ``name`` (a digest) of a results file as text, None if absent;
+    UnusableInput naming the file and the attribute when it is not one string (an array,
+    a number: another writer's mistake, not a digest to compare)."""
+    got = h5.attrs.get(name)
+    if isinstance(got, (bytes, numpy.bytes_)):         # a fixed-length string from another writer
+        try:
+            got = got.decode()
+        except UnicodeDecodeError:
+            raise UnusableInput(f"{what} {path}: root attribute {name!r} is not UTF-8 text") from None
+    if got is not None and not isinstance(got, str):
+        raise UnusableInput(f"{what} {path}: root attribute {name!r} must be one string (the digest), got "
+                            f"{type(got).__name__} {numpy.shape(got)}")
+    return got
+
+
 def _read(h5, name, path, what, dtype, shape):
     """Dataset /``name``, read once its metadata holds: ``dtype``, ``shape``, and the bytes it
     declares stored in the file."""
@@ -381,9 +397,7 @@ def load_results(path: str, case: Case) -> Results:
 def _load_results(path: str, case: Case) -> Results:
     import h5py
     with _open(path, "results file") as h5:
-        got = h5.attrs.get("case_digest")
-        if isinstance(got, (bytes, numpy.bytes_)):         # a fixed-length string from another writer
-            got = got.decode()
+        got = digest_attribute(h5, "case_digest", path, "results file")
         if got is None:
             raise UnusableInput(f"results file {path}: no root attribute 'case_digest' (copy the case "
                                 f"file's 'digest' attribute, {case.digest!r})")

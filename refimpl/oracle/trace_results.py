@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import trace as T
-from .casefile import UnusableInput
+from .casefile import UnusableInput, digest_attribute
 
 
 @dataclass
@@ -96,7 +96,7 @@ def load_peer(path: str, trace: T.Trace, names: dict | None = None) -> Peer:
 
     h5 = _open(path, what)
     with h5:
-        got = h5.attrs.get("trace_digest")
+        got = digest_attribute(h5, "trace_digest", path, what)
         if got is None:
             raise UnusableInput(f"{what} {path}: no root attribute 'trace_digest' (copy the trace file's "
                                 f"'digest' attribute, {trace.digest!r})")
