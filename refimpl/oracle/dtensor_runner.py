@@ -251,18 +251,25 @@ def run(parts, timeout_s, jobs):
     return True
 
 
-def main(argv=None):
+def rank_main(run_jobs, usage, argv=None):
+    """The command line of a rank process (this one's, and dtensor_trace_runner's):
+    PARTS_DIR TIMEOUT_S JOBS.json; ``run_jobs(parts, timeout_s, jobs)`` False after a
+    recorded failure ends the process with status 3 at once."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     with open(argv[2]) as f:
         jobs = json.load(f)
-    if not run(argv[0], float(argv[1]), jobs):
+    if not run_jobs(argv[0], float(argv[1]), jobs):
         sys.stdout.flush()                    # peers may be blocked in a collective: no barrier
         sys.stderr.flush()
         os._exit(3)
     return 0
+
+
+def main(argv=None):
+    return rank_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import os
 import sys
 from datetime import timedelta
 
-from .dtensor_runner import TENSOR_DIM, classify, first_line, local_with_offset
+from .dtensor_runner import TENSOR_DIM, classify, first_line, local_with_offset, rank_main
 
 
 def mesh_axes(grid):
@@ -197,17 +197,7 @@ def run(parts, timeout_s, jobs):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
-        return 2
-    with open(argv[2]) as f:
-        jobs = json.load(f)
-    if not run(argv[0], float(argv[1]), jobs):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3)                           # peers may sit in a collective: no barrier
-    return 0
+    return rank_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":
