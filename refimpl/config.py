@@ -92,20 +92,25 @@ CHOICES = {
 ENVIRONMENT = {"backend": "REFIMPL_BACKEND", "cuda_aware": "REFIMPL_CUDA_AWARE"}
 
 
-def load_toml(path, flag: str = "--config") -> dict:
-    """The table of a TOML file, keys normalised ('-' -> '_'); ValueError naming ``flag`` and the file."""
+def read_toml(path, flag: str) -> dict:
+    """The table of a TOML file as written; ValueError naming ``flag`` and the file (a FIFO or
+    a device is refused before it is opened)."""
     import tomllib
 
     from .paths import refuse_special
     refuse_special(path, flag)
     try:
         with open(path, "rb") as f:
-            table = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as err:
         raise ValueError(f"{flag} {path}: cannot read ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{flag} {path}: not valid TOML ({err})") from None
-    return {key.replace("-", "_"): value for key, value in table.items()}
+
+
+def load_toml(path, flag: str = "--config") -> dict:
+    """The table of a TOML file, keys normalised ('-' -> '_'); ValueError naming ``flag`` and the file."""
+    return {key.replace("-", "_"): value for key, value in read_toml(path, flag).items()}
 
 
 def check_keys(table: dict, where: str) -> None:

@@ -156,3 +156,9 @@ def test_a_case_digest_that_is_not_a_string_names_file_and_attribute(case, tmp_p
     proc = cli("oracle", "check", case, str(path))
     assert proc.returncode == 2 and str(path) in proc.stderr and "'case_digest' must be one string" in proc.stderr, \
         proc.stderr
+
+
+def test_a_fifo_as_a_trace_name_map_is_refused(fifo):
+    from refimpl.oracle.trace_results import load_names
+    with pytest.raises(ValueError, match="--names .* is a FIFO"):
+        load_names(str(fifo), trace=None)

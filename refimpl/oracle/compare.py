@@ -580,11 +580,7 @@ def holes(case, results, incomplete, tolerance_factor=1.0) -> list:
                 continue
             if not all(tensor in _held(results, dtype, r) for r in _expected_ranks(case, per_rank, False)):
                 continue
-            seen = numpy.zeros(case.expected[dtype][tensor].shape, bool)
-            for r, arrays in per_rank.items():
-                if tensor in arrays:
-                    offset = results.offsets[dtype][r][tensor]
-                    seen[tuple(slice(o, o + n) for o, n in zip(offset, arrays[tensor].shape))] = True
+            seen = covered_cells(case, results, dtype, tensor)
             if seen.all():
                 continue
             tol, why = tolerance(case, dtype, tensor, tolerance_factor)
@@ -736,6 +732,16 @@ def _layout_note(case, results, own) -> str:
     return text + (": " + " | ".join(parts) if parts else "")
 
 
+def covered_cells(case: Case, results: Results, dtype: str, tensor: str):
+    """Boolean mask over the global ``tensor``: the cells some rank's block of it holds."""
+    seen = numpy.zeros(case.expected[dtype][tensor].shape, bool)
+    for r, arrays in results.ranks.get(dtype, {}).items():
+        if tensor in arrays:
+            offset = results.offsets[dtype][r][tensor]
+            seen[tuple(slice(o, o + n) for o, n in zip(offset, arrays[tensor].shape))] = True
+    return seen
+
+
 def coverage(case: Case, results: Results) -> list:
     """The required tensors (y, dx, and the parameter gradients) the results do not cover,
     per dtype of the case: neither globally nor by the union of the ranks' blocks."""
@@ -745,12 +751,7 @@ def coverage(case: Case, results: Results) -> list:
             total = int(numpy.prod(case.expected[dtype][tensor].shape))
             if tensor in results.global_.get(dtype, {}):
                 continue
-            seen = numpy.zeros(case.expected[dtype][tensor].shape, bool)
-            for r, arrays in results.ranks.get(dtype, {}).items():
-                if tensor in arrays:
-                    offset = results.offsets[dtype][r][tensor]
-                    seen[tuple(slice(o, o + n) for o, n in zip(offset, arrays[tensor].shape))] = True
-            covered = int(seen.sum())
+            covered = int(covered_cells(case, results, dtype, tensor).sum())
             if covered < total:
                 out.append({"dtype": dtype, "tensor": tensor, "covered": covered, "total": total})
     return out

@@ -540,6 +540,19 @@ def _layout_of(case, which, index):
 SPLITS = (("refimpl's balanced split", block_range), ("torch.chunk's", ceil_block_range))
 
 
+def gathered_with_sizes(whole, axis, blocks, slots, fill):
+    """``whole`` (N, C, D, H, W) as a gather along spatial ``axis`` makes it that takes block i
+    (``blocks[i]``, [start, stop)) into slot i (``slots[i]``), cut to the shorter of the two;
+    what a slot's block does not fill holds ``fill``."""
+    out = numpy.full_like(whole, fill)
+    for (b0, b1), (s0, s1) in zip(blocks, slots):
+        m = min(b1 - b0, s1 - s0)
+        src, dst = [slice(None)] * 5, [slice(None)] * 5
+        src[2 + axis], dst[2 + axis] = slice(b0, b0 + m), slice(s0, s0 + m)
+        out[tuple(dst)] = whole[tuple(src)]
+    return out
+
+
 def gathered_sizes(case, tensor, got, want, atol) -> str | None:
     """A whole y or dx (every rank's copy, or the global one) gathered from the ranks' blocks
     with the wrong shard sizes along one split axis: block i, of the size one split rule
@@ -560,12 +573,7 @@ def gathered_sizes(case, tensor, got, want, atol) -> str | None:
             slots = [assumed(n, p, i) for i in range(p)]
             if blocks == slots:
                 continue
-            cand = numpy.full_like(want, numpy.nan)
-            for (b0, b1), (s0, s1) in zip(blocks, slots):
-                m = min(b1 - b0, s1 - s0)
-                src, dst = [slice(None)] * 5, [slice(None)] * 5
-                src[2 + a], dst[2 + a] = slice(b0, b0 + m), slice(s0, s0 + m)
-                cand[tuple(dst)] = want[tuple(src)]
+            cand = gathered_with_sizes(want, a, blocks, slots, numpy.nan)
             known = ~numpy.isnan(cand)
             if known.all() or not (numpy.abs(got - want) > atol).any():
                 continue

@@ -175,7 +175,7 @@ def offset_by_shape(case, r, dtype, name, shape, offset) -> list:
     """Where rank r's local shard of a case's tensor ``name`` lies (``offset_by_shape_in``)."""
     from .casefile import domain_shape
     from .dtensor_runner import mesh_layout
-    return offset_by_shape_in(mesh_layout(case.spec), r, domain_shape(case, dtype, name), shape, offset)
+    return offset_by_shape_in(mesh_layout(case.spec.grid), r, domain_shape(case, dtype, name), shape, offset)
 
 
 def offset_by_shape_in(axes, r, domain, shape, offset) -> list:
@@ -187,12 +187,9 @@ def offset_by_shape_in(axes, r, domain, shape, offset) -> list:
     has the shard's extent (else DTensor's offset stays, and the oracle reports the
     misplaced block).  The label that contradicts the shape is reported apart (the
     summary's ``shape_disagrees``)."""
-    from ..parallel.partition import ceil_block_range
+    from ..parallel.partition import ceil_block_range, grid_coords
     from .dtensor_runner import TENSOR_DIM
-    coords, rest = [], r
-    for _, p in reversed(axes):
-        coords.insert(0, rest % p)
-        rest //= p
+    coords = grid_coords(r, [p for _, p in axes])
     placed = list(offset)
     for d, (n, m) in enumerate(zip(shape, domain)):
         if n == m:

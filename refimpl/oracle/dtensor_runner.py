@@ -66,9 +66,10 @@ def classify(err: BaseException) -> str:
     return "crashed"
 
 
-def mesh_layout(spec):
-    """[(axis letter, size)] of the mesh: the grid's axes of size > 1 (one axis if none)."""
-    axes = [(MESH_AXES[i], p) for i, p in enumerate(spec.grid) if p > 1]
+def mesh_layout(grid):
+    """[(axis letter, size)] of the mesh for a grid (Pn, Pd, Ph, Pw[, Pm]) — a case's or a
+    trace's: the axes of size > 1 (one axis if none)."""
+    axes = [(MESH_AXES[i], p) for i, p in enumerate(grid) if p > 1]
     return axes or [("n", 1)]
 
 
@@ -237,7 +238,7 @@ def run(parts, timeout_s, jobs):
         if path not in cases:
             cases[path] = load_case(path)
         case = cases[path]
-        axes = mesh_layout(case.spec)
+        axes = mesh_layout(case.spec.grid)
         key = tuple(axes)
         if key not in meshes:                 # a mesh per shape (new_group is collective: every rank alike)
             meshes[key] = init_device_mesh("cpu", tuple(p for _, p in axes), mesh_dim_names=tuple(a for a, _ in axes))

@@ -35,13 +35,7 @@ import os
 import sys
 from datetime import timedelta
 
-from .dtensor_runner import TENSOR_DIM, classify, first_line, local_with_offset, rank_main
-
-
-def mesh_axes(grid):
-    """[(axis letter, size)] of the mesh for a trace grid (Pn, Pd, Ph, Pw): sizes > 1."""
-    axes = [(letter, p) for letter, p in zip("ndhw", grid) if p > 1]
-    return axes or [("n", 1)]
+from .dtensor_runner import TENSOR_DIM, classify, first_line, local_with_offset, mesh_layout, rank_main
 
 
 class Writer:
@@ -81,7 +75,7 @@ def run_job(trace_path, dtype, rank, world, parts):
     spec = trace.spec
     data = trace.data[dtype]
     out = Writer(parts, rank, dtype)
-    axes = mesh_axes(spec.grid)
+    axes = mesh_layout(spec.grid)
     mesh = init_device_mesh("cpu", tuple(p for _, p in axes), mesh_dim_names=tuple(a for a, _ in axes))
     stage = {"where": "setup", "layer": None}
     try:
@@ -180,7 +174,7 @@ def _write_shard(out, trace, spec, path, layer, tensor, value, rank):
         local = value.detach().contiguous().numpy()
         offset, claimed, where = [0] * local.ndim, list(local.shape), ["plain tensor"]
     if list(local.shape) != list(claimed):
-        offset = offset_by_shape_in(mesh_axes(spec.grid), rank, tuple(shape), local.shape, offset)
+        offset = offset_by_shape_in(mesh_layout(spec.grid), rank, tuple(shape), local.shape, offset)
     out.array(path, numpy.ascontiguousarray(local), [int(o) for o in offset], [int(n) for n in claimed], where)
 
 

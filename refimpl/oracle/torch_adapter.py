@@ -365,13 +365,8 @@ def _gather_sizes(case, dtype, glob, ranks):
     a = _gather_axis(case)
     whole = gathered(case, dtype, ranks)["y"]
     n, p = whole.shape[2 + a], expect.grid5(case.spec.grid)[1 + a]
-    out = numpy.zeros_like(whole)
-    for i in range(p):
-        (b0, b1), (s0, s1) = block_range(n, p, i), ceil_block_range(n, p, i)
-        m = min(b1 - b0, s1 - s0)
-        src, dst = [slice(None)] * 5, [slice(None)] * 5
-        src[2 + a], dst[2 + a] = slice(b0, b0 + m), slice(s0, s0 + m)
-        out[tuple(dst)] = whole[tuple(src)]
+    out = diagnose.gathered_with_sizes(whole, a, [block_range(n, p, i) for i in range(p)],
+                                       [ceil_block_range(n, p, i) for i in range(p)], 0.0)
     for r in ranks:
         ranks[r]["y"] = (out.copy(), (0, 0, 0, 0, 0))
     if "y" in glob:

@@ -16,7 +16,6 @@ tensor is a finding (``Peer.shape_errors``), as a wrong output size is.
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 
 import numpy
@@ -39,13 +38,8 @@ def load_names(path: str | None, trace: T.Trace) -> dict:
     """``--names FILE``: TOML ``peer_name = "canonical.name"`` (a layer or a parameter)."""
     if path is None:
         return {}
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except OSError as err:
-        raise ValueError(f"--names {path}: cannot read it ({err.strerror})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--names {path}: not valid TOML ({err})") from None
+    from ..config import read_toml
+    table = read_toml(path, "--names")                # peer names as written (no '-' -> '_')
     known = {e["name"] for e in trace.layers} | set(trace.param_names)
     for peer, canonical in table.items():
         if not isinstance(canonical, str) or canonical not in known:
