@@ -23,12 +23,15 @@ COSMO_INPUT, UNET_INPUT = (2, 4, 8, 8, 8), (2, 1, 8, 8, 8)
 GRIDS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2)]
 
 
-def make_trace(directory, model, grid, seed=0, dtypes=T.DTYPES, steps=1, optimizer="sgd", preset="tiny"):
+def make_trace(directory, model, grid, seed=0, dtypes=T.DTYPES, steps=1, optimizer="sgd", preset="tiny",
+               split=("none", 1)):
+    """``split``: (model_parallel, model_parallel_blocks) for a 5-entry grid's model axis."""
     shape = COSMO_INPUT if model == "cosmoflow" else UNET_INPUT
     path = directory / (f"{model}-{preset}.{'-'.join(map(str, grid))}.s{seed}.{'-'.join(dtypes)}."
-                        f"k{steps}{optimizer}.h5")
+                        f"k{steps}{optimizer}.{split[0]}{split[1]}.h5")
     if not path.exists():
-        T.write_trace(T.TraceSpec(model, preset, shape, grid, steps, tuple(dtypes), seed, optimizer), str(path))
+        T.write_trace(T.TraceSpec(model, preset, shape, grid, steps, tuple(dtypes), seed, optimizer, *split),
+                      str(path))
     return str(path)
 
 
@@ -126,6 +129,96 @@ def test_float32_has_no_false_alarm_over_seeds(traces, tmp_path):
             alarms += [f"{model} seed {seed}: {f.where}" for f in judged(trace, tmp_path / "r.h5")
                        if f.status != "pass"]
     assert alarms == []
+
+
+MODEL_PARALLEL = [("cosmoflow", (1, 2, 1, 1, 2), ("filter", 2)), ("cosmoflow", (2, 1, 1, 1, 2), ("channel", 1)),
+                  ("cosmoflow", (1, 1, 1, 1, 3), ("channel", 2)), ("unet3d", (1, 1, 2, 1, 2), ("filter", 1)),
+                  ("unet3d", (1, 1, 1, 1, 3), ("channel", 1))]
+
+
+@pytest.mark.parametrize("model, grid, split", MODEL_PARALLEL,
+                         ids=[f"{m}-{s[0]}{s[1]}-{'-'.join(map(str, g))}" for m, g, s in MODEL_PARALLEL])
+def test_torch_twin_passes_with_model_parallelism(traces, tmp_path, model, grid, split):
+    """A 5-entry grid: the split layers' y / dx blocks hold model rank m's channels, their dw /
+    db its share of the parameter (with offsets); the gathers are the split model's names."""
+    trace = torch_results(traces(model, grid, split=split), tmp_path / "r.h5")
+    findings = judged(trace, tmp_path / "r.h5")
+    assert [f.where for f in findings if f.status != "pass"] == []
+    assert {f.dtype for f in findings} == {"float64", "float32"}
+    gathers = [e["name"] for e in trace.layers if e["kind"] == "gather"]
+    assert gathers == (["features.6", "head.6"] if model == "cosmoflow" else ["bottleneck.6"])
+    split_layer = [e for e in trace.layers if e["split"] != "none" and e["kind"] == "conv3d"][-1]
+    pm = grid[4]
+    with h5py.File(tmp_path / "r.h5") as h5:
+        base = f"float64/step/0/{split_layer['name']}/rank"
+        channels = [h5[f"{base}/{m}/y"].attrs["offset"][1] for m in range(pm)]
+        widths = [h5[f"{base}/{m}/y"].shape[1] for m in range(pm)]
+        weight_axis = 1 if split_layer["split"] == "channel" else 0
+        shares = [h5[f"{base}/{m}/dw"].shape[weight_axis] for m in range(pm)]
+    c = split_layer["y_shape"][1]
+    assert channels == [sum(widths[:m]) for m in range(pm)] and sum(widths) == c and min(widths) >= c // pm
+    whole = trace.data["float64"]["initial"][split_layer["params"]["dw"]].shape[weight_axis]
+    assert sum(shares) == whole
+
+
+def test_float32_has_no_false_alarm_with_model_parallelism(traces, tmp_path):
+    """Five seeds of CosmoFlow split over a model axis (filter, 2 blocks), float32: no alarm."""
+    alarms = []
+    for seed in range(1, 6):
+        trace = torch_results(traces("cosmoflow", (1, 2, 1, 1, 2), seed=seed, dtypes=("float32",),
+                                     split=("filter", 2)), tmp_path / "r.h5")
+        alarms += [f"seed {seed}: {f.where}" for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"]
+    assert alarms == []
+
+
+MP_PLANTS = [
+    ("cosmoflow", (1, 2, 1, 1, 2), ("filter", 2), "halo:features.3:1", "forward", "features.3", "y", [1],
+     "rank 1 read zeros beyond its D high face"),
+    ("cosmoflow", (1, 2, 1, 1, 2), ("channel", 2), "adjoint-halo:features.3:3", "backward", "features.3", "dx", [3],
+     "the adjoint halo exchange is missing"),
+    ("cosmoflow", (1, 2, 1, 1, 2), ("channel", 2), "dw-unsummed:features.3:2", "backward", "features.3", "dw", [2],
+     "own contribution only"),
+    ("unet3d", (1, 1, 2, 1, 2), ("filter", 1), "bn-local-stats:bottleneck.4", "forward", "bottleneck.4", "y",
+     [0, 1, 2, 3], "not reduced over the spatial group"),
+    ("unet3d", (1, 1, 2, 1, 2), ("channel", 1), "halo:bottleneck.3:1", "forward", "bottleneck.3", "y", [1],
+     "rank 1 read zeros beyond its H high face"),
+    ("cosmoflow", (2, 1, 1, 1, 2), ("filter", 1), "update-skip:head.3:1", "update", "head.3.weight", "update", [1],
+     "rank 1 did not apply the update"),
+]
+
+
+@pytest.mark.parametrize("model, grid, split, plant, phase, layer, tensor, ranks, diagnosis", MP_PLANTS,
+                         ids=[p[3].split(":")[0] + "-" + p[0] + "-" + p[2][0] for p in MP_PLANTS])
+def test_a_plant_is_named_with_model_parallelism(traces, tmp_path, model, grid, split, plant, phase, layer, tensor,
+                                                  ranks, diagnosis):
+    trace = torch_results(traces(model, grid, dtypes=("float64",), split=split), tmp_path / "bad.h5", plant)
+    fails = [f for f in judged(trace, tmp_path / "bad.h5") if f.status == "fail"]
+    first = fails[0]
+    assert (first.phase, first.layer, first.tensor, first.ranks) == (phase, layer, tensor, ranks), first.where
+    assert diagnosis in first.diagnosis
+
+
+def test_parameter_shares_without_offset_are_placed_by_the_split(traces, tmp_path, capsys):
+    """A model-parallel peer's dw / db shares and y / dx blocks without an ``offset`` lie where
+    the trace's split puts them; a share of another size needs one (exit 2)."""
+    path = traces("cosmoflow", (1, 2, 1, 1, 2), dtypes=("float64",), split=("channel", 2))
+    trace = torch_results(path, tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5", "a") as h5:
+        h5.visititems(lambda name, obj: obj.attrs.__delitem__("offset") if "offset" in obj.attrs else None)
+    assert [f.where for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"] == []
+    with h5py.File(tmp_path / "r.h5", "a") as h5:
+        del h5["float64/step/0/features.3/rank/1/dw"]
+        h5["float64/step/0/features.3/rank/1/dw"] = numpy.ones((8, 3, 3, 3, 3))
+    assert main(["oracle", "trace", "check", path, str(tmp_path / "r.h5")]) == 2
+    assert "is neither the whole parameter (8, 4, 3, 3, 3) nor rank 1's share" in capsys.readouterr().err
+
+
+def test_the_layers_of_a_split_model(capsys):
+    assert main(["oracle", "trace", "layers", "--model", "cosmoflow", "--model-parallel", "filter",
+                 "--model-parallel-blocks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "features.6  gather" in out and "head.7      linear" in out and "16 layers" in out
+    assert out.count("channels split") == 12 and "model_parallel filter" in out
 
 
 def test_two_adam_steps_pass_and_the_cli_says_so(traces, tmp_path, capsys):
@@ -399,7 +492,15 @@ def test_help_texts(capsys):
 
 
 BAD = [
-    (["generate", "--model", "cosmoflow", "--grid", "1,2,1", "--out", "t.h5"], "--grid must be 4 positive integers"),
+    (["generate", "--model", "cosmoflow", "--grid", "1,2,1", "--out", "t.h5"], "--grid must be 4 or 5 positive integers"),
+    (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1,16", "--model-parallel", "filter", "--out", "t.h5"],
+     "--grid Pm=16: layer features.3 splits 8 channels over the model axis"),
+    (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1,2", "--model-parallel", "rows", "--out", "t.h5"],
+     "--model-parallel must be one of none, filter, channel"),
+    (["generate", "--model", "unet3d", "--grid", "1,1,1,1,2", "--model-parallel", "filter",
+      "--model-parallel-blocks", "2", "--out", "t.h5"], "--model-parallel-blocks is CosmoFlow's"),
+    (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1,2", "--model-parallel", "filter",
+      "--model-parallel-blocks", "3", "--out", "t.h5"], "exceeds n_conv_layers = 2"),
     (["generate", "--model", "cosmoflow", "--grid", "3,1,1,1", "--out", "t.h5"], "must be divisible by the grid's"),
     (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1", "--steps", "0", "--out", "t.h5"], "--steps must be"),
     (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1", "--dtype", "float16", "--out", "t.h5"], "--dtype must be"),

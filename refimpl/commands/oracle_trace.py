@@ -23,6 +23,8 @@ results file that cannot be checked); 4 an output could not be written.
 Examples:
     refimpl oracle trace layers --model cosmoflow --preset tiny
     refimpl oracle trace generate --model cosmoflow --preset tiny --grid 1,2,2,1 --out trace.h5
+    refimpl oracle trace generate --model cosmoflow --preset tiny --grid 1,2,1,1,2 \
+        --model-parallel filter --model-parallel-blocks 2 --out trace-mp.h5
     refimpl oracle trace run-torch trace.h5 --out torch.h5
     refimpl oracle trace check trace.h5 torch.h5 --json report.json
     refimpl oracle trace run-torch trace.h5 --out bad.h5 --plant halo:features.3:1
@@ -47,6 +49,13 @@ def add_parser(sub):
         p.add_argument("--preset", default="tiny", metavar="P", help="the model's preset (default tiny)")
         p.add_argument("--input", default=None, metavar="N,C,D,H,W",
                        help="the global batch shape (default: 2 samples of the preset's input)")
+        p.add_argument("--model-parallel", default="none", metavar="none|filter|channel",
+                       help="split the model over a model axis Pm (a 5-entry --grid): CosmoFlow its last "
+                            "--model-parallel-blocks conv blocks and its dense head, the U-Net its bottleneck; "
+                            "the split model's names include its gather layers (docs/model_parallel.md; "
+                            "default none)")
+        p.add_argument("--model-parallel-blocks", type=int, default=1, metavar="K",
+                       help="CosmoFlow: how many of its last conv blocks the model axis splits (default 1)")
 
     lay = actions.add_parser("layers", help="the model's layers in forward order",
                              description="Print the model's canonical layer names in forward order, with "
@@ -57,7 +66,9 @@ def add_parser(sub):
                              description="Compute one or more training steps of the model with refimpl's "
                                          "unpartitioned reference and write the trace (HDF5).")
     model_args(gen)
-    gen.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw", help="the process grid the blocks are cut for")
+    gen.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw[,Pm]",
+                     help="the process grid the blocks are cut for; a fifth entry Pm is the model axis "
+                          "(rank = (((n*Pd + d)*Ph + h)*Pw + w)*Pm + m)")
     gen.add_argument("--steps", type=int, default=1, metavar="K", help="training steps (default 1)")
     gen.add_argument("--dtype", default="float64,float32", metavar="D",
                      help="float64, float32 or both, comma-separated (default both)")
@@ -99,14 +110,26 @@ and write every rank's blocks in the results layout (docs/oracle.md, Model trace
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
 
 
-def _ints(text, flag, count):
+def _ints(text, flag, *counts):
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != count or any(v < 1 for v in values):
-        raise ValueError(f"{flag} must be {count} positive integers separated by commas, got {text!r}")
+    if len(values) not in counts or any(v < 1 for v in values):
+        raise ValueError(f"{flag} must be {' or '.join(map(str, counts))} positive integers separated by commas, "
+                         f"got {text!r}")
     return values
+
+
+def _model_parallel(args):
+    from ..oracle.trace import MODEL_MODES
+    if args.model_parallel not in MODEL_MODES:
+        raise ValueError(f"--model-parallel must be one of {', '.join(MODEL_MODES)}, got {args.model_parallel!r}")
+    if args.model_parallel_blocks < 1:
+        raise ValueError(f"--model-parallel-blocks must be a positive integer, got {args.model_parallel_blocks}")
+    if args.model != "cosmoflow" and args.model_parallel_blocks != 1:
+        raise ValueError("--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only)")
+    return args.model_parallel, args.model_parallel_blocks
 
 
 def _input(args):
@@ -115,15 +138,18 @@ def _input(args):
 
 def layers(args) -> int:
     from ..oracle.trace import layer_table
-    rows = layer_table(args.model, args.preset, _input(args))
+    rows = layer_table(args.model, args.preset, _input(args), *_model_parallel(args))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     width = max(len(r["name"]) for r in rows)
-    print(f"{'layer':<{width}}  {'kind':<16} {'output (global)':<22} inputs")
+    split = args.model_parallel != "none"
+    print(f"{'layer':<{width}}  {'kind':<16} {'output (global)':<22} inputs" + ("   (model axis)" if split else ""))
     for r in rows:
-        print(f"{r['name']:<{width}}  {r['kind']:<16} {str(r['shape']):<22} {', '.join(r['inputs'])}")
-    print(f"{len(rows)} layers of {args.model} preset {args.preset}")
+        print(f"{r['name']:<{width}}  {r['kind']:<16} {str(r['shape']):<22} {', '.join(r['inputs'])}"
+              + (("   channels split" if r["split"] else "   replicated") if split else ""))
+    print(f"{len(rows)} layers of {args.model} preset {args.preset}"
+          + (f", model_parallel {args.model_parallel}" if split else ""))
     return 0
 
 
@@ -141,17 +167,18 @@ def generate(args) -> int:
     from ..failstop import WriteError, describe
     from ..oracle.trace import DTYPES, TraceSpec, check_spec, default_input, write_trace
     dtypes = tuple(d.strip() for d in args.dtype.split(","))
-    grid = _ints(args.grid, "--grid", 4)
+    grid = _ints(args.grid, "--grid", 4, 5)
     shape = _input(args) or default_input(args.model, args.preset)
     spec = check_spec(TraceSpec(args.model, args.preset, shape, grid, args.steps, dtypes, args.seed,
-                                args.optimizer))
+                                args.optimizer, *_model_parallel(args)))
     assert set(spec.dtypes) <= set(DTYPES)
     _check_out(args.out, "--out")
     try:
         summary = write_trace(spec, args.out)
     except OSError as err:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
-    print(f"wrote {args.out}  ({args.model} {args.preset}, input {list(spec.input)}, grid {list(spec.grid)}, "
+    split = "" if spec.model_parallel == "none" else f", model_parallel {spec.model_parallel}"
+    print(f"wrote {args.out}  ({args.model} {args.preset}{split}, input {list(spec.input)}, grid {list(spec.grid)}, "
           f"{spec.ranks} rank{'s' * (spec.ranks > 1)}, {summary['layers']} layers, {spec.steps} step{'s' * (spec.steps != 1)}, "
           f"{', '.join(spec.dtypes)}, {spec.optimizer})")
     return 0

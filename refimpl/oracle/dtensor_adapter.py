@@ -330,6 +330,10 @@ def run_trace(trace, out_path: str, timeout_s: float = 300.0) -> list:
     import numpy
 
     from ..failstop import atomic_write
+    if trace.spec.model_dims > 1 or trace.spec.model_parallel != "none":
+        raise ValueError(f"run-dtensor --trace {trace.path}: the DTensor CosmoFlow shards the batch and the "
+                         f"volume (grids Pn,Pd,Ph,Pw); this trace splits channels over a model axis "
+                         f"(grid {list(trace.spec.grid)}, model_parallel {trace.spec.model_parallel!r})")
     world = trace.spec.ranks
     directory = os.path.dirname(os.path.abspath(out_path))
     parts = tempfile.mkdtemp(prefix=".run-dtensor-trace.", dir=directory)

@@ -7,15 +7,17 @@ Each twin names its modules as refimpl's model does (``features.0``, ``head.0``,
 hook on a twin's module reports under the canonical layer name of the trace.
 
 torch is imported here only, and lazily (inside the functions): refimpl never needs it.
-The twins cover the models' spatial configurations (``model_parallel`` "none").
+A twin computes globally; for a model-parallel config (``model_parallel`` "filter" or
+"channel") it carries the split model's extra module names: its ``gather`` layers are
+identities (``nn.Identity``), as they are unpartitioned, so the head's later modules
+keep the split model's indices (``head.7``).
 """
 from __future__ import annotations
 
 
-def _refuse_model_parallel(name: str, config: dict) -> None:
-    if config.get("model_parallel", "none") != "none":
-        raise ValueError(f"the PyTorch twin of {name} has no model-parallel split "
-                         f"(model_parallel {config['model_parallel']!r}); use model_parallel 'none'")
+def _split(config: dict) -> bool:
+    """Whether the model axis splits the model (its names then include the gathers)."""
+    return config.get("model_parallel", "none") != "none"
 
 
 def torch_cosmoflow(config: dict, dropout_masks=None):
@@ -27,7 +29,6 @@ def torch_cosmoflow(config: dict, dropout_masks=None):
     of keep-masks (the trace's, refimpl's counter-based ones) that the dropout layers apply."""
     import torch
     from torch import nn
-    _refuse_model_parallel("cosmoflow", config)
     slope, k = float(config.get("leaky_slope", 0.3)), config.get("kernel_size", 3)
     c_in, layers = config["input_shape"][0], []
     for i in range(config["n_conv_layers"]):
@@ -35,6 +36,8 @@ def torch_cosmoflow(config: dict, dropout_masks=None):
         # 'same': odd k pads k // 2 per side; even k pads k - 1, the odd cell after (torch's rule too)
         layers += [nn.Conv3d(c_in, c_out, k, padding="same"), nn.LeakyReLU(slope), nn.MaxPool3d(2)]
         c_in = c_out
+    if _split(config):
+        layers.append(nn.Identity())                     # features.{3L}: the gather of the split blocks
     final = [n // 2 ** config["n_conv_layers"] for n in config["input_shape"][1:]]
     p = float(config["dropout"])
 
@@ -70,9 +73,10 @@ def torch_cosmoflow(config: dict, dropout_masks=None):
     n_flat = c_in * final[0] * final[1] * final[2]
     net = nn.Module()
     net.features = nn.Sequential(*layers)
+    gather = [nn.Identity()] if _split(config) else []   # head.6: the gather of the 1.5-D layers' features
     net.head = nn.Sequential(FlattenLinear(n_flat, config["fc1_size"]), nn.LeakyReLU(slope), dropout("head.2"),
                              nn.Linear(config["fc1_size"], config["fc2_size"]), nn.LeakyReLU(slope),
-                             dropout("head.5"), nn.Linear(config["fc2_size"], config["num_outputs"]),
+                             dropout("head.5"), *gather, nn.Linear(config["fc2_size"], config["num_outputs"]),
                              ScaledTanh(float(config.get("output_scale", 1.2))))
     net.forward = lambda x: net.head(net.features(x))
     return net
@@ -84,14 +88,14 @@ def torch_unet3d(config: dict):
     (ConvTranspose3d k2 s2) and ``out`` (Conv3d k1)."""
     import torch
     from torch import nn
-    _refuse_model_parallel("unet3d", config)
     eps, momentum = float(config.get("bn_eps", 1e-5)), float(config.get("bn_momentum", 0.1))
 
-    def conv_block(c_in, c_out):
+    def conv_block(c_in, c_out, gather=False):
         return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1, bias=False),
                              nn.BatchNorm3d(c_out, eps, momentum), nn.ReLU(),
                              nn.Conv3d(c_out, c_out, 3, padding=1, bias=False),
-                             nn.BatchNorm3d(c_out, eps, momentum), nn.ReLU())
+                             nn.BatchNorm3d(c_out, eps, momentum), nn.ReLU(),
+                             *([nn.Identity()] if gather else []))       # bottleneck.6: the split's gather
 
     levels = config["levels"]
     widths = [config["base_width"] * 2 ** i for i in range(levels + 1)]
@@ -104,7 +108,7 @@ def torch_unet3d(config: dict):
                 setattr(self, f"enc{i}", conv_block(c_in, widths[i]))
                 setattr(self, f"pool{i}", nn.MaxPool3d(2))
                 c_in = widths[i]
-            self.bottleneck = conv_block(c_in, widths[levels])
+            self.bottleneck = conv_block(c_in, widths[levels], gather=_split(config))
             for i in reversed(range(levels)):
                 setattr(self, f"up{i}", nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2))
                 setattr(self, f"dec{i}", conv_block(2 * widths[i], widths[i]))

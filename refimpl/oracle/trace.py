@@ -7,7 +7,11 @@ reference of K training steps of a model: the initial parameters, the batch, and
 step and per layer the forward output ``y``, the gradient at the layer's input ``dx``,
 the parameter gradients ``dw``/``db``, the loss and the parameters after the update;
 each ``y``/``dx`` also cut into every rank's block of a process grid, with its
-``offset``, by the balanced-block rule of ``refimpl/parallel/partition.py``.
+``offset``, by the balanced-block rule of ``refimpl/parallel/partition.py``.  A grid of
+5 entries (Pn, Pd, Ph, Pw, Pm) adds the model axis: with ``model_parallel`` "filter" or
+"channel" the model's split layers hold a channel slice (``channel_range``) of their
+output, and their parameters' gradients are sliced likewise (``param_slices``); the
+model's ``gather`` layers (identities unpartitioned) bring the channels back together.
 
 The layers are the model's leaf modules in forward order, under their module names
 (``features.0``, ``enc1.3``, ``up0``: the names of ``state_dict``).  A layer reads the
@@ -46,10 +50,10 @@ from dataclasses import asdict, dataclass, field
 import numpy
 
 from .. import __version__
-from ..parallel.partition import block_slices, grid_coords
+from ..parallel.partition import block_slices, channel_range, grid_coords
 
 FORMAT = "refimpl-oracle-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DTYPES = ("float64", "float32")
 OPTIMIZERS = {"sgd": {"lr": 0.01, "momentum": 0.9}, "adam": {"lr": 1e-3}}
 PARAM_TENSORS = {"weight": "dw", "bias": "db"}      # parameter attribute -> its gradient's tensor name
@@ -59,6 +63,7 @@ KIND_OF_CLASS = {"LeakyReLU": "leaky_relu", "ReLU": "relu", "ScaledTanh": "scale
 MAX_STEPS = 100
 MAX_TRACE_BYTES = 8 * 2 ** 30       # a trace past this is a mistake of --input (the file holds every activation)
 WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
+MODEL_MODES = ("none", "filter", "channel")
 
 
 # ---------------------------------------------------------------- what a trace is of
@@ -69,27 +74,43 @@ class TraceSpec:
     model: str
     preset: str
     input: tuple                 # (N, C, D, H, W) global batch
-    grid: tuple                  # (Pn, Pd, Ph, Pw)
+    grid: tuple                  # (Pn, Pd, Ph, Pw) or (Pn, Pd, Ph, Pw, Pm)
     steps: int = 1
     dtypes: tuple = DTYPES
     seed: int = 0
     optimizer: str = "sgd"
+    model_parallel: str = "none"     # the model's split over the model axis Pm (docs/model_parallel.md)
+    model_parallel_blocks: int = 1   # CosmoFlow: how many of its last conv blocks are split
 
     @property
     def ranks(self) -> int:
         return int(numpy.prod(self.grid))
 
+    @property
+    def model_dims(self) -> int:
+        """Pm: the model axis (1 on a 4-entry grid)."""
+        return self.grid[4] if len(self.grid) == 5 else 1
+
     def as_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
+    def config(self) -> dict:
+        """The model's full config: the preset's, at the trace's input, split as the trace says."""
+        return model_config(self.model, self.preset, self.input, self.model_parallel, self.model_parallel_blocks)
 
-def model_config(model: str, preset: str, input_shape=None) -> dict:
+
+def model_config(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None) -> dict:
     """The full config of ``preset`` of ``model``, its input (C, D, H, W) replaced by
-    ``input_shape[1:]`` when given; ValueError naming the model, preset or key."""
+    ``input_shape[1:]`` when given and its model-axis split by ``model_parallel`` (and, for
+    CosmoFlow, ``model_parallel_blocks``); ValueError naming the model, preset or key."""
     from ..models import CHECK_CONFIG, resolve_config
     config = resolve_config(model, preset)
     if input_shape is not None:
         config["input_shape"] = tuple(input_shape[1:])
+    if model_parallel is not None:
+        config["model_parallel"] = model_parallel
+    if model_parallel_blocks is not None and model == "cosmoflow":
+        config["model_parallel_blocks"] = model_parallel_blocks
     return CHECK_CONFIG[model](config, where=f"{model} preset {preset!r}")
 
 
@@ -100,12 +121,24 @@ def default_input(model: str, preset: str) -> tuple:
 
 def check_spec(spec: TraceSpec) -> TraceSpec:
     """``spec`` with its fields normalised, or ValueError naming the flag that is wrong."""
-    config = model_config(spec.model, spec.preset, spec.input)
-    if config.get("model_parallel", "none") != "none":
-        raise ValueError(f"--preset {spec.preset}: traces cover the spatial models (model_parallel 'none')")
+    if spec.model_parallel not in MODEL_MODES:
+        raise ValueError(f"--model-parallel must be one of {', '.join(MODEL_MODES)}, got {spec.model_parallel!r}")
+    blocks = spec.model_parallel_blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"--model-parallel-blocks must be a positive integer, got {blocks!r}")
+    if spec.model != "cosmoflow" and blocks != 1:
+        raise ValueError(f"--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only), "
+                         f"got {blocks} for {spec.model}")
     grid = tuple(spec.grid)
-    if len(grid) != 4 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in grid):
-        raise ValueError(f"--grid must be 4 positive integers Pn,Pd,Ph,Pw, got {spec.grid!r}")
+    if len(grid) not in (4, 5) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in grid):
+        raise ValueError(f"--grid must be 4 or 5 positive integers Pn,Pd,Ph,Pw[,Pm], got {spec.grid!r}")
+    config = model_config(spec.model, spec.preset, spec.input, spec.model_parallel, blocks)
+    pm = grid[4] if len(grid) == 5 else 1
+    if spec.model_parallel != "none":
+        narrowest = min((e["c_out"], e["name"]) for e in split_layers(spec.model, config))
+        if pm > narrowest[0]:
+            raise ValueError(f"--grid Pm={pm}: layer {narrowest[1]} splits {narrowest[0]} channels over the model "
+                             f"axis, at most one rank per channel (lower Pm)")
     n = spec.input[0]
     if n % grid[0]:
         raise ValueError(f"--input batch N={n} must be divisible by the grid's sample groups Pn={grid[0]}")
@@ -126,7 +159,13 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
                          f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
                          f"are for training, a trace checks the same layers at any size the model allows)")
     return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,
-                     spec.optimizer)
+                     spec.optimizer, spec.model_parallel, blocks)
+
+
+def split_layers(model: str, config: dict) -> list[dict]:
+    """The ``describe()`` entries of the layers whose output the model axis splits."""
+    from ..models import MODELS
+    return [e for e in MODELS[model].describe(config) if e["split"] != "none"]
 
 
 def trace_bytes(model: str, preset: str, input_shape, steps: int, dtypes) -> int:
@@ -159,35 +198,46 @@ class Layer:
     inputs: tuple                # the layers whose outputs it reads, channel-concatenated ("input": the batch)
     module: object = field(repr=False, default=None)
     params: dict = field(default_factory=dict)      # "dw"/"db" -> the parameter's full name
+    split: str = "none"          # describe()'s split over the model axis (none | filter | channel | row | ...)
+    x_split: bool = False        # its input is channel-split over the model axis
+    y_split: bool = False        # its output is channel-split over the model axis
 
     @property
     def has_params(self) -> bool:
         return bool(self.params)
 
 
-def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64"):
+def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64",
+                    model_parallel=None, model_parallel_blocks=None):
     """refimpl's unpartitioned model (grid None) ``name`` of ``preset``, in ``dtype``, every
-    layer computing its input gradient (the trace records dx of the first layer too)."""
+    layer computing its input gradient (the trace records dx of the first layer too).  A
+    model-parallel config builds the same layers and weights (drawn whole), its ``gather``
+    layers empty (identities), so the trace's layer names are the split model's."""
     from ..models import build_model
-    model = build_model(name, model_config(name, preset, input_shape), grid=None, seed=seed, dtype=dtype)
+    config = model_config(name, preset, input_shape, model_parallel, model_parallel_blocks)
+    model = build_model(name, config, grid=None, seed=seed, dtype=dtype)
     model.needs_input_grad = True
     return model
 
 
 def build_reference(spec: TraceSpec, dtype="float64"):
     """The reference model of a trace (its weights depend on the seed only)."""
-    return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype)
+    return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype, spec.model_parallel,
+                           spec.model_parallel_blocks)
 
 
 def model_layers(name: str, model) -> list[Layer]:
     """The leaf modules of ``model`` in forward order (registration order: the models add
-    their modules in the order the forward runs them), each with its kind and inputs."""
-    kinds = {entry["name"]: entry["kind"] for entry in type(model).describe(model.config)}
-    out, previous = [], "input"
+    their modules in the order the forward runs them), each with its kind, inputs and
+    split over the model axis: ``describe()``'s for the layers it lists; a ``gather``
+    replicates its output; a layer it leaves out (activation, dropout) keeps its input's."""
+    described = {entry["name"]: entry for entry in type(model).describe(model.config)}
+    out, previous, split_out = [], "input", {"input": False}
     for module_name, module in model.named_modules():
-        if not module_name or module.children():
+        if not module_name or (module.children() and module_name not in described):
             continue
-        kind = kinds.get(module_name) or KIND_OF_CLASS.get(type(module).__name__)
+        entry = described.get(module_name, {})
+        kind = entry.get("kind") or KIND_OF_CLASS.get(type(module).__name__)
         if kind is None:
             raise ValueError(f"layer {module_name}: no trace kind for {type(module).__name__}")
         inputs = (previous,)
@@ -195,43 +245,77 @@ def model_layers(name: str, model) -> list[Layer]:
         if skip:
             inputs = (previous, f"enc{skip.group(1)}.5")     # concat (up_i, skip_i) on the channel axis
         params = {PARAM_TENSORS[attr]: p.name for attr, p in module._parameters.items()}
-        out.append(Layer(module_name, kind, inputs, module, params))
+        x_split = any(split_out[s] for s in inputs)
+        split = entry.get("split", "none")
+        y_split = False if kind == "gather" else (split != "none" or x_split)
+        out.append(Layer(module_name, kind, inputs, module, params, split, x_split, y_split))
+        split_out[module_name] = y_split
         previous = module_name
     return out
 
 
-def layer_table(model: str, preset: str, input_shape=None) -> list[dict]:
+def layer_table(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None) -> list[dict]:
     """``trace layers``: name, kind, inputs and global output shape of every layer, from the
     model's ``describe()`` where it lists the layer, else the shape of the layer before it
-    (activations and dropout keep their input's shape).  The model is built unpartitioned
-    in float32 for its module names (the presets build in a second or less)."""
+    (activations and dropout keep their input's shape), and whether the model axis splits
+    its output.  The model is built unpartitioned in float32 for its module names (the
+    presets build in a second or less)."""
     from ..models import MODELS
-    config = model_config(model, preset, input_shape)
+    config = model_config(model, preset, input_shape, model_parallel, model_parallel_blocks)
     n = (input_shape or default_input(model, preset))[0]
     described = {e["name"]: e for e in MODELS[model].describe(config)}
-    built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32")
+    built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32",
+                            model_parallel=model_parallel, model_parallel_blocks=model_parallel_blocks)
     rows, shape = [], (n,) + tuple(config["input_shape"])
     for layer in model_layers(model, built):
         entry = described.get(layer.name)
         if entry is not None:
             shape = (n, entry["c_out"]) + tuple(entry["out_dhw"])
         rows.append({"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
-                     "shape": list(shape), "params": sorted(layer.params.values())})
+                     "shape": list(shape), "params": sorted(layer.params.values()), "split": layer.y_split})
     return rows
 
 
 # ---------------------------------------------------------------- blocks of a grid
 
-def rank_slices(shape, grid, rank: int) -> tuple:
-    """Rank ``rank``'s block of a global tensor on grid (Pn, Pd, Ph, Pw): samples in equal
-    parts, D, H, W in balanced blocks (partition.block_slices), channels whole; a (N, F)
-    tensor (the dense head) is split by samples only, replicated over the spatial ranks."""
-    n, d, h, w = grid_coords(rank, grid)
+def rank_slices(shape, grid, rank: int, split: bool = False) -> tuple:
+    """Rank ``rank``'s block of a global tensor on grid (Pn, Pd, Ph, Pw[, Pm]): samples in
+    equal parts, D, H, W in balanced blocks (partition.block_slices), channels whole, or,
+    where the model axis splits the tensor (``split``), model rank m's ``channel_range``; a (N, F)
+    tensor (the dense head) is split by samples (and features where split), replicated over
+    the spatial ranks.  Ranks are row-major with the model axis fastest (parallel/grid.py)."""
+    n, d, h, w, m = tuple(grid_coords(rank, grid)) + ((0,) if len(grid) == 4 else ())
+    pm = grid[4] if len(grid) == 5 else 1
     if len(shape) == 5:
-        return block_slices(shape, (grid[0], 1) + tuple(grid[1:]), (n, 0, d, h, w))
-    if len(shape) == 2:
-        return block_slices(shape, (grid[0], 1), (n, 0))
-    raise ValueError(f"no rank blocks for a tensor of shape {tuple(shape)}")
+        out = block_slices(shape, (grid[0], 1) + tuple(grid[1:4]), (n, 0, d, h, w))
+    elif len(shape) == 2:
+        out = block_slices(shape, (grid[0], 1), (n, 0))
+    else:
+        raise ValueError(f"no rank blocks for a tensor of shape {tuple(shape)}")
+    if split:
+        out = (out[0], slice(*channel_range(shape[1], pm, m))) + out[2:]
+    return out
+
+
+def layer_slices(entry: dict, tensor: str, grid, rank: int) -> tuple:
+    """Rank's block of a layer's ``y`` (its output) or ``dx`` (its input's shape and split)."""
+    if tensor == "y":
+        return rank_slices(entry["y_shape"], grid, rank, entry.get("y_split", False))
+    return rank_slices(entry["x_shape"], grid, rank, entry.get("x_split", False))
+
+
+def param_slices(entry: dict, tensor: str, shape, grid, rank: int) -> tuple:
+    """Rank's slice of a layer's parameter gradient ``tensor`` (dw / db) of ``shape``: whole,
+    or the model rank's share where the model axis splits the layer (the slices
+    refimpl/nn/model_parallel.py keeps: filters / rows on axis 0; a channel-parallel conv's
+    weight its input channels on axis 1, its bias the output's)."""
+    whole = tuple(slice(0, n) for n in shape)
+    split = entry.get("split", "none")
+    if split == "none" or len(grid) == 4:
+        return whole
+    m, pm = rank % grid[4], grid[4]
+    axis = 1 if (split == "channel" and entry["kind"] == "conv3d" and tensor == "dw") else 0
+    return whole[:axis] + (slice(*channel_range(shape[axis], pm, m)),) + whole[axis + 1:]
 
 
 def internal_faces(shape, grid, rank):
@@ -371,7 +455,7 @@ def compute(spec: TraceSpec):
     """The trace's content: {dtype: {"initial", "x", "target", "steps": [{layer: tensors},
     loss, masks, update]}} and the layer list (of the float64 model)."""
     spec = check_spec(spec)
-    config = model_config(spec.model, spec.preset, spec.input)
+    config = spec.config()
     x, target = batch(spec, config)
     params0 = {name: p.data.copy() for name, p in build_reference(spec).named_parameters()}   # float64
     content, layers64 = {}, None
@@ -409,7 +493,8 @@ def layer_json(layers, content) -> list[dict]:
             src = first["x"] if source == "input" else tensors[source]["y"]
             x_shape = [src.shape[0], x_shape[1] + src.shape[1]] + list(src.shape[2:])
         out.append({"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
-                    "y_shape": list(y.shape), "x_shape": x_shape, "params": dict(layer.params)})
+                    "y_shape": list(y.shape), "x_shape": x_shape, "params": dict(layer.params),
+                    "split": layer.split, "x_split": layer.x_split, "y_split": layer.y_split})
     return out
 
 
@@ -420,6 +505,7 @@ def write_trace(spec: TraceSpec, path: str) -> dict:
     from ..failstop import atomic_write
     spec, layers, content = compute(spec)
     meta = {**spec.as_json(), "layers": layer_json(layers, content)}
+    entries = {e["name"]: e for e in meta["layers"]}
 
     def write(f):
         with h5py.File(f, "w") as h5:
@@ -445,7 +531,7 @@ def write_trace(spec: TraceSpec, path: str) -> dict:
                             if array is None:
                                 continue
                             for r in range(spec.ranks):
-                                sl = rank_slices(array.shape, spec.grid, r)
+                                sl = layer_slices(entries[layer.name], t, spec.grid, r)
                                 lg.create_dataset(f"rank/{r}/{t}", data=array[sl]).attrs["offset"] = offset_of(sl)
                         if layer.name in step["masks"]:
                             lg["mask"] = step["masks"][layer.name].astype(numpy.uint8)
@@ -492,7 +578,8 @@ def load_trace(path: str) -> Trace:
         try:
             meta = json.loads(attrs["trace"])
             spec = check_spec(TraceSpec(meta["model"], meta["preset"], tuple(meta["input"]), tuple(meta["grid"]),
-                                        meta["steps"], tuple(meta["dtypes"]), meta["seed"], meta["optimizer"]))
+                                        meta["steps"], tuple(meta["dtypes"]), meta["seed"], meta["optimizer"],
+                                        meta["model_parallel"], meta["model_parallel_blocks"]))
         except (KeyError, TypeError, ValueError) as err:
             raise UnusableInput(f"{what} {path}: its 'trace' attribute is not a valid trace spec ({err})") from None
         if attrs.get("digest") != digest(spec):
@@ -544,8 +631,9 @@ def _expected_shapes(spec: TraceSpec) -> dict:
                     if layer.kind == "dropout" else None)
         acts[layer.name] = tuple(y.shape)
         shapes[layer.name] = {"name": layer.name, "kind": layer.kind, "inputs": list(layer.inputs),
-                              "y_shape": list(y.shape), "x_shape": list(x_shape), "params": dict(layer.params)}
-    config = model_config(spec.model, spec.preset, spec.input)
+                              "y_shape": list(y.shape), "x_shape": list(x_shape), "params": dict(layer.params),
+                              "split": layer.split, "x_split": layer.x_split, "y_split": layer.y_split}
+    config = spec.config()
     target = (spec.input[0], config["num_outputs"]) if spec.model == "cosmoflow" else \
         (spec.input[0],) + tuple(spec.input[2:])
     return {"layers": list(shapes.values()), "target": target,
@@ -553,4 +641,5 @@ def _expected_shapes(spec: TraceSpec) -> dict:
 
 
 __all__ = ["TraceSpec", "Trace", "Layer", "check_spec", "model_config", "model_layers", "layer_table",
-           "write_trace", "load_trace", "compute", "rank_slices", "forward", "backward", "reference_math"]
+           "write_trace", "load_trace", "compute", "rank_slices", "layer_slices", "param_slices", "forward",
+           "backward", "reference_math"]

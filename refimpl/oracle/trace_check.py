@@ -220,6 +220,13 @@ def _drift_follows(findings) -> None:
                 f.note = f"follows from the update of {earlier[0].layer} at step {earlier[0].step} (drift)"
 
 
+def _whole_updates(step_peer) -> dict:
+    """{rank: {parameter: array}} of the ranks' updates placed at offset 0 (diagnose_drift
+    rebuilds a rank's block with those that are the whole parameter)."""
+    return {r: {p: a for p, (a, offset) in arrays.items() if not any(offset)}
+            for r, arrays in step_peer.get("update_ranks", {}).items()}
+
+
 def _params_before(trace, peer, dtype, s):
     """The parameters step s starts from: the peer's update of step s-1 where it reported it
     (judged on its own), else the trace's."""
@@ -288,7 +295,7 @@ def _check_step(trace, peer, ref, optimizers, dtype, s):
                                  lambda bad: diagnose_forward(ref, entry, x, masks.get(name), want, blocks, bad,
                                                               tol, spec.grid)
                                  or diagnose_drift(ref, entry, x, masks.get(name), blocks, bad, tol, want,
-                                                   peer.steps[dtype].get(s - 1, {}).get("update_ranks", {}), s),
+                                                   _whole_updates(peer.steps[dtype].get(s - 1, {})), s),
                                  lambda bad: layer_level_diagnosis(ref, entry, x, None, dtype, "y", blocks, bad, tol,
                                                                    spec.grid)))
 
@@ -489,10 +496,10 @@ def _check_update(trace, peer, optimizers, dtype, s, failed):
         layer, t = layer_of[pname]
         lr = step_peer["layers"].get(layer, {"rank": {}, "global": {}})
         given = lr["global"].get(t)
-        if given is None:
-            ranks = sorted(r for r, a in lr["rank"].items() if t in a)
-            given = lr["rank"][ranks[0]][t][0] if ranks else None
-        grads[pname] = data["steps"][s]["tensors"][layer][t] if given is None else given
+        traced = data["steps"][s]["tensors"][layer][t]
+        if given is None:            # the ranks' gradients, whole or their shares of a split layer
+            given = _assemble(traced.shape, _blocks(lr, t))
+        grads[pname] = traced if given is None else given
     after = optimizers.step(before, grads)
     want_all = after["float64"]
     findings = []
@@ -502,7 +509,7 @@ def _check_update(trace, peer, optimizers, dtype, s, failed):
         blocks = []
         if pname in step_peer["update"]:
             blocks.append((None, step_peer["update"][pname], [0] * want.ndim))
-        blocks += [(r, arrays[pname], [0] * want.ndim) for r, arrays in sorted(step_peer["update_ranks"].items())
+        blocks += [(r, *arrays[pname]) for r, arrays in sorted(step_peer["update_ranks"].items())
                    if pname in arrays]
         if not blocks:
             continue

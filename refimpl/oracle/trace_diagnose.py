@@ -35,10 +35,10 @@ def scalar_fit(got, want, tol) -> float | None:
 
 def counts_of(grid) -> list:
     """(count, what) of the rank counts a gradient or loss can be wrongly normalised by."""
-    pn, ps = grid[0], int(numpy.prod(grid[1:]))
+    pn, ps, pm = grid[0], int(numpy.prod(grid[1:4])), int(numpy.prod(grid[4:]))
     out = []
-    for k, what in ((pn * ps, "the P ranks of the whole grid"), (ps, "the spatial group's ranks"),
-                    (pn, "the data group's ranks")):
+    for k, what in ((pn * ps * pm, "the P ranks of the whole grid"), (ps, "the spatial group's ranks"),
+                    (pn, "the data group's ranks"), (pm, "the model group's ranks")):
         if k > 1 and all(k != c for c, _ in out):
             out.append((k, what))
     return out
@@ -70,9 +70,10 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
         def same(y_bug):
             return float(numpy.max(numpy.abs(array - y_bug))) <= 4 * tol * scale if array.size else False
 
-        in_sl = T.rank_slices(tuple(x.shape), grid, r)
-        if entry["kind"] == "batch_norm3d":
-            if same(ref.forward64(entry["name"], x[in_sl], mask)):
+        in_sl = T.layer_slices(entry, "dx", grid, r)
+        if entry["kind"] == "batch_norm3d":       # statistics of its own block: every channel, then its share
+            spatial = T.rank_slices(tuple(x.shape), grid, r)
+            if same(ref.forward64(entry["name"], x[spatial], mask)[:, out_sl[1]]):
                 matched[r] = ("bn",)
             continue
         faces = T.internal_faces(tuple(x.shape), grid, r)
@@ -94,14 +95,14 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
         return None
     kinds = {m[0] for m in matched.values()}
     if kinds == {"bn"}:
-        group = "the data group" if all(p == 1 for p in grid[1:]) else "the spatial group" if grid[0] == 1 \
+        group = "the data group" if all(p == 1 for p in grid[1:4]) else "the spatial group" if grid[0] == 1 \
             else "the spatial and data groups"
         return (f"batch-norm statistics of each failing rank's own block (rank{'s' * (len(matched) != 1)} {', '.join(map(str, matched))}): "
                 f"not reduced over {group}")
     def only_own_block(r):
         """Rank r's block of y computed from its own input block alone (zeros beyond every face)."""
-        in_sl = T.rank_slices(tuple(x.shape), grid, r)
-        out_sl = T.rank_slices(tuple(want.shape), grid, r)
+        in_sl = T.layer_slices(entry, "dx", grid, r)
+        out_sl = T.layer_slices(entry, "y", grid, r)
         x_bug = numpy.zeros_like(x)
         x_bug[in_sl] = x[in_sl]
         return ref.forward64(entry["name"], x_bug, mask)[out_sl], out_sl
@@ -142,8 +143,8 @@ def diagnose_drift(ref, entry, x, mask, blocks, bad, tol, want, rank_params, ste
     try:
         for r, array, offset in blocks:
             own = rank_params.get(r, {})
-            if r not in bad or not all(p in own for p in entry["params"].values()):
-                continue
+            if r not in bad or not all(p in own and own[p].shape == saved[t].shape for t, p in entry["params"].items()):
+                continue                       # a rank's own parameters, whole, are needed to rebuild its block
             for t, pname in entry["params"].items():
                 T.parameter(layer, t).data[...] = own[pname]
             y = T.forward(layer, x, mask)[tuple(slice(a, a + n) for a, n in zip(offset, array.shape))]
@@ -236,6 +237,8 @@ def layer_level_diagnosis(ref, entry, x, dy, dtype, tensor, blocks, bad, tol, gr
     None where the layer is no case kind, a block is not the case's, or nothing matches."""
     if entry["kind"] not in CASE_KINDS or tensor not in ("y", "dx") or (tensor == "dx" and dy is None):
         return None
+    if len(grid) == 5 and grid[4] > 1 and (entry.get("x_split") or entry.get("y_split")):
+        return None            # a layer the model axis splits: the layer cases here are of unsplit layers
     try:
         from . import diagnose
         case = layer_case(ref, entry, x, dy, grid, dtype)
@@ -259,7 +262,7 @@ def layer_level_diagnosis(ref, entry, x, dy, dtype, tensor, blocks, bad, tol, gr
 def _own_input_gradient(ref, entry, x, dy, mask, grid, rank):
     """The layer's dx from rank's output block alone (no ghost gradients from the others)."""
     keep = numpy.zeros(dy.shape, dtype=bool)
-    keep[T.rank_slices(dy.shape, grid, rank)] = True
+    keep[T.layer_slices(entry, "y", grid, rank)] = True
     return ref.backward64(entry["name"], x, numpy.where(keep, dy, 0.0), mask)["dx"]
 
 
@@ -267,7 +270,7 @@ def _contribution(ref, entry, x, dy, mask, grid, ranks):
     """The layer's parameter gradients from the output blocks of ``ranks`` alone."""
     keep = numpy.zeros(dy.shape, dtype=bool)
     for r in ranks:
-        keep[T.rank_slices(dy.shape, grid, r)] = True
+        keep[T.layer_slices(entry, "y", grid, r)] = True
     return ref.backward64(entry["name"], x, numpy.where(keep, dy, 0.0), mask)
 
 

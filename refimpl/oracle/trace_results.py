@@ -6,7 +6,7 @@ Layout (docs/oracle.md, "Model traces")::
     /<dtype>/step/<s>/<layer>/rank/<r>/<tensor>    y, dx, dw, db; attribute ``offset`` (optional)
     /<dtype>/step/<s>/<layer>/global/<tensor>      dw, db given once (or y, dx whole)
     /<dtype>/step/<s>/loss
-    /<dtype>/step/<s>/update/<parameter>           and update/rank/<r>/<parameter>
+    /<dtype>/step/<s>/update/<parameter>           and update/rank/<r>/<parameter> (``offset``: a shard)
 
 The file is untrusted, as a layer case's results (casefile.py): every dataset's dtype,
 rank and extent are checked, and the bytes it declares stored (``data.reader.check_stored``),
@@ -27,8 +27,9 @@ from .casefile import UnusableInput, digest_attribute
 @dataclass
 class Peer:
     """A results file: dtype -> step -> {"layers": {layer: {"rank": {r: {t: (array, offset)}},
-    "global": {t: array}}}, "loss", "update", "update_ranks"}; ``shape_errors`` lists blocks
-    that cannot be placed (findings, not unusable input)."""
+    "global": {t: array}}}, "loss", "update": {p: array}, "update_ranks": {r: {p: (array,
+    offset)}}}; ``shape_errors`` lists blocks that cannot be placed (findings, not unusable
+    input)."""
     path: str
     steps: dict = field(default_factory=dict)
     shape_errors: list = field(default_factory=list)
@@ -57,6 +58,7 @@ def load_peer(path: str, trace: T.Trace, names: dict | None = None) -> Peer:
     names, what = names or {}, "results file"
     layers = {e["name"]: e for e in trace.layers}
     param_shapes = {n: a.shape for n, a in next(iter(trace.data.values()))["initial"].items()}
+    param_layer = {p: (e, t) for e in trace.layers for t, p in e["params"].items()}
     peer = Peer(path)
 
     def bad(where, message):
@@ -121,12 +123,15 @@ def load_peer(path: str, trace: T.Trace, names: dict | None = None) -> Peer:
                                     if not r_key.isdigit():
                                         bad(f"{where}/rank/{r_key}", "rank must be a non-negative integer")
                                     for pk in group[key]["rank"][r_key]:
-                                        pname = _param_name(pk, names, param_shapes, f"{where}/rank/{r_key}/{pk}", bad)
-                                        entry["update_ranks"].setdefault(int(r_key), {})[pname] = \
-                                            _whole(read(group[key]["rank"][r_key][pk], f"{where}/rank/{r_key}/{pk}",
-                                                        dtype, len(param_shapes[pname]), param_shapes[pname]),
-                                                   param_shapes[pname],
-                                                   f"{where}/rank/{r_key}/{pk}", bad)
+                                        w = f"{where}/rank/{r_key}/{pk}"
+                                        pname = _param_name(pk, names, param_shapes, w, bad)
+                                        dataset, shape = group[key]["rank"][r_key][pk], param_shapes[pname]
+                                        start = offset(dataset, w, len(shape)) if isinstance(dataset, _h5dataset()) \
+                                            else None
+                                        array = read(dataset, w, dtype, len(shape), shape)
+                                        start = _parameter_offset(array, start, shape, *param_layer[pname], trace,
+                                                                  int(r_key), w, bad)
+                                        entry["update_ranks"].setdefault(int(r_key), {})[pname] = (array, start)
                                 continue
                             pname = _param_name(pkey, names, param_shapes, f"{where}/{pkey}", bad)
                             entry["update"][pname] = _whole(read(group[key][pkey], f"{where}/{pkey}", dtype,
@@ -186,14 +191,13 @@ def _read_layer(group, where, entry, trace, dtype, step, param_shapes, out, peer
                     ndim = len(shapes[t])
                     start = offset(dataset, w, ndim) if isinstance(dataset, _h5dataset()) else None
                     array = read(dataset, w, dtype, ndim, shapes[t])
-                    if start is None:
-                        if t in ("dw", "db"):
-                            start = [0] * ndim
-                        elif r >= trace.spec.ranks:
+                    if t in ("dw", "db"):
+                        start = _parameter_offset(array, start, shapes[t], entry, t, trace, r, w, bad)
+                    elif start is None:
+                        if r >= trace.spec.ranks:
                             bad(w, f"no 'offset' attribute, and the trace's grid has no rank {r} to place it by "
                                    f"(ranks 0..{trace.spec.ranks - 1})")
-                        else:
-                            start = [s.start for s in T.rank_slices(shapes[t], trace.spec.grid, r)]
+                        start = [s.start for s in T.layer_slices(entry, t, trace.spec.grid, r)]
                     problem = _placement(array.shape, start, shapes[t], t, r)
                     if problem:
                         peer.shape_errors.append((dtype, step, entry["name"], t, r, problem))
@@ -201,6 +205,22 @@ def _read_layer(group, where, entry, trace, dtype, step, param_shapes, out, peer
                     out["rank"].setdefault(r, {})[t] = (array, start)
         else:
             bad(f"{where}/{key}", "unknown group (expected 'rank' or 'global')")
+
+
+def _parameter_offset(array, start, shape, entry, tensor, trace, rank, where, bad):
+    """Where a rank's parameter gradient or update lies in the whole parameter: its
+    ``offset``; without one, at 0 when it is the whole parameter, else at the rank's share of
+    a layer the model axis splits (``trace.param_slices``)."""
+    if start is not None:
+        return start
+    if tuple(array.shape) == tuple(shape):
+        return [0] * len(shape)
+    if rank < trace.spec.ranks:
+        share = T.param_slices(entry, tensor, shape, trace.spec.grid, rank)
+        if tuple(s.stop - s.start for s in share) == tuple(array.shape):
+            return [s.start for s in share]
+    bad(where, f"shape {tuple(array.shape)} is neither the whole parameter {tuple(shape)} nor rank {rank}'s "
+               f"share of it: give an 'offset' attribute (the global index of its first element)")
 
 
 def _h5dataset():

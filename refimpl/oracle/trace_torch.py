@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from .trace import OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, model_config, rank_slices
+from .trace import OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, layer_slices, param_slices, rank_slices
 
 PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "stride-phase": "layer:rank",
           "bn-local-stats": "layer",
@@ -129,8 +129,8 @@ def _phase_shift(trace: Trace, name: str, rank: int) -> bool:
     module, entry = _module(trace, name), trace.layer(name)
     if entry["kind"] == "conv_transpose3d":
         return False
-    x_block = rank_slices(entry["x_shape"], trace.spec.grid, rank)
-    y_block = rank_slices(entry["y_shape"], trace.spec.grid, rank)
+    x_block = layer_slices(entry, "dx", trace.spec.grid, rank)
+    y_block = layer_slices(entry, "y", trace.spec.grid, rank)
     pads = _pads(module)
     return any(y_block[2 + a].stop > y_block[2 + a].start and
                module.stride[a] * y_block[2 + a].start - pads[a][0] != x_block[2 + a].start for a in range(3)
@@ -142,8 +142,8 @@ def halo_faces(trace: Trace, name: str, rank: int) -> list:
     windows read past (partition.needed_input_range: the halo it needs from a neighbour)."""
     from ..parallel.partition import needed_input_range, transposed_needed_input_range
     module, entry = _module(trace, name), trace.layer(name)
-    x_block = rank_slices(entry["x_shape"], trace.spec.grid, rank)
-    y_block = rank_slices(entry["y_shape"], trace.spec.grid, rank)
+    x_block = layer_slices(entry, "dx", trace.spec.grid, rank)
+    y_block = layer_slices(entry, "y", trace.spec.grid, rank)
     pads = _pads(module)
     faces = []
     for a in range(3):
@@ -177,7 +177,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
 
     from .model_twins import load_parameters, torch_model
     spec = trace.spec
-    config = model_config(spec.model, spec.preset, spec.input)
+    config = spec.config()
     if spec.model == "unet3d" and (config["loss"] != "ce" or config["class_weights"] is not None):
         raise ValueError(f"run-torch: the U-Net twin uses torch's cross-entropy; preset {spec.preset!r} "
                          f"has loss {config['loss']!r}")
@@ -213,7 +213,8 @@ def _run_dtype(trace: Trace, dtype: str, plant):
             inp = args[0].clone()
             if inp.requires_grad:
                 if plant is not None and plant.kind == "adjoint-halo" and plant.layer == name:
-                    inp.register_hook(lambda g: _without_ghosts(module, inp, g, state, spec.grid, plant.rank, fresh))
+                    inp.register_hook(lambda g: _without_ghosts(module, inp, g, state, spec.grid, plant.rank, fresh,
+                                                                trace.layer(name)))
                 inp.retain_grad()
             state["record"][name] = {"x": inp}
             return (inp,)
@@ -225,9 +226,10 @@ def _run_dtype(trace: Trace, dtype: str, plant):
                 return None
             if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats",
                                                                             "stride-phase"):
-                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, face, pads)
+                out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, trace.layer(name), face, pads)
             if plant is not None and plant.layer == name and state.get("stale") is not None:
-                out = _stale_block(module, args[0], out, state["stale"], spec.grid, plant.rank, fresh)
+                out = _stale_block(module, args[0], out, state["stale"], spec.grid, plant.rank, fresh,
+                                   trace.layer(name))
             out.retain_grad()
             if plant is not None and plant.kind == "adjoint-halo" and plant.layer == name:
                 out.register_hook(lambda g: state.update(dy=g))      # runs before the input's gradient
@@ -262,7 +264,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
             per_rank = {t: [g] * spec.ranks for t, g in grads.items()}
             if plant is not None and plant.layer == entry["name"]:
                 if plant.kind == "dw-unsummed":
-                    own = _own_contribution(module, rec, spec.grid, plant.rank, fresh)
+                    own = _own_contribution(module, rec, spec.grid, plant.rank, fresh, entry)
                     for t in per_rank:
                         per_rank[t] = list(per_rank[t])
                         per_rank[t][plant.rank] = own[t]
@@ -271,8 +273,9 @@ def _run_dtype(trace: Trace, dtype: str, plant):
                         if t in grads:
                             getattr(module, attr).grad /= spec.ranks          # the update uses them too
                             per_rank[t] = [grads[t] / spec.ranks] * spec.ranks
-            layers[entry["name"]] = {"y": _cut(y, spec.grid), "dx": None if dx is None else _cut(dx, spec.grid),
-                                     **per_rank}
+            layers[entry["name"]] = {"y": _cut(y, spec.grid, entry, "y"),
+                                     "dx": None if dx is None else _cut(dx, spec.grid, entry, "dx"),
+                                     **{t: _cut_parameter(arrays, spec.grid, entry, t) for t, arrays in per_rank.items()}}
         optimizer.step()
         update = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
         update_ranks = None
@@ -287,24 +290,34 @@ def _run_dtype(trace: Trace, dtype: str, plant):
     return steps
 
 
-def _cut(array, grid):
-    """Every rank's block of a global tensor, with its offset."""
+def _cut(array, grid, entry, tensor):
+    """Every rank's block of a layer's global ``y`` or ``dx``, with its offset."""
     out = []
     for r in range(int(numpy.prod(grid))):
-        sl = rank_slices(array.shape, grid, r)
+        sl = layer_slices(entry, tensor, grid, r)
         out.append((numpy.ascontiguousarray(array[sl]), [s.start for s in sl]))
     return out
 
 
-def _planted_forward(plant, grid, module, x, out, fresh, face=None, pads=None):
+def _cut_parameter(arrays, grid, entry, tensor):
+    """Every rank's share of a parameter gradient (``arrays``: each rank's whole one): all of it,
+    or its slice where the model axis splits the layer, with its offset."""
+    out = []
+    for r, array in enumerate(arrays):
+        sl = param_slices(entry, tensor, array.shape, grid, r)
+        out.append((numpy.ascontiguousarray(array[sl]), [s.start for s in sl]))
+    return out
+
+
+def _planted_forward(plant, grid, module, x, out, fresh, entry, face=None, pads=None):
     """``out`` with the planted ranks' blocks recomputed the buggy way (through autograd)."""
     import torch
     out = out.clone()
     ranks = [plant.rank] if plant.kind in ("halo", "stride-phase") else range(int(numpy.prod(grid)))
     for r in ranks:
-        in_sl, out_sl = rank_slices(tuple(x.shape), grid, r), rank_slices(tuple(out.shape), grid, r)
-        if plant.kind == "bn-local-stats":
-            out[out_sl] = fresh(module, x[in_sl])
+        in_sl, out_sl = layer_slices(entry, "dx", grid, r), layer_slices(entry, "y", grid, r)
+        if plant.kind == "bn-local-stats":         # its spatial block's statistics, of every channel it holds
+            out[out_sl] = fresh(module, x[rank_slices(tuple(x.shape), grid, r)])[:, out_sl[1]]
             continue
         if plant.kind == "stride-phase":             # windows from its own block's first cell on
             starts = [max(in_sl[2 + a].start + pads[a][0], 0) for a in range(3)]
@@ -328,26 +341,26 @@ def _planted_forward(plant, grid, module, x, out, fresh, face=None, pads=None):
     return out
 
 
-def _without_ghosts(module, inp, dx, state, grid, rank, fresh):
+def _without_ghosts(module, inp, dx, state, grid, rank, fresh, entry):
     """dx with rank's block replaced by the gradient of rank's own outputs alone."""
     import torch
     dy = state["dy"]
     mask = torch.zeros_like(dy)
-    mask[rank_slices(tuple(dy.shape), grid, rank)] = 1
+    mask[layer_slices(entry, "y", grid, rank)] = 1
     x = inp.detach().requires_grad_(True)
     with torch.enable_grad():
         (own,) = torch.autograd.grad(fresh(module, x), x, grad_outputs=dy * mask)
     out = dx.clone()
-    block = rank_slices(tuple(dx.shape), grid, rank)
+    block = layer_slices(entry, "dx", grid, rank)
     out[block] = own[block]
     return out
 
 
-def _stale_block(module, x, out, stale, grid, rank, fresh):
+def _stale_block(module, x, out, stale, grid, rank, fresh, entry):
     """``out`` with rank's block computed with rank's own (stale) parameters of the module."""
     from torch.func import functional_call
     out = out.clone()
-    block = rank_slices(tuple(out.shape), grid, rank)
+    block = layer_slices(entry, "y", grid, rank)
     with_stale = lambda inp: functional_call(module, stale, (inp,))      # noqa: E731
     out[block] = fresh(_Call(with_stale), x)[block]
     return out
@@ -363,12 +376,12 @@ class _Call:
         return self.fn(inp)
 
 
-def _own_contribution(module, rec, grid, rank, fresh):
+def _own_contribution(module, rec, grid, rank, fresh, entry):
     """dw, db of ``module`` from rank's output block alone: its share before the allreduce."""
     import torch
     x, dy = rec["x"].detach(), rec["y"].grad
     mask = torch.zeros_like(dy)
-    mask[rank_slices(tuple(dy.shape), grid, rank)] = 1
+    mask[layer_slices(entry, "y", grid, rank)] = 1
     params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
     grads = torch.autograd.grad(fresh(module, x), params, grad_outputs=dy * mask)
     return {t: g.numpy() for t, g in zip(("dw", "db"), grads)}
@@ -389,12 +402,8 @@ def write_results(path: str, trace: Trace, results: dict) -> None:
                     h5[f"{base}/loss"] = numpy.asarray(step["loss"], dtype=dtype)
                     for name, tensors in step["layers"].items():
                         for t, blocks in tensors.items():
-                            for r, block in enumerate(blocks or ()):
-                                if t in ("y", "dx"):
-                                    array, offset = block
-                                    h5.create_dataset(f"{base}/{name}/rank/{r}/{t}", data=array).attrs["offset"] = offset
-                                else:
-                                    h5[f"{base}/{name}/rank/{r}/{t}"] = block
+                            for r, (array, offset) in enumerate(blocks or ()):
+                                h5.create_dataset(f"{base}/{name}/rank/{r}/{t}", data=array).attrs["offset"] = offset
                     for pname, array in step["update"].items():
                         h5[f"{base}/update/{pname}"] = array
                     for r, arrays in enumerate(step["update_ranks"] or ()):
