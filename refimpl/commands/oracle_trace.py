@@ -144,10 +144,12 @@ def layers(args) -> int:
         return 0
     width = max(len(r["name"]) for r in rows)
     split = args.model_parallel != "none"
-    print(f"{'layer':<{width}}  {'kind':<16} {'output (global)':<22} inputs" + ("   (model axis)" if split else ""))
+    inputs = max(len(", ".join(r["inputs"])) for r in rows) if split else 0
+    print(f"{'layer':<{width}}  {'kind':<16} {'output (global)':<22} {'inputs':<{inputs}}"
+          + ("  model axis" if split else ""))
     for r in rows:
-        print(f"{r['name']:<{width}}  {r['kind']:<16} {str(r['shape']):<22} {', '.join(r['inputs'])}"
-              + (("   channels split" if r["split"] else "   replicated") if split else ""))
+        print(f"{r['name']:<{width}}  {r['kind']:<16} {str(r['shape']):<22} {', '.join(r['inputs']):<{inputs}}"
+              + (("  channels split" if r["split"] else "  replicated") if split else ""))
     print(f"{len(rows)} layers of {args.model} preset {args.preset}"
           + (f", model_parallel {args.model_parallel}" if split else ""))
     return 0
@@ -231,8 +233,9 @@ def check(args) -> int:
                          f"layer tensor of the trace (layout: docs/oracle.md, Model traces)")
     fails = [f for f in findings if f.status == "fail"]
     follows = [f for f in findings if f.status == "follows"]
+    split = "" if trace.spec.model_parallel == "none" else f", model_parallel {trace.spec.model_parallel}"
     print(f"{'FAIL' if fails else 'PASS'} {args.results} against {args.trace} ({trace.spec.model} "
-          f"{trace.spec.preset}, grid {list(trace.spec.grid)})")
+          f"{trace.spec.preset}{split}, grid {list(trace.spec.grid)})")
     for f in findings:
         if f.phase == "convention":
             print(f"    note: {f.dtype} step {f.step}: {f.note}")
