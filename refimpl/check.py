@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy
 
 from . import layers, settings
 from .functional._args import compact_padding, padding_sides, triple
 from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
+from .layers.base import HasOptions
 from .parallel.grid import check_dims
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -65,12 +66,15 @@ def _window_triple(value, name, minimum):
     return triple(values[0] if len(values) == 1 else values, name, minimum)
 
 
-@dataclass(frozen=True)
-class LayerCheck:
+@dataclass(frozen=True, init=False)
+class LayerCheck(HasOptions):
     """A validated check: window arguments normalised to 3-tuples (``padding``: a 3-tuple when
     symmetric, else the per-side 6-tuple (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi); 'same' and
     'valid' resolved), ``stride`` None -> the kind's default (1; pooling: the kernel),
-    ``out_channels`` None -> C."""
+    ``out_channels`` None -> C.  ``options``: the kind's own options (``LayerKind.options``),
+    given as ``options={...}`` or as keywords (``ceil_mode=True``), each checked by its
+    ``Option`` and completed with its default; read as ``check.options[name]`` or
+    ``check.<name>``.  An option of another kind with a value other than its default is refused."""
     layer: str
     input: tuple                     # global (N, C, D, H, W)
     grid: tuple                      # (Pn, Pd, Ph, Pw[, Pm]); comm must hold their product
@@ -80,14 +84,22 @@ class LayerCheck:
     padding: int | tuple = 0
     dilation: int | tuple = 1
     output_padding: int | tuple = 0
-    ceil_mode: bool = False          # pooling (PyTorch's)
-    count_include_pad: bool = True   # avg pooling (PyTorch's)
-    divisor_override: int | None = None   # avg pooling (PyTorch's)
-    groups: int = 1                  # conv3d / conv_transpose3d (PyTorch's)
     model_parallel: str = "none"
     dtype: str = "float64"
     seed: int = 0
     algorithm: str | None = None     # the partitioned conv's (None: $REFIMPL_CONV_ALGORITHM)
+    options: dict = field(default_factory=dict, hash=False)
+
+    def __init__(self, layer, input, grid, out_channels=None, kernel=3, stride=None, padding=0, dilation=1,
+                 output_padding=0, model_parallel="none", dtype="float64", seed=0, algorithm=None, options=None,
+                 **more_options):
+        for name, value in (("layer", layer), ("input", input), ("grid", grid), ("out_channels", out_channels),
+                            ("kernel", kernel), ("stride", stride), ("padding", padding), ("dilation", dilation),
+                            ("output_padding", output_padding), ("model_parallel", model_parallel),
+                            ("dtype", dtype), ("seed", seed), ("algorithm", algorithm),
+                            ("options", {**(options or {}), **more_options})):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self):
         from .backend import resolve_dtype
@@ -108,20 +120,18 @@ class LayerCheck:
                   else _window_triple(self.stride, "stride", 1))
         normalise("dilation", _window_triple(self.dilation, "dilation", 1))
         normalise("padding", _window_padding(self.padding, kind, self.kernel, self.dilation, self.stride))
-        for flag, value in (("--ceil-mode", self.ceil_mode), ("--count-include-pad", self.count_include_pad)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be true or false, got {value!r}")
-        if self.divisor_override is not None and (isinstance(self.divisor_override, bool) or
-                                                  not isinstance(self.divisor_override, int) or
-                                                  self.divisor_override == 0):
-            raise ValueError(f"--divisor-override must be a nonzero integer, got {self.divisor_override!r}")
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise ValueError(f"--groups must be a positive integer, got {self.groups!r}")
+        known = layers.all_options()
+        unknown = sorted(set(self.options) - set(known))
+        if unknown:
+            raise TypeError(f"LayerCheck: unknown option(s) {unknown}; the layer kinds take: {', '.join(known)}")
+        given = {name: known[name].check(value) for name, value in self.options.items()}
+        normalise("options", {**{o.name: o.default for o in kind.options}, **given})
         normalise("output_padding", _window_triple(self.output_padding, "output-padding", 0))
         normalise("out_channels", shape[1] if self.out_channels is None else self.out_channels)
         if self.out_channels < 1:
             raise ValueError(f"--out-channels must be >= 1, got {self.out_channels}")
-        kind.validate(self)
+        kind.validate(self)                # refuses another kind's option set away from its default
+        normalise("options", {name: self.options[name] for name in kind.option_names()})
         if shape[0] < self.grid[0]:
             raise ValueError(f"--grid puts {self.grid[0]} sample groups on a batch of {shape[0]}: "
                              "every data-parallel rank needs at least one sample")
@@ -155,8 +165,10 @@ class LayerCheck:
         padded = [m + lo + hi for m, (lo, hi) in zip(self.input[2:], sides)]
         f = self.kind.output_channels(self)
         arrays = [("the input (--input)", (n, c) + tuple(self.input[2:])),
-                  ("the padded input (--input, --padding)", (n, c) + tuple(padded)),
-                  ("the weight (channels, --kernel)", (f, max(1, c // self.groups)) + tuple(self.kernel))]
+                  ("the padded input (--input, --padding)", (n, c) + tuple(padded))]
+        params = self.kind.parameter_shapes(self)
+        if params is not None:
+            arrays.append(("the weight (channels, --kernel)", params[0]))
         try:
             arrays.append(("the output (--input, --kernel, --stride, --padding)",
                            (n, f) + tuple(self.kind.output_extent(self))))

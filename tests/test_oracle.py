@@ -151,7 +151,7 @@ def test_padding_off_by_one(hard, tmp_path):
 
 
 def test_batch_norm_statistics_not_reduced(hard, tmp_path):
-    _, report = planted(hard, tmp_path, "batchnorm_global.2-2-1-1", "bn-local-stats")
+    _, report = planted(hard, tmp_path, "batchnorm_global.2-2-1-1", "local-stats")
     ys = failing(report, tensor="y")
     assert {f.rank for f in ys} == {None, 0, 1, 2, 3}
     assert all("not reduced over the spatial group" in f.diagnosis for f in ys)

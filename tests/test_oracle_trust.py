@@ -283,7 +283,7 @@ PLANTED = [
     ("conv_even_kernel.1-2-2-1.h5", "dx-missing", "input gradient missing", False),
     ("conv_stride_uneven.1-2-3-1.h5", "stride-phase:1", "strided windows misplaced", True),
     ("maxpool_overlap_ties.1-3-1-2.h5", "pool-no-halo", "pooled locally without a halo", True),
-    ("batchnorm_global.2-2-1-1.h5", "bn-local-stats", "not reduced over the spatial group", True),
+    ("batchnorm_global.2-2-1-1.h5", "local-stats", "not reduced over the spatial group", True),
     ("conv_dilation.1-1-2-3.h5", "ghost-clear", "without clearing", False),
     ("conv_dilation.2-2-2-1.h5", "dw-unsummed", "not summed over the", False),
     ("conv_wide_halo.1-4-1-1.h5", "far-halo:1", "non-neighbour", True),

@@ -68,6 +68,24 @@ def _model_parallel_help() -> str:
             + "; 'none': every model rank computes the whole layer (default)")
 
 
+def option_help(option) -> str:
+    """An option's help with the kinds that take it (``{kinds}`` in it, else appended)."""
+    kinds = " / ".join(layers.names_taking(option.name))
+    return option.help.format(kinds=kinds) if "{kinds}" in option.help else f"{option.help} ({kinds})"
+
+
+def add_option_flags(parser) -> None:
+    """A flag per option of the registered kinds (``LayerKind.options``): ``--X`` / ``--no-X`` for
+    a bool, ``--X VALUE`` otherwise; its default is the option's."""
+    for option in layers.all_options().values():
+        if option.type is bool:
+            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                                default=option.default, help=option_help(option))
+        else:
+            parser.add_argument(option.flag, dest=option.name, type=option.type, default=option.default,
+                                metavar=option.metavar or option.name.upper(), help=option_help(option))
+
+
 def add_arguments(parser):
     parser.description = __doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 1)[1]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -86,19 +104,7 @@ def add_arguments(parser):
                         help=f"dilation ({', '.join(layers.names_taking('dilation'))}; default 1)")
     parser.add_argument("--output-padding", default="0", metavar="op|opd,oph,opw",
                         help=f"output_padding of {' / '.join(layers.names_taking('output_padding'))} (default 0)")
-    parser.add_argument("--ceil-mode", action=argparse.BooleanOptionalAction, default=False,
-                        help="ceil instead of floor for the output extent "
-                             f"({' / '.join(layers.names_taking('ceil_mode'))}; "
-                             "PyTorch's rule; default off)")
-    parser.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=True,
-                        help="the zero padding counts in the divisor "
-                             f"({' / '.join(layers.names_taking('count_include_pad'))}; "
-                             "default on, as PyTorch)")
-    parser.add_argument("--divisor-override", type=int, default=None, metavar="N",
-                        help=f"divide every window's sum by N ({' / '.join(layers.names_taking('divisor_override'))})")
-    parser.add_argument("--groups", type=int, default=1, metavar="G",
-                        help=f"channel groups of {' / '.join(layers.names_taking('groups'))} (PyTorch's; "
-                             "default 1; not with --model-parallel)")
+    add_option_flags(parser)
     parser.add_argument("--grid", required=True, metavar="Pn,Pd,Ph,Pw[,Pm]",
                         help="process grid; run under mpiexec -n Pn*Pd*Ph*Pw[*Pm] (Pm: model axis)")
     parser.add_argument("--model-parallel", choices=MODEL_MODES, default="none", help=_model_parallel_help())
@@ -127,8 +133,7 @@ def parse_check(args, world_size: int) -> LayerCheck:
         kernel=_ints(args.kernel, "kernel"), stride=None if args.stride is None else _ints(args.stride, "stride"),
         padding=_padding(args.padding), dilation=_ints(args.dilation, "dilation"),
         output_padding=_ints(args.output_padding, "output-padding"),
-        ceil_mode=getattr(args, "ceil_mode", False), count_include_pad=getattr(args, "count_include_pad", True),
-        divisor_override=getattr(args, "divisor_override", None), groups=getattr(args, "groups", 1),
+        options={name: getattr(args, name, option.default) for name, option in layers.all_options().items()},
         model_parallel=getattr(args, "model_parallel", "none") or "none", dtype=args.dtype, seed=args.seed,
         algorithm=getattr(args, "algorithm", None))
     if args.save is not None:

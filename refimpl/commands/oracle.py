@@ -74,7 +74,7 @@ def add_arguments(parser):
     run.add_argument("cases", metavar="CASES", help="a case file or a directory of case files")
     run.add_argument("--out", required=True, metavar="DIR", help="directory for the results files (created)")
     run.add_argument("--plant", default=None, metavar="BUG",
-                     help="inject a known mistake: halo:R, ghost-clear, padding:D|H|W, bn-local-stats, "
+                     help="inject a known mistake: halo:R, ghost-clear, padding:D|H|W, local-stats, "
                           "dw-unsummed (see refimpl/oracle/torch_adapter.py)")
     run.add_argument("--global", dest="global_mode", choices=("whole", "gathered", "none"), default="whole",
                      help="global results: PyTorch on the whole tensor (default), the ranks' blocks "

@@ -22,7 +22,7 @@ kinds of plan_only.py lack check-layer's hooks, so they sit in ``PLAN_ONLY``, no
 """
 from __future__ import annotations
 
-from .base import LayerKind, WindowKind
+from .base import LayerKind, Option, Statistic, WindowKind
 from .batch_norm import BatchNorm3dKind
 from .conv import Conv3dKind, ConvTranspose3dKind
 from .plan_only import KINDS as _PLAN_ONLY_KINDS
@@ -33,11 +33,35 @@ REGISTRY: dict[str, LayerKind] = {}
 
 
 def register(kind: LayerKind) -> LayerKind:
-    """Add ``kind`` under its name (a test may add its own: pytest's monkeypatch.setitem)."""
+    """Add ``kind`` under its name (a test may add its own: pytest's monkeypatch.setitem).  Its
+    options must not shadow a window argument, nor differ from another kind's of the same name."""
     if not kind.name or kind.name in REGISTRY:
         raise ValueError(f"layer kind {kind.name!r}: needs a name no other kind has")
+    known = all_options()
+    for option in kind.options:
+        if option.name in RESERVED:
+            raise ValueError(f"layer kind {kind.name!r}: option {option.name!r} is an argument every kind has")
+        if option.name in known and known[option.name] != option:
+            raise ValueError(f"layer kind {kind.name!r}: option {option.name!r} differs from the one of "
+                             f"{' / '.join(names_taking(option.name))} (kinds sharing an option declare the same)")
     REGISTRY[kind.name] = kind
     return kind
+
+
+#: the arguments of every layer check and case besides the options (check.LayerCheck's fields)
+RESERVED = frozenset({"layer", "input", "grid", "out_channels", "kernel", "stride", "padding", "dilation",
+                      "output_padding", "model_parallel", "dtype", "seed", "algorithm", "options", "name",
+                      "grids", "values", "dtypes"})
+
+
+def all_options() -> dict:
+    """name -> ``Option`` of every registered kind, in registration order (check-layer's flags,
+    the suite keys)."""
+    out = {}
+    for kind in REGISTRY.values():
+        for option in kind.options:
+            out.setdefault(option.name, option)
+    return out
 
 
 def lookup(name: str) -> LayerKind:
@@ -54,7 +78,8 @@ def names() -> tuple[str, ...]:
 
 def names_taking(argument: str) -> list[str]:
     """The kinds that read ``argument`` (check-layer's --help and its 'applies to' errors)."""
-    return [name for name, kind in REGISTRY.items() if argument in kind.hyper_parameters]
+    return [name for name, kind in REGISTRY.items()
+            if argument in kind.hyper_parameters or argument in kind.option_names()]
 
 
 #: name -> kind, for the kinds only the planner prices (no check-layer hooks: plan_only.py)
@@ -83,5 +108,5 @@ for kind in _PLAN_ONLY_KINDS:
     PLAN_ONLY[kind.name] = kind
 del kind
 
-__all__ = ["LayerKind", "WindowKind", "REGISTRY", "PLAN_ONLY", "register", "lookup", "names", "names_taking",
-           "plan_kind"]
+__all__ = ["LayerKind", "WindowKind", "Option", "Statistic", "REGISTRY", "PLAN_ONLY", "register", "lookup", "names",
+           "names_taking", "all_options", "plan_kind"]

@@ -7,26 +7,116 @@ names (``refimpl.check.LayerCheck``, ``refimpl.oracle.suite.CaseSpec``): ``input
 H, W), ``out_channels``, ``kernel``, ``stride``, ``padding``, ``dilation``,
 ``output_padding`` (normalised 3-tuples; ``padding`` the per-side 6-tuple (d_lo, d_hi, h_lo,
 h_hi, w_lo, w_hi) where it is asymmetric: ``spec_padding`` reads either), ``model_parallel``
-and, where the spec has them, pooling's ``ceil_mode``, ``count_include_pad`` and
-``divisor_override`` (``spec_option``: PyTorch's defaults where it has not).
+and ``options``: {name: value} of the options the kind declares (``LayerKind.options``:
+pooling's ``ceil_mode``, the convs' ``groups``, ...; ``spec_option`` reads one, its default
+where the spec has none).
+
+A kind declares its options (``Option``: name, type, default, check-layer flag, help,
+validation) and its statistics (``Statistic``: the per-rank partial tensors the partitioned
+layer reduces, with their shapes); check-layer's flags, the suite keys, ``LayerCheck``,
+``CaseSpec``, the case files and ``run-torch`` are built from them and list none.
 
 Constructors import refimpl.nn inside the method: the oracle imports this registry in one
 process without MPI, and the partitioned layers import mpi4py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from ..functional._args import padding_sides
 from ..parallel.partition import conv_halo_plan, needed_input_range, window_output_extent
 
-#: pooling's options, the convs' groups, and PyTorch's defaults (a spec without them has the defaults)
-OPTION_DEFAULTS = {"ceil_mode": False, "count_include_pad": True, "divisor_override": None, "groups": 1}
-OPTION_FLAGS = {"ceil_mode": "--ceil-mode", "count_include_pad": "--no-count-include-pad",
-                "divisor_override": "--divisor-override", "groups": "--groups"}
+#: what a value of each option type must be, completing "--flag must be ..."
+TYPE_RULES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a layer kind (PyTorch's keyword arguments beyond the window's: pooling's
+    ``ceil_mode``, the convs' ``groups``): check-layer's flag, a suite's key and a field of
+    ``LayerCheck.options`` / ``CaseSpec.options`` are made from it.
+
+    ``type``: bool (the flag is ``--name`` / ``--no-name``), int, float or str; ``default``: the
+    value when not given (it is always allowed: None for "no override"); ``help``: the flag's
+    help, ``{kinds}`` replaced by the kinds that take it (else they are appended); ``flag``:
+    default ``--`` + the name with dashes; ``validate(value)``: True when a value of the right
+    type is allowed, ``rule`` saying what is ("a positive integer"); the message of a refused
+    value is "FLAG must be RULE, got VALUE".  Kinds that share an option declare the same one."""
+    name: str
+    type: type
+    default: Any
+    help: str
+    flag: str = ""
+    metavar: str | None = None
+    validate: Callable[[Any], bool] | None = None
+    rule: str = ""
+
+    def __post_init__(self):
+        if not self.name.isidentifier() or self.type not in TYPE_RULES:
+            raise ValueError(f"option {self.name!r}: needs an identifier for a name and a type of "
+                             f"{', '.join(t.__name__ for t in TYPE_RULES)}")
+        if not self.flag:
+            object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
+
+    @property
+    def applies_flag(self) -> str:
+        """The flag a user types to set it away from its default: ``--no-X`` for a bool on by default."""
+        return "--no-" + self.flag[2:] if self.type is bool and self.default is True else self.flag
+
+    def has_type(self, value) -> bool:
+        if self.type is bool:
+            return isinstance(value, bool)
+        if self.type is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, self.type) and not isinstance(value, bool)
+
+    def check(self, value):
+        """``value`` if allowed (the default always is); ValueError "FLAG must be RULE, got VALUE"."""
+        if value is self.default or (value == self.default and self.has_type(value)):
+            return value
+        if not self.has_type(value) or (self.validate is not None and not self.validate(value)):
+            raise ValueError(f"{self.flag} must be {self.rule or TYPE_RULES[self.type]}, got {value!r}")
+        return float(value) if self.type is float else value
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A per-rank partial tensor the partitioned layer reduces over ranks (batch norm's
+    per-channel sums ``sum_partial``, ``sumsq_partial``): a case file holds every rank's block of
+    it, ``run-torch`` reports it, ``oracle check`` compares it.  ``shape(spec, layout)``: the
+    whole tensor's shape with ``layout`` None (what the blocks of the ranks that share it add up
+    to), else the shape of rank ``layout``'s block (``refimpl.oracle.expect.RankLayout``; where
+    the block lies in the whole is the ``offset`` of ``rank_partials``)."""
+    name: str
+    about: str
+    shape: Callable
+
+
+class HasOptions:
+    """Attribute access to a spec's options (``LayerCheck``, ``CaseSpec``): ``spec.ceil_mode`` is
+    ``spec.options["ceil_mode"]``, or the option's default where the kind does not declare it."""
+
+    def __getattr__(self, name):
+        if not name.startswith("__"):
+            options = self.__dict__.get("options")
+            if options is not None and name in options:
+                return options[name]
+            from . import all_options
+            known = all_options()
+            if name in known:
+                return known[name].default
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def spec_option(spec, name):
-    """``spec.<name>`` for one of ``OPTION_DEFAULTS``, its default where the spec has none."""
-    return getattr(spec, name, OPTION_DEFAULTS[name])
+    """The value of option ``name`` of ``spec`` (``spec.options``), its declared default where
+    the spec has none."""
+    options = getattr(spec, "options", None) or {}
+    if name in options:
+        return options[name]
+    from . import all_options
+    return all_options()[name].default
 
 
 def spec_padding(spec) -> tuple:
@@ -45,6 +135,12 @@ class LayerKind:
     #: the arguments this kind reads besides the input shape; the others are accepted and
     #: ignored, as check-layer always has (they also word check-layer's --help)
     hyper_parameters: tuple = ()
+    #: its own options (``Option``): check-layer's flags, suite keys, ``spec.options``; an option
+    #: of another kind given a value other than its default is refused ("--flag applies to ...")
+    options: tuple = ()
+    #: the partial tensors its partitioned layer reduces over ranks (``Statistic``); a kind with
+    #: statistics also derives them per rank (``rank_partials``) and has the 'local-stats' plant
+    statistics: tuple = ()
     #: --model-parallel modes: 'filter' splits the output channels over the model axis,
     #: 'channel' the input channels; 'none': every model rank computes the whole layer
     model_modes: tuple = ("none",)
@@ -72,12 +168,19 @@ class LayerKind:
     def validate(self, spec) -> None:
         """This kind's rules beyond the generic ones: ValueError, raised on every rank alike
         before any message (refimpl/check.py calls it on normalised arguments)."""
-        from . import names_taking
+        from . import all_options, names_taking
         if "output_padding" not in self.hyper_parameters and spec.output_padding != (0, 0, 0):
             raise ValueError(f"--output-padding applies to {' / '.join(names_taking('output_padding'))} only")
-        for name, default in OPTION_DEFAULTS.items():
-            if name not in self.hyper_parameters and spec_option(spec, name) != default:
-                raise ValueError(f"{OPTION_FLAGS[name]} applies to {' / '.join(names_taking(name))} only")
+        mine, known = self.option_names(), all_options()
+        for name, value in (getattr(spec, "options", None) or {}).items():
+            if name not in mine and name in known and value != known[name].default:
+                raise ValueError(f"{known[name].applies_flag} applies to {' / '.join(names_taking(name))} only")
+
+    def option_names(self) -> tuple:
+        return tuple(o.name for o in self.options)
+
+    def statistic_names(self) -> tuple:
+        return tuple(s.name for s in self.statistics)
 
     def output_channels(self, spec) -> int:
         return spec.input[1]
@@ -323,7 +426,7 @@ class WindowKind(LayerKind):
             rules.append((f"ignores padding ({lo} + {hi})", extent(p=0)))
             if hi != lo:
                 rules.append((f"pads {lo} on both sides (the high side pads {hi})", extent(p=2 * lo)))
-        if s > 1 and "ceil_mode" in self.hyper_parameters:     # a conv has no ceil_mode to get wrong
+        if s > 1 and "ceil_mode" in self.option_names():     # a conv has no ceil_mode to get wrong
             rules.append(("rounds up (ceil_mode)" if not ceil else "rounds down (no ceil_mode)",
                           extent(ceil=not ceil)))
         return tuple(rules)

@@ -10,15 +10,22 @@ from __future__ import annotations
 import numpy
 
 from .. import functional as F
-from .base import LayerKind
+from .base import LayerKind, Statistic
 
 EPS = 1e-5
 #: the axes a channel's statistics sum over
 AXES = (0, 2, 3, 4)
 
 
+def per_channel(spec, layout=None) -> tuple:
+    """One value per channel: of the whole layer, or of the channels rank ``layout`` holds."""
+    return (spec.input[1],) if layout is None else (layout.in_channels[1] - layout.in_channels[0],)
+
+
 class BatchNorm3dKind(LayerKind):
     name = "batch_norm3d"
+    statistics = (Statistic("sum_partial", "per-channel sum of x over the rank's block", per_channel),
+                  Statistic("sumsq_partial", "per-channel sum of x*x over the rank's block", per_channel))
     model_modes = ("none", "channel")    # channel-split activations: statistics per channel slice
     affine_mistake = ("a per-channel scale and shift error: batch-norm statistics (mean, variance; biased vs. "
                       "unbiased; eps) or gamma/beta differ from the case's (global statistics, biased variance, "
@@ -139,7 +146,7 @@ class BatchNorm3dKind(LayerKind):
     def torch_ranks(self, case, inputs, torch, plant):
         """Per rank: local sums, allreduced (summed here) over every rank holding the same
         channels, then normalise; autograd carries the backward through the sums.  Plants
-        (refimpl/oracle/torch_adapter.py): 'bn-local-stats' reduces over the rank alone,
+        (refimpl/oracle/torch_adapter.py): 'local-stats' reduces over the rank alone,
         'dw-unsummed' sums dw and db over the sample groups only."""
         name = plant[0] if plant else None
         xs = {lo.rank: inputs["x"][lo.index("x")].clone().requires_grad_(True) for lo in case.layouts}
@@ -148,7 +155,7 @@ class BatchNorm3dKind(LayerKind):
         loss = 0
         ys = {}
         for lo in case.layouts:
-            group = [lo] if name == "bn-local-stats" else [q for q in case.layouts if q.in_channels == lo.in_channels]
+            group = [lo] if name == "local-stats" else [q for q in case.layouts if q.in_channels == lo.in_channels]
             count = sum(xs[q.rank].shape[0] * numpy.prod(xs[q.rank].shape[2:]) for q in group)
             s1 = sum(xs[q.rank].sum(dim=AXES) for q in group)
             s2 = sum((xs[q.rank] ** 2).sum(dim=AXES) for q in group)

@@ -15,14 +15,19 @@ from ..functional._args import padding_sides
 from ..functional.conv3d import REFERENCE
 from ..parallel.partition import (conv_halo_plan, transposed_conv_halo_plan, transposed_needed_input_range,
                                  transposed_output_extent, window_output_extent)
-from .base import LayerKind, WindowKind, plan_window_cost, spec_option
+from .base import LayerKind, Option, WindowKind, plan_window_cost, spec_option
+
+#: PyTorch's grouped convolution
+GROUPS = Option("groups", int, 1, "channel groups of {kinds} (PyTorch's; default 1; not with --model-parallel)",
+                metavar="G", validate=lambda v: v >= 1, rule="a positive integer")
 
 
 class _Conv(LayerKind):
     """What conv3d and conv_transpose3d share: F output channels, each reading every input
     channel; a weight split by filter or by channel over the model axis."""
 
-    hyper_parameters = ("out_channels", "kernel", "stride", "padding", "dilation", "groups")
+    hyper_parameters = ("out_channels", "kernel", "stride", "padding", "dilation")
+    options = (GROUPS,)
     model_modes = ("none", "filter", "channel")
     mixes_channels = True
     dx_reads_forward = False           # dx = the adjoint of the conv applied to dy

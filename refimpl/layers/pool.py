@@ -7,7 +7,15 @@ import numpy
 
 from .. import functional as F
 from ..parallel.partition import conv_halo_plan
-from .base import WindowKind, plan_window_cost, spec_option, spec_padding
+from .base import Option, WindowKind, plan_window_cost, spec_option, spec_padding
+
+#: PyTorch's pooling options (max and avg pooling share ceil_mode)
+CEIL_MODE = Option("ceil_mode", bool, False, "ceil instead of floor for the output extent ({kinds}; "
+                   "PyTorch's rule; default off)")
+COUNT_INCLUDE_PAD = Option("count_include_pad", bool, True, "the zero padding counts in the divisor ({kinds}; "
+                           "default on, as PyTorch)")
+DIVISOR_OVERRIDE = Option("divisor_override", int, None, "divide every window's sum by N ({kinds})", metavar="N",
+                          validate=lambda v: v != 0, rule="a nonzero integer")
 
 
 class _Pool(WindowKind):
@@ -54,7 +62,8 @@ class _Pool(WindowKind):
 
 class MaxPool3dKind(_Pool):
     name = "max_pool3d"
-    hyper_parameters = ("kernel", "stride", "padding", "dilation", "ceil_mode")
+    hyper_parameters = ("kernel", "stride", "padding", "dilation")
+    options = (CEIL_MODE,)
     pad_value = -numpy.inf
 
     def window_values(self, spec, patches, w, b, counts):
@@ -90,7 +99,8 @@ class AvgPool3dKind(_Pool):
 
     name = "avg_pool3d"
     dx_reads_forward = False           # dx spreads dy over each window: x is not read
-    hyper_parameters = ("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    hyper_parameters = ("kernel", "stride", "padding")
+    options = (CEIL_MODE, COUNT_INCLUDE_PAD, DIVISOR_OVERRIDE)
 
     def validate(self, spec):
         if spec.dilation != (1, 1, 1):
@@ -98,15 +108,15 @@ class AvgPool3dKind(_Pool):
         super().validate(spec)
 
     @staticmethod
-    def options(spec):
+    def pool_options(spec):
         """(ceil_mode, count_include_pad, divisor_override) of ``spec``."""
         return tuple(spec_option(spec, name) for name in ("ceil_mode", "count_include_pad", "divisor_override"))
 
     def forward(self, spec, x, w, b):
-        return F.avg_pool3d(x, spec.kernel, spec.stride, spec.padding, *self.options(spec)), x
+        return F.avg_pool3d(x, spec.kernel, spec.stride, spec.padding, *self.pool_options(spec)), x
 
     def backward(self, spec, dy, x):
-        return F.avg_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, *self.options(spec)), None, None
+        return F.avg_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, *self.pool_options(spec)), None, None
 
     def reduction_length(self, spec, tensor, out_shape):
         if tensor == "y":
@@ -115,14 +125,14 @@ class AvgPool3dKind(_Pool):
 
     def local(self, spec, *, rng, dtype):
         from ..nn import AvgPool3d
-        return AvgPool3d(spec.kernel, spec.stride, spec.padding, *self.options(spec))
+        return AvgPool3d(spec.kernel, spec.stride, spec.padding, *self.pool_options(spec))
 
     def partitioned(self, spec, *, grid, rng, dtype):
         from ..nn.spatial import SpatialAvgPool3d
-        return SpatialAvgPool3d(spec.kernel, spec.stride, spec.padding, *self.options(spec), grid=grid)
+        return SpatialAvgPool3d(spec.kernel, spec.stride, spec.padding, *self.pool_options(spec), grid=grid)
 
     def torch_window(self, spec, tf, x, w, b, padding, ceil_mode=False):
-        _, include, divisor = self.options(spec)
+        _, include, divisor = self.pool_options(spec)
         return tf.avg_pool3d(x, spec.kernel, spec.stride, padding, ceil_mode, include, divisor)
 
     def window_values(self, spec, patches, w, b, counts):
@@ -142,7 +152,7 @@ class AvgPool3dKind(_Pool):
         """Default options: the padded block pooled unpadded; else the window sums of the padded
         block over the counts of the cells its windows count (the padding the clip removed,
         less any ceil-mode overhang, when count_include_pad)."""
-        ceil, include, divisor = self.options(spec)
+        ceil, include, divisor = self.pool_options(spec)
         if not ceil and include and divisor is None:
             return super().torch_block(spec, tf, lo, x_needed, w, b, shift_axis)
         k, s = spec.kernel, spec.stride
@@ -163,7 +173,7 @@ class AvgPool3dKind(_Pool):
         divisor: ``divisor_override``, or the windows' counts of the cells inside ``x`` plus,
         with count_include_pad, the ``real`` padding.  ``unpadded``: ``edges`` cover every
         window whole (no ceil_mode of the op's own)."""
-        ceil, include, divisor = self.options(spec)
+        ceil, include, divisor = self.pool_options(spec)
         ceil = ceil and not unpadded
         pads = [v for a in reversed(range(3)) for v in edges[a]]
         sums = tf.avg_pool3d(tf.pad(x, pads), spec.kernel, spec.stride, 0, ceil, True, 1)

@@ -4,8 +4,8 @@ Case file ``NAME.GRID.h5`` (written by ``refimpl oracle generate``)::
 
     /  attrs  format = "refimpl-oracle-case", format_version, refimpl_version, digest,
               case (JSON: every CaseSpec field: name, layer, input, out_channels, kernel, stride,
-              padding, dilation, output_padding, grid, model_parallel, values, seed, dtypes),
-              output_shape
+              padding, dilation, output_padding, grid, model_parallel, values, seed, dtypes,
+              options: {name: value} of the layer kind's options), output_shape
     /<dtype>/inputs/{x, dy, w, b}            global inputs (w, b: conv weight/bias, or
                                              batch norm's scale/shift)
     /<dtype>/global/{y, dx, dw, db}          expected global outputs and gradients
@@ -51,12 +51,17 @@ from . import expect
 from .suite import DTYPES, CaseSpec
 
 FORMAT = "refimpl-oracle-case"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                  # 2: the layer's options as one 'options' object of the case
 GLOBAL_TENSORS = ("y", "dx", "dw", "db")
-#: per-rank tensors an implementation may report (the first two, and dw/db where the layer
-#: has parameters, are required; the rest are compared when present)
-RANK_TENSORS = ("y", "dx", "dw", "db", "x_needed", "dx_needed", "y_partial", "dw_partial", "db_partial",
-                "sum_partial", "sumsq_partial")
+#: per-rank tensors an implementation may report for every kind (the first two, and dw/db where
+#: the layer has parameters, are required; the rest are compared when present); a kind with
+#: statistics adds its partial tensors (``rank_tensors``)
+RANK_TENSORS = ("y", "dx", "dw", "db", "x_needed", "dx_needed", "y_partial", "dw_partial", "db_partial")
+
+
+def rank_tensors(spec) -> tuple:
+    """The per-rank tensors of a case: ``RANK_TENSORS`` and its layer kind's statistics."""
+    return RANK_TENSORS + layers.lookup(spec.layer).statistic_names()
 
 
 #: per-rank tensors that are blocks of an activation (placed by the rank's spatial block)
@@ -180,7 +185,8 @@ def case_shapes(spec: CaseSpec, layouts) -> dict:
     """The shape of every dataset of a case file (its path below ``/<dtype>/``), from its spec."""
     out = expect.output_shape(spec)
     shapes = {"inputs/x": spec.input, "inputs/dy": out, "global/y": out, "global/dx": spec.input}
-    w, b = layers.lookup(spec.layer).parameter_shapes(spec) or (None, None)
+    kind = layers.lookup(spec.layer)
+    w, b = kind.parameter_shapes(spec) or (None, None)
     if w is not None:
         shapes.update({"inputs/w": w, "inputs/b": b, "global/dw": w, "global/db": b})
 
@@ -197,8 +203,8 @@ def case_shapes(spec: CaseSpec, layouts) -> dict:
                "y_partial": (y[0], out[1]) + y[2:]}
         if w is not None:
             wr, br = shard(w, expect.weight_shard(spec, lo)), shard(b, expect.bias_shard(spec, lo))
-            per.update({"dw": wr, "dw_partial": wr, "db": br, "db_partial": br, "sum_partial": br,
-                        "sumsq_partial": br})
+            per.update({"dw": wr, "dw_partial": wr, "db": br, "db_partial": br})
+        per.update({stat.name: tuple(stat.shape(spec, lo)) for stat in kind.statistics})
         shapes.update({f"rank/{lo.rank}/{k}": v for k, v in per.items()})
     return shapes
 
@@ -305,7 +311,10 @@ def domain_shape(case: Case, dtype: str, name: str) -> tuple:
         return expected["dx"].shape
     if name in ("dw", "dw_partial"):
         return expected["dw"].shape
-    return expected["db"].shape          # db, db_partial, sum_partial, sumsq_partial: per channel
+    statistic = next((s for s in layers.lookup(case.spec.layer).statistics if s.name == name), None)
+    if statistic is not None:            # a partial statistic: the kind says its whole shape
+        return tuple(statistic.shape(case.spec, None))
+    return expected["db"].shape          # db, db_partial
 
 
 def _offset_attr(dataset, ndim, where):
@@ -443,7 +452,8 @@ def _load_results(path: str, case: Case) -> Results:
                 if bad:
                     raise UnusableInput(f"results file {path}: /{dtype}/rank holds {sorted(bad)}: rank groups "
                                         f"are named by their rank number (0, 1, ...)")
-                allowed = sorted({k for arrays in case.ranks[dtype] for k in arrays if k in RANK_TENSORS})
+                allowed = sorted({k for arrays in case.ranks[dtype] for k in arrays
+                                  if k in rank_tensors(case.spec)})
                 results.ranks[dtype], results.offsets[dtype] = {}, {}
                 for r in sorted(int(name) for name in group["rank"]):
                     mine = case.ranks[dtype][r] if r < case.spec.ranks else {}

@@ -503,7 +503,7 @@ def compare(case: Case, results: Results, tolerance_factor: float = 1.0,
     if own:
         report.layout = "results"
         report.layout_note = _layout_note(case, results, own)
-    report.findings.sort(key=lambda f: (f.dtype != "float64", CAUSAL_ORDER.index(f.tensor), f.rank is not None,
+    report.findings.sort(key=lambda f: (f.dtype != "float64", causal_index(f.tensor), f.rank is not None,
                                         f.rank or 0))
     trace_consequences(report, layers.lookup(case.spec.layer).dx_reads_forward)
     holed = {(f.dtype, f.tensor) for f in report.findings if f.problem == "uncovered"}
@@ -558,7 +558,7 @@ def incomplete_ranks(case, results, allow_missing_ranks=False) -> list:
         expected = _expected_ranks(case, per_rank, allow_missing_ranks)
         held = {r: _held(results, dtype, r) for r in expected}
         names = sorted({t for h in held.values() for t in h} - {"dw", "db"},
-                       key=lambda t: (CAUSAL_ORDER.index(t) if t in CAUSAL_ORDER else 99, t))
+                       key=lambda t: (causal_index(t), t))
         for tensor in names:
             lacking = [r for r in expected if tensor not in held[r]]
             if lacking:
@@ -667,7 +667,7 @@ def _own_layout_diagnosis(layout, view, dtype, tensor, r, got, want, bad, atol, 
         index = tuple(slice(o, o + n) for o, n in zip(layout.results.offsets[dtype][r][tensor], got.shape))
         return _diagnose(diagnose.gradient_missing, tensor, got, want, atol) \
             or _diagnose(_own_reduction, layout, dtype, tensor, got, index, atol)
-    if tensor in ("dw_partial", "db_partial", "sum_partial", "sumsq_partial"):
+    if tensor in ("dw_partial", "db_partial") or tensor in layers.lookup(layout.case.spec.layer).statistic_names():
         return None
     if tensor == "x_needed":
         return _diagnose(diagnose.ghost_cells, view, lo, bad) if view is not None else None
@@ -792,20 +792,22 @@ def apply_require(case: Case, report: CaseReport, require, results: Results | No
 
 #: the order in which a partitioned layer computes its tensors: an error upstream spoils
 #: everything computed from it
-CAUSAL_ORDER = ("x_needed", "sum_partial", "sumsq_partial", "y_partial", "y", "dx_needed", "dw_partial",
-                "db_partial", "dx", "dw", "db")
+CAUSAL_ORDER = ("x_needed", "statistics", "y_partial", "y", "dx_needed", "dw_partial", "db_partial", "dx", "dw",
+                "db")
+
+
+def causal_index(tensor: str) -> int:
+    """``tensor``'s place in ``CAUSAL_ORDER``; a layer's partial statistics (its kind's
+    ``statistics``: batch norm's sums) come after x_needed and before y."""
+    return CAUSAL_ORDER.index(tensor if tensor in CAUSAL_ORDER else "statistics")
 
 
 def root_cause(report: CaseReport):
     """The first diagnosed failure in causal order (None if no failure was diagnosed)."""
     failed = [f for f in report.findings if not f.ok and f.diagnosis and not f.diagnosis.startswith("follows")]
     # a diagnosed value error first: a block's excess or a gap is a finding, seldom the cause
-    return min(failed, key=lambda f: (f.problem in ("excess", "uncovered"), CAUSAL_ORDER.index(f.tensor),
+    return min(failed, key=lambda f: (f.problem in ("excess", "uncovered"), causal_index(f.tensor),
                                       f.rank is None, f.rank or 0, f.dtype != "float64"), default=None)
-
-
-#: the tensors of the forward pass
-FORWARD_TENSORS = CAUSAL_ORDER[:CAUSAL_ORDER.index("dx_needed")]
 
 
 def _can_cause(upstream: str, tensor: str, dx_reads_forward: bool, upstream_diagnosis: str = "") -> bool:
@@ -815,10 +817,10 @@ def _can_cause(upstream: str, tensor: str, dx_reads_forward: bool, upstream_diag
     backward reads no forward output (a conv: dW = x ⋆ dy, db = Σ dy), dw follows only from
     the input cells it reads (x_needed, or a y error diagnosed as wrong input cells: a halo or
     padding) and its partials, db only from its partials."""
-    if CAUSAL_ORDER.index(upstream) >= CAUSAL_ORDER.index(tensor):
+    if causal_index(upstream) >= causal_index(tensor):
         return False
     if tensor in ("dx_needed", "dx"):
-        return upstream == "dx_needed" or (dx_reads_forward and upstream in FORWARD_TENSORS)
+        return upstream == "dx_needed" or (dx_reads_forward and causal_index(upstream) < causal_index("dx_needed"))
     if tensor in ("dw", "db", "dw_partial", "db_partial") and not dx_reads_forward:
         base = tensor[:2]
         if upstream == f"{base}_partial":
@@ -841,7 +843,7 @@ def trace_consequences(report: CaseReport, dx_reads_forward: bool = True) -> Non
                     and _can_cause(u.tensor, f.tensor, dx_reads_forward, u.diagnosis)]
         if upstream:
             # the same rank's error first (its own y spoils its own dw_partial), then the earliest
-            u = min(upstream, key=lambda u: (f.rank is not None and u.rank != f.rank, CAUSAL_ORDER.index(u.tensor), u.rank is None,
+            u = min(upstream, key=lambda u: (f.rank is not None and u.rank != f.rank, causal_index(u.tensor), u.rank is None,
                                              u.rank or 0))
             where = "global" if u.rank is None else f"rank {u.rank}"
             f.diagnosis = f"follows from the error in {u.tensor} ({where}) diagnosed above"

@@ -14,9 +14,9 @@ a case::
     kernel          int or [kd, kh, kw]; likewise stride, dilation, output_padding
     padding         int, [pd, ph, pw], the per-side [d_lo, d_hi, h_lo, h_hi, w_lo, w_hi],
                     "valid" or "same" (as check-layer's --padding)
-    ceil_mode       pooling: true or false (default false)
-    count_include_pad, divisor_override   avg pooling (defaults true, none)
-    groups          conv3d, conv_transpose3d (default 1)
+    <option>        an option of the case's layer kind (``LayerKind.options``: pooling's
+                    ceil_mode, the convs' groups, ...; ``refimpl check-layer --help`` lists
+                    them as flags): its name, a TOML value of its type
     grids           [[Pn, Pd, Ph, Pw], ...], or 5 entries with the model axis Pm
     model_parallel  none | filter | channel (as check-layer --model-parallel)
     values          normal | ties (small integers: many equal maxima)
@@ -30,18 +30,20 @@ the key.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
+from .. import layers
 from ..check import LayerCheck
+from ..layers.base import TYPE_RULES, HasOptions
 from ..parallel.grid import format_grid
 from ..paths import refuse_special
 
-#: keys a case may set, with their defaults (None: check-layer's default)
+#: keys a case may set, with their defaults (None: check-layer's default); besides these, the
+#: options of the registered layer kinds (``case_keys``)
 CASE_KEYS = {"name": None, "layer": None, "input": None, "out_channels": None, "kernel": 3,
              "stride": None, "padding": 0, "dilation": 1, "output_padding": 0, "grids": None,
-             "model_parallel": "none", "values": "normal", "seed": None, "dtypes": None,
-             "ceil_mode": False, "count_include_pad": True, "divisor_override": None, "groups": 1}
+             "model_parallel": "none", "values": "normal", "seed": None, "dtypes": None}
 SUITE_KEYS = {"seed", "dtypes", "case", "description"}
 DTYPES = ("float64", "float32")
 VALUES = ("normal", "ties")
@@ -49,9 +51,15 @@ SHIPPED = ("hard",)
 NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
+def case_keys() -> list:
+    """Every key a case may set: ``CASE_KEYS`` and the registered kinds' options."""
+    return sorted(set(CASE_KEYS) | set(layers.all_options()))
+
+
 @dataclass(frozen=True)
-class CaseSpec:
-    """One layer case on one grid: everything needed to regenerate its arrays."""
+class CaseSpec(HasOptions):
+    """One layer case on one grid: everything needed to regenerate its arrays.  ``options``: the
+    layer kind's options (all of them, defaults included), also read as ``spec.<name>``."""
     name: str
     layer: str
     input: tuple
@@ -66,10 +74,7 @@ class CaseSpec:
     values: str
     seed: int
     dtypes: tuple
-    ceil_mode: bool = False              # the options real models use (check-layer's flags)
-    count_include_pad: bool = True
-    divisor_override: int | None = None
-    groups: int = 1
+    options: dict = field(default_factory=dict, hash=False)
 
     @property
     def file_name(self) -> str:
@@ -87,8 +92,7 @@ class CaseSpec:
         return LayerCheck(layer=self.layer, input=self.input, grid=self.grid, out_channels=self.out_channels,
                           kernel=self.kernel, stride=self.stride, padding=self.padding, dilation=self.dilation,
                           output_padding=self.output_padding, model_parallel=self.model_parallel,
-                          seed=self.seed, ceil_mode=self.ceil_mode, count_include_pad=self.count_include_pad,
-                          divisor_override=self.divisor_override, groups=self.groups)
+                          seed=self.seed, options=self.options)
 
 
 def _int_list(value, where, key):
@@ -98,21 +102,21 @@ def _int_list(value, where, key):
     return values
 
 
-#: the layer options a case may set: their types (LayerCheck validates the values)
-OPTIONS = {"ceil_mode": bool, "count_include_pad": bool, "divisor_override": int, "groups": int}
-
-
 def _padding(value, where):
     """A case's padding: "same" or "valid" as is, else integers (as check-layer's --padding)."""
     return value if isinstance(value, str) else tuple(_int_list(value, where, "padding"))
 
 
-def _option(case, key, where):
-    value = case.get(key, CASE_KEYS[key])
-    if value is not None and (type(value) is not OPTIONS[key]):
-        raise ValueError(f"{where}: {key} must be {'true or false' if OPTIONS[key] is bool else 'an integer'}, "
-                         f"got {value!r}")
-    return value
+def _options(case, where) -> dict:
+    """The options a case sets, each of its option's TOML type (LayerCheck validates the values)."""
+    out = {}
+    for key, option in layers.all_options().items():
+        if key in case:
+            value = case[key]
+            if not option.has_type(value):
+                raise ValueError(f"{where}: {key} must be {TYPE_RULES[option.type]}, got {value!r}")
+            out[key] = value
+    return out
 
 
 def parse_suite(table: dict, where: str) -> list[CaseSpec]:
@@ -128,9 +132,9 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
     specs, names = [], set()
     for index, case in enumerate(cases):
         label = f"{where}: case {case.get('name', index + 1)!r}"
-        unknown = sorted(set(case) - set(CASE_KEYS))
+        unknown = sorted(set(case) - set(case_keys()))
         if unknown:
-            raise ValueError(f"{label}: unknown key(s) {unknown}; known: {sorted(CASE_KEYS)}")
+            raise ValueError(f"{label}: unknown key(s) {unknown}; known: {case_keys()}")
         for key in ("name", "layer", "input", "grids"):
             if key not in case:
                 raise ValueError(f"{label}: missing key {key!r}")
@@ -165,7 +169,7 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
                             output_padding=tuple(_int_list(case.get("output_padding", 0), label, "output_padding")),
                             grid=tuple(g), model_parallel=case.get("model_parallel", "none"),
                             values=values, seed=seed, dtypes=tuple(dtypes),
-                            **{key: _option(case, key, label) for key in OPTIONS})
+                            options=_options(case, label))
             try:
                 check = spec.layer_check()         # check-layer's rules, e.g. pooling padding
             except ValueError as err:
@@ -173,7 +177,8 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
             specs.append(CaseSpec(**{**spec.__dict__, "out_channels": check.out_channels,
                                      "kernel": check.kernel, "stride": check.stride,
                                      "padding": check.padding, "dilation": check.dilation,
-                                     "output_padding": check.output_padding, "grid": check.grid}))
+                                     "output_padding": check.output_padding, "grid": check.grid,
+                                     "options": check.options}))
     return specs
 
 

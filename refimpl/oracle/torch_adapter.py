@@ -25,7 +25,8 @@ registry (refimpl/layers: ``torch_forward``, ``torch_block``, ``torch_ranks``).
                     does not clear them: every rank's dx gets its neighbours' ghosts twice
     padding:AXIS    every rank pads one more at the low end of AXIS (D, H or W), one less
                     at the high end (a padding off by one)
-    bn-local-stats  batch norm statistics over each rank's own block (no allreduce)
+    local-stats     a layer with statistics (batch norm: ``LayerKind.statistics``) computes
+                    them over each rank's own block (no allreduce)
     dw-unsummed     dw and db allreduced over the sample groups only, not over the
                     spatial shards
     dx-missing      the input gradient is never computed: dx and dx_needed all zero
@@ -54,7 +55,7 @@ from .. import layers
 from ..parallel.partition import block_range, ceil_block_range
 from . import diagnose, expect
 
-PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "bn-local-stats", "dw-unsummed", "dx-missing", "far-halo:R",
+PLANTS = ("halo:R", "ghost-clear", "padding:AXIS", "local-stats", "dw-unsummed", "dx-missing", "far-halo:R",
           "stride-phase:R", "inner-padding", "pool-no-halo", "output-size", "gather-sizes")
 #: plants that take a rank number
 RANKED = ("halo", "far-halo", "stride-phase")
@@ -76,7 +77,7 @@ def parse_plant(text, case=None):
         if arg not in ("D", "H", "W"):
             raise ValueError(f"--plant padding:AXIS needs AXIS = D, H or W, got {text!r}")
         return name, "DHW".index(arg)
-    elif name in ("ghost-clear", "bn-local-stats", "dw-unsummed", "dx-missing", "inner-padding", "pool-no-halo",
+    elif name in ("ghost-clear", "local-stats", "dw-unsummed", "dx-missing", "inner-padding", "pool-no-halo",
                   "output-size", "gather-sizes") and not arg:
         plant = name, None
     else:
@@ -100,6 +101,8 @@ def _check_plant(case, plant, text):
         why = f"its {case.spec.layer} layer has no strided windows to misplace here"
     elif name == "gather-sizes" and _gather_axis(case) is None:
         why = "no split axis where torch.chunk's shard sizes differ from the balanced blocks"
+    elif name == "local-stats" and not kind.statistics:
+        why = f"layer {case.spec.layer} reduces no statistics over ranks"
     elif name == "pool-no-halo" and not kind.no_halo_mistake:
         why = f"layer {case.spec.layer} is not a pooling"
     elif name == "output-size" and _wrong_extents(case) is None:
