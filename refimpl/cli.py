@@ -113,8 +113,13 @@ def main(argv=None) -> int:
     any other message, so a rank whose ``REFIMPL_*`` value is bad or different
     ends every rank with one line instead of leaving the others blocked.
     """
-    from . import failstop
+    from . import failstop, layers
     from .settings import env_setting
+    try:                      # $REFIMPL_KINDS: layer kinds of the user's own, before the flags are built
+        layers.load_kinds()
+    except ValueError as err:
+        print(f"refimpl: error: {err}", file=sys.stderr)
+        return failstop.EXIT_BAD_INPUT
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

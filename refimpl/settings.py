@@ -92,6 +92,17 @@ def _backend(text):
     return name
 
 
+def _python_files(text):
+    """Comma-separated paths of Python files that exist, as absolute paths (REFIMPL_KINDS)."""
+    paths = [t.strip() for t in text.split(",")]
+    if any(not p.endswith(".py") or p == ".py" for p in paths):
+        raise ValueError()
+    for p in paths:
+        if not os.path.isfile(p):
+            raise ValueError(f"no such file {p} (a path relative to the current directory, or absolute)")
+    return tuple(dict.fromkeys(os.path.abspath(p) for p in paths))
+
+
 _BOOLEAN = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
 _POSITIVE = "a positive integer"
 
@@ -122,6 +133,9 @@ _REGISTRY = (
             "activations (default: the BLAS threads)"),
     _choice_setting("REFIMPL_ALLOCATOR", ("retain", "system"), "retain",
                     "retain: glibc's malloc keeps freed memory for reuse; system: malloc as is"),
+    Setting("REFIMPL_KINDS", _python_files, "a comma-separated list of Python files (FILE.py)", (),
+            "layer kinds of your own: every refimpl command first runs these files, each of which "
+            "registers one or more kinds (refimpl.layers.register; docs/contributing.md, 'Adding a layer')"),
     Setting("REFIMPL_DEBUG", _boolean, _BOOLEAN, False,
             "show Python tracebacks on failures (default: one-line errors)"),
     Setting("REFIMPL_EXAMPLES", _positive_int, _POSITIVE, 25,

@@ -82,6 +82,47 @@ def names_taking(argument: str) -> list[str]:
             if argument in kind.hyper_parameters or argument in kind.option_names()]
 
 
+#: path -> the kind names it registered, of the files $REFIMPL_KINDS named (``load_kinds``)
+LOADED: dict[str, list] = {}
+
+
+def load_kinds(environ=None) -> list:
+    """Run the files ``$REFIMPL_KINDS`` names (comma-separated ``FILE.py``), each of which
+    registers layer kinds of its own (``register``): every ``refimpl`` command calls this before
+    it builds its flags, so check-layer and the oracle offer them as the built-in kinds (under
+    mpiexec every rank runs the files).  A file runs once per process; returns the names it
+    added.  ValueError of one line: a bad value (refimpl/settings.py), a file that fails, or one
+    that registers no kind."""
+    import importlib.util
+    import re
+    import sys
+
+    from ..settings import env_setting
+    added = []
+    for path in env_setting("REFIMPL_KINDS", environ):
+        if path in LOADED:
+            continue
+        before = set(REGISTRY)
+        module_name = "refimpl_kinds_" + re.sub(r"\W", "_", path)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module          # (dataclasses, pickle: the module is importable)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:                   # noqa: BLE001 -- the user's file: one line naming it
+            sys.modules.pop(module_name, None)
+            for name in set(REGISTRY) - before:
+                del REGISTRY[name]
+            raise ValueError(f"REFIMPL_KINDS: {path} failed: {type(err).__name__}: {err}") from None
+        new = [name for name in REGISTRY if name not in before]
+        if not new:
+            raise ValueError(f"REFIMPL_KINDS: {path} registers no layer kind (call refimpl.layers.register(kind) "
+                             "at the end of the file)")
+        LOADED[path] = new
+        added += new
+    return added
+
+
 #: name -> kind, for the kinds only the planner prices (no check-layer hooks: plan_only.py)
 PLAN_ONLY: dict[str, LayerKind] = {}
 
@@ -109,4 +150,4 @@ for kind in _PLAN_ONLY_KINDS:
 del kind
 
 __all__ = ["LayerKind", "WindowKind", "Option", "Statistic", "REGISTRY", "PLAN_ONLY", "register", "lookup", "names",
-           "names_taking", "all_options", "plan_kind"]
+           "names_taking", "all_options", "plan_kind", "load_kinds"]
