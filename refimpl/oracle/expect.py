@@ -35,8 +35,9 @@ Tensors of rank r (``offset``: the global index of the block's first element):
     dx          (N_r, C_r, owned input block)       after the adjoint exchange (and reductions)
     dw_partial, db_partial                          r's own share, before the allreduce
     dw, db                                          after the allreduce (r's shard of the whole)
-    sum_partial, sumsq_partial                      batch norm: per-channel sums of x, x*x over r's
-                                                    block (the quantities to allreduce)
+    <statistic>                                     a kind's partial statistics (``LayerKind.statistics``,
+                                                    shaped as it says; batch norm: per-channel sums
+                                                    of x, x*x over r's block), before the allreduce
 
 The case's loss sums over the whole global batch (L = sum of y * dy), so dw, db and
 batch norm's statistics are sums / statistics over every sample and voxel.
