@@ -119,6 +119,15 @@ def _options(case, where) -> dict:
     return out
 
 
+def _as_keys(message: str) -> str:
+    """check-layer's message in a suite's words: an option's flag (``--no-count-include-pad``) as
+    its key (``count_include_pad``), any other flag without its dashes."""
+    for option in layers.all_options().values():
+        for flag in dict.fromkeys((option.applies_flag, option.flag)):
+            message = re.sub(re.escape(flag) + r"\b", option.name, message)
+    return message.replace("--", "")
+
+
 def parse_suite(table: dict, where: str) -> list[CaseSpec]:
     """The (case, grid) specs of a suite table; ValueError naming the case and key."""
     unknown = sorted(set(table) - SUITE_KEYS)
@@ -173,7 +182,7 @@ def parse_suite(table: dict, where: str) -> list[CaseSpec]:
             try:
                 check = spec.layer_check()         # check-layer's rules, e.g. pooling padding
             except ValueError as err:
-                raise ValueError(f"{label}, grid {list(g)}: {err}".replace("--", "")) from None
+                raise ValueError(f"{label}, grid {list(g)}: {_as_keys(str(err))}") from None
             specs.append(CaseSpec(**{**spec.__dict__, "out_channels": check.out_channels,
                                      "kernel": check.kernel, "stride": check.stride,
                                      "padding": check.padding, "dilation": check.dilation,
