@@ -1,12 +1,15 @@
 """The layer registry: per kind of layer, everything refimpl knows about it, in one entry.
 
 A kind (``conv3d``, ``max_pool3d``, ...) is a ``LayerKind``: its hyper-parameters and their
-rules, its reference forward and backward (refimpl/functional, convs with the reference
-algorithm), its local, spatially partitioned and model-parallel constructors (refimpl/nn),
-its PyTorch twin, and what the oracle needs to derive and diagnose every rank's blocks.
-check-layer (refimpl/check.py) and the oracle (refimpl/oracle/) look a kind up by the name a
-user types and never branch on the name, so a new layer is its functional op, one entry here
-and its test (docs/contributing.md, "Adding a layer").
+rules, its options (``Option``: check-layer's flags, suite keys, ``spec.options``), its
+statistics (``Statistic``: the partial tensors it reduces over ranks), its reference forward
+and backward (refimpl/functional, convs with the reference algorithm), its local, spatially
+partitioned and model-parallel constructors (refimpl/nn), its PyTorch twin, and what the
+oracle needs to derive and diagnose every rank's blocks.  check-layer (refimpl/check.py) and
+the oracle (refimpl/oracle/) look a kind up by the name a user types and never branch on the
+name, nor list its options, so a new layer is its functional op, its kind module, one line
+here and its test (docs/contributing.md, "Adding a layer"); a kind of a user's own is
+registered by a file ``$REFIMPL_KINDS`` names (``load_kinds``).
 
     base.py        LayerKind (pointwise in space, no parameters) and WindowKind (a halo'd window op)
     conv.py        conv3d, conv_transpose3d

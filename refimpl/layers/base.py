@@ -132,8 +132,9 @@ class LayerKind:
     #: its output extent per spatial axis, as a formula (what a report quotes to a result of
     #: the wrong shape); "" for a kind whose output has its input's shape
     output_size_rule = ""
-    #: the arguments this kind reads besides the input shape; the others are accepted and
-    #: ignored, as check-layer always has (they also word check-layer's --help)
+    #: the window arguments this kind reads besides the input shape (out_channels, kernel,
+    #: stride, padding, dilation, output_padding); the others are accepted and ignored, as
+    #: check-layer always has (they also word check-layer's --help)
     hyper_parameters: tuple = ()
     #: its own options (``Option``): check-layer's flags, suite keys, ``spec.options``; an option
     #: of another kind given a value other than its default is refused ("--flag applies to ...")

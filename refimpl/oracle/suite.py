@@ -113,7 +113,7 @@ def _options(case, where) -> dict:
     for key, option in layers.all_options().items():
         if key in case:
             value = case[key]
-            if not option.has_type(value):
+            if value is not option.default and not option.has_type(value):
                 raise ValueError(f"{where}: {key} must be {TYPE_RULES[option.type]}, got {value!r}")
             out[key] = value
     return out

@@ -29,7 +29,8 @@ def cases_for(size):
         seen.add(base.name)
         table = {"name": base.name, "layer": base.layer, "input": list(base.input), "kernel": list(base.kernel),
                  "stride": list(base.stride), "padding": list(base.padding), "dilation": list(base.dilation),
-                 "values": base.values, "model_parallel": base.model_parallel, "dtypes": ["float64"]}
+                 "values": base.values, "model_parallel": base.model_parallel, "dtypes": ["float64"],
+                 **base.options}
         taken = layers.lookup(base.layer).hyper_parameters
         if "out_channels" in taken:
             table["out_channels"] = base.out_channels
