@@ -39,7 +39,7 @@ import numpy as np
 
 from refimpl.oracle import compare, load_case, load_results, load_suite, parse_suite, write_case, write_results
 from refimpl.oracle import torch_adapter
-from refimpl.oracle.compare import CAUSAL_ORDER, root_cause
+from refimpl.oracle.compare import causal_index, root_cause
 from refimpl.oracle.expect import embed
 
 workdir = tempfile.mkdtemp(prefix="refimpl-tutorial14-")     # every process gets its own; removed at the end
@@ -263,7 +263,7 @@ case, report = planted(paths[0], "halo:1")
 failed = [f for f in report.findings if not f.ok]
 print(f"{case.name} with halo:1: ok = {report.ok}, {len(failed)} failing findings; float64, in causal order:")
 consequences = {}
-for f in sorted(failed, key=lambda f: (CAUSAL_ORDER.index(f.tensor), f.rank is not None, f.rank or 0)):
+for f in sorted(failed, key=lambda f: (causal_index(f.tensor), f.rank is not None, f.rank or 0)):
     if f.dtype != "float64":
         continue
     where = "global" if f.rank is None else f"rank {f.rank}"
@@ -304,14 +304,15 @@ assert cause.rank == 1 and "rank 1" in cause.diagnosis
 # - `ghost-clear`: the adjoint exchange adds the ghost gradients into their owners but
 #   never clears them, so they are counted twice.
 # - `dw-unsummed`: dW is not allreduced over the spatial shards.
-# - `bn-local-stats`: every rank normalises with the statistics of its own block.
+# - `local-stats`: every rank normalises with the statistics of its own block (a plant of
+#   every layer with statistics: here batch norm).
 #
 # For each one we check the diagnosis of the root cause.
 
 # %%
 for path, bug, expected in ((paths[0], "ghost-clear", "doubled gradient on ghost cells"),
                             (paths[0], "dw-unsummed", "not summed over the spatial shards"),
-                            (paths[1], "bn-local-stats", "not reduced over the spatial group")):
+                            (paths[1], "local-stats", "not reduced over the spatial group")):
     c, r = planted(path, bug)
     cause = root_cause(r)
     where = "global" if cause.rank is None else f"rank {cause.rank}"
