@@ -24,7 +24,7 @@ import numpy
 from . import layers, settings
 from .functional._args import compact_padding, padding_sides, triple
 from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
-from .layers.base import HasOptions
+from .layers.options import HasOptions
 from .parallel.grid import check_dims
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}

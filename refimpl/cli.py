@@ -26,6 +26,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    load_kinds()
     parser = argparse.ArgumentParser(
         prog="refimpl",
         description="Hybrid-parallel training of 3D CNNs (CosmoFlow, 3D U-Net) in NumPy/CuPy + mpi4py. "
@@ -41,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         plain_help(p)
     return parser
+
+
+def load_kinds() -> None:
+    """The layer kinds of the files ``$REFIMPL_KINDS`` names, registered before the flags are
+    built (check-layer offers them, the oracle reads their cases); a bad value, or a file that
+    fails or registers no kind, ends the command with one line (exit 2, as bad input)."""
+    from . import layers
+    try:
+        layers.load_kinds()
+    except ValueError as err:
+        print(f"refimpl: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 #: reST inline literals (``x``) in the command modules' docstrings, which are also their --help
@@ -113,13 +126,8 @@ def main(argv=None) -> int:
     any other message, so a rank whose ``REFIMPL_*`` value is bad or different
     ends every rank with one line instead of leaving the others blocked.
     """
-    from . import failstop, layers
+    from . import failstop
     from .settings import env_setting
-    try:                      # $REFIMPL_KINDS: layer kinds of the user's own, before the flags are built
-        layers.load_kinds()
-    except ValueError as err:
-        print(f"refimpl: error: {err}", file=sys.stderr)
-        return failstop.EXIT_BAD_INPUT
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

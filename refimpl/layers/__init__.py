@@ -12,6 +12,7 @@ here and its test (docs/contributing.md, "Adding a layer"); a kind of a user's o
 registered by a file ``$REFIMPL_KINDS`` names (``load_kinds``).
 
     base.py        LayerKind (pointwise in space, no parameters) and WindowKind (a halo'd window op)
+    options.py     Option and Statistic: what a kind declares of its options and statistics
     conv.py        conv3d, conv_transpose3d
     pool.py        max_pool3d, avg_pool3d
     batch_norm.py  batch_norm3d
@@ -25,9 +26,10 @@ kinds of plan_only.py lack check-layer's hooks, so they sit in ``PLAN_ONLY``, no
 """
 from __future__ import annotations
 
-from .base import LayerKind, Option, Statistic, WindowKind
+from .base import LayerKind, WindowKind
 from .batch_norm import BatchNorm3dKind
 from .conv import Conv3dKind, ConvTranspose3dKind
+from .options import Option, Statistic
 from .plan_only import KINDS as _PLAN_ONLY_KINDS
 from .pool import AvgPool3dKind, MaxPool3dKind
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy
 
 from .. import functional as F
-from .base import LayerKind, Statistic
+from .base import LayerKind
+from .options import Statistic
 
 EPS = 1e-5
 #: the axes a channel's statistics sum over

@@ -15,7 +15,8 @@ from ..functional._args import padding_sides
 from ..functional.conv3d import REFERENCE
 from ..parallel.partition import (conv_halo_plan, transposed_conv_halo_plan, transposed_needed_input_range,
                                  transposed_output_extent, window_output_extent)
-from .base import LayerKind, Option, WindowKind, plan_window_cost, spec_option
+from .base import LayerKind, WindowKind, plan_window_cost, spec_option
+from .options import Option
 
 #: PyTorch's grouped convolution
 GROUPS = Option("groups", int, 1, "channel groups of {kinds} (PyTorch's; default 1; not with --model-parallel)",

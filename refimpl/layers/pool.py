@@ -7,7 +7,8 @@ import numpy
 
 from .. import functional as F
 from ..parallel.partition import conv_halo_plan
-from .base import Option, WindowKind, plan_window_cost, spec_option, spec_padding
+from .base import WindowKind, plan_window_cost, spec_option, spec_padding
+from .options import Option
 
 #: PyTorch's pooling options (max and avg pooling share ceil_mode)
 CEIL_MODE = Option("ceil_mode", bool, False, "ceil instead of floor for the output extent ({kinds}; "

@@ -35,7 +35,7 @@ from importlib import resources
 
 from .. import layers
 from ..check import LayerCheck
-from ..layers.base import TYPE_RULES, HasOptions
+from ..layers.options import TYPE_RULES, HasOptions
 from ..parallel.grid import format_grid
 from ..paths import refuse_special
 
