@@ -25,6 +25,18 @@ COMMANDS = {
 }
 
 
+def load_kinds() -> None:
+    """The layer kinds of the files ``$REFIMPL_KINDS`` names, registered before the flags are
+    built (check-layer offers them, the oracle reads their cases); a bad value, or a file that
+    fails or registers no kind, ends the command with one line (exit 2, as bad input)."""
+    from . import layers
+    try:
+        layers.load_kinds()
+    except ValueError as err:
+        print(f"refimpl: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     load_kinds()
     parser = argparse.ArgumentParser(
@@ -42,18 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         plain_help(p)
     return parser
-
-
-def load_kinds() -> None:
-    """The layer kinds of the files ``$REFIMPL_KINDS`` names, registered before the flags are
-    built (check-layer offers them, the oracle reads their cases); a bad value, or a file that
-    fails or registers no kind, ends the command with one line (exit 2, as bad input)."""
-    from . import layers
-    try:
-        layers.load_kinds()
-    except ValueError as err:
-        print(f"refimpl: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 #: reST inline literals (``x``) in the command modules' docstrings, which are also their --help
