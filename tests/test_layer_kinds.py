@@ -129,6 +129,19 @@ def test_the_statistics_plant_is_offered_by_statistics(toy, tmp_path):
         torch_adapter.parse_plant("bn-local-stats", case)
 
 
+def test_statistics_that_disagree_with_their_declaration_are_refused(monkeypatch, tmp_path):
+    """A kind whose rank_partials gives a statistic of another shape than it declares (group
+    norm's per-(sample, group) sums declared per channel): generate fails, naming both."""
+    class Wrong(ShiftKind):
+        statistics = (Statistic("xsum_partial", "declared per sample", lambda spec, lo=None: (spec.input[0],)),)
+    monkeypatch.setitem(layers.REGISTRY, ShiftKind.name, Wrong())
+    spec, = parse_suite({"case": [{"name": "w", "layer": ShiftKind.name, "input": [2, 3, 5, 4, 3],
+                                   "grids": [[1, 2, 1, 1]], "dtypes": ["float64"]}]}, "t")
+    with pytest.raises(RuntimeError, match=re.escape("rank_partials gives rank 0 xsum_partial of shape (3,), its "
+                                                     "Statistic declares (2,)")):
+        write_case(spec, str(tmp_path))
+
+
 # ---------------------------------------------------------------- the built-in options, unchanged
 
 def test_builtin_options_keep_their_flags_and_defaults():

@@ -182,6 +182,7 @@ def rank_arrays(spec, a, expected, layout) -> dict:
         out["db"] = take(db, bias_shard(spec, lo))
     partials = kind.rank_partials(spec, a, lo)
     if partials is not None:
+        check_statistics(kind, spec, lo, {name: array for name, (array, _) in partials.items()}, "rank_partials")
         out.update(partials)
         return out
     # the part of the backward that flows from this rank's outputs (see the docstring)
@@ -209,6 +210,19 @@ def rank_arrays(spec, a, expected, layout) -> dict:
         index = (slice(*lo.samples), slice(0, y.shape[1])) + lo.index("y")[2:]
         out["y_partial"] = (y_part[index], start(index))
     return out
+
+
+def check_statistics(kind, spec, layout, arrays, hook) -> None:
+    """A kind's statistics as it declares them (``LayerKind.statistics``): every one in ``arrays``
+    (what its ``hook`` gave for rank ``layout``), of the declared shape; RuntimeError otherwise
+    (a case file, or a run-torch result, must never disagree with the declaration)."""
+    for stat in kind.statistics:
+        want = tuple(stat.shape(spec, layout))
+        got = arrays.get(stat.name)
+        if got is None or tuple(got.shape) != want:
+            raise RuntimeError(f"internal error: layer kind {kind.name}: its {hook} gives rank {layout.rank} "
+                               f"{stat.name} " + ("no value" if got is None else f"of shape {tuple(got.shape)}")
+                               + f", its Statistic declares {want}")
 
 
 def embed(shape, pieces):

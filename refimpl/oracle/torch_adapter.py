@@ -151,6 +151,8 @@ def run_ranks(case, dtype, torch, plant=None):
     g = {k: torch.tensor(v) for k, v in case.inputs[dtype].items()}
     results = kind.torch_ranks(case, g, torch, plant)
     if results is not None:
+        for lo in case.layouts:
+            expect.check_statistics(kind, spec, lo, results[lo.rank], "torch_ranks")
         if plant and plant[0] == "dx-missing":
             for r in results.values():
                 r["dx"] = numpy.zeros_like(r["dx"])
