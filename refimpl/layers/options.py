@@ -71,10 +71,13 @@ class Statistic:
     it, ``run-torch`` reports it, ``oracle check`` compares it.  ``shape(spec, layout)``: the
     whole tensor's shape with ``layout`` None (what the blocks of the ranks that share it add up
     to), else the shape of rank ``layout``'s block (``refimpl.oracle.expect.RankLayout``; where
-    the block lies in the whole is the ``offset`` of ``rank_partials``)."""
+    the block lies in the whole is the ``offset`` of ``rank_partials``).  ``backward``: a sum of
+    the backward pass (of dy), which the oracle orders after the forward's tensors when it
+    names the first error (``refimpl.oracle.compare.causal_index``)."""
     name: str
     about: str
     shape: Callable
+    backward: bool = False
 
 
 class HasOptions:

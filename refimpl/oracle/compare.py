@@ -792,14 +792,18 @@ def apply_require(case: Case, report: CaseReport, require, results: Results | No
 
 #: the order in which a partitioned layer computes its tensors: an error upstream spoils
 #: everything computed from it
-CAUSAL_ORDER = ("x_needed", "statistics", "y_partial", "y", "dx_needed", "dw_partial", "db_partial", "dx", "dw",
-                "db")
+CAUSAL_ORDER = ("x_needed", "statistics", "y_partial", "y", "dx_needed", "backward statistics", "dw_partial",
+                "db_partial", "dx", "dw", "db")
 
 
 def causal_index(tensor: str) -> int:
     """``tensor``'s place in ``CAUSAL_ORDER``; a layer's partial statistics (its kind's
-    ``statistics``: batch norm's sums) come after x_needed and before y."""
-    return CAUSAL_ORDER.index(tensor if tensor in CAUSAL_ORDER else "statistics")
+    ``statistics``: batch norm's sums) come after x_needed and before y, those of the backward
+    pass (``Statistic.backward``: sums of dy) after dx_needed."""
+    if tensor in CAUSAL_ORDER:
+        return CAUSAL_ORDER.index(tensor)
+    backward = any(s.name == tensor and s.backward for kind in layers.REGISTRY.values() for s in kind.statistics)
+    return CAUSAL_ORDER.index("backward statistics" if backward else "statistics")
 
 
 def root_cause(report: CaseReport):
