@@ -89,6 +89,26 @@ def describe_holder(holder: dict) -> str:
             f"{holder.get('command', '?')}")
 
 
+def live_lock_above(directory) -> tuple[str, dict] | None:
+    """(lock path, holder) of a live job's lock in a directory *above* ``directory`` (its
+    ``OUT`` holds ``directory``: e.g. ``OUT/data`` of a running ``refimpl train``), or None.
+    A writer refuses such a directory: the live job reads or writes what is there."""
+    path = os.path.abspath(os.fspath(directory))
+    parent = os.path.dirname(path)
+    while parent != path:
+        lock = os.path.join(parent, NAME)
+        holder = holder_of(lock) if os.path.isfile(lock) else {}
+        if "pid" in holder:                  # a refimpl job's lock (another tool's .lock says nothing)
+            try:
+                age = time.time() - os.stat(lock).st_mtime
+            except FileNotFoundError:
+                age = None
+            if age is not None and stale_reason(holder, age) is None:
+                return lock, holder
+        path, parent = parent, os.path.dirname(parent)
+    return None
+
+
 class RunLock:
     """``OUT/.lock`` held by this process: ``acquire`` (raises LockHeld), ``release``."""
 

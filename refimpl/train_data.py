@@ -68,6 +68,13 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
     return train, val, notes
 
 
+def data_identities(train, val) -> dict:
+    """{"train": identity, "val": identity or None} of the opened splits (data/identity.py):
+    what the checkpoint records, and what --resume compares with it."""
+    from .data.identity import data_identity
+    return {"train": data_identity(train.path), "val": None if val is None else data_identity(val.path)}
+
+
 def generated_counts(config, input_shape) -> tuple[int, int]:
     """(train, val) samples to generate: given, or about 128 MiB of float32 (16 to 256 train, 1/8 val)."""
     voxels = input_shape[0] * input_shape[1] * input_shape[2] * input_shape[3]

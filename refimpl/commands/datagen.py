@@ -99,7 +99,7 @@ def generate(args) -> int:
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
     from refimpl.failstop import WriteError, check_writable, describe, phase, refuse
-    from refimpl.run_lock import RunLock
+    from refimpl.run_lock import RunLock, describe_holder, live_lock_above
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
@@ -124,6 +124,10 @@ def generate(args) -> int:
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
         refuse(str(err))
+    above = live_lock_above(args.out)
+    if above is not None:      # e.g. OUT/data of a running train: it reads (or generates) this data
+        refuse(f"--out {args.out} lies in the directory of a running job ({describe_holder(above[1])}; lock: "
+               f"{above[0]}), which may be reading this data: wait for it to end, or choose another --out")
     attrs = {"generator": args.kind, "params": params, "seed": args.seed,
              "refimpl_version": __version__}
     try:

@@ -76,6 +76,9 @@ def add_arguments(parser):
     a("--break-lock", action="store_const", const=True,
       help="take over OUT/.lock when the job that took it is gone (its process no longer runs on this host, "
            "or it was not refreshed for 10 minutes; --overwrite does too); a live job's lock is never broken")
+    a("--data-changed-ok", action="store_const", const=True,
+      help="with --resume: train on the data even if it is not what the checkpoint recorded (another sample "
+           "count, shape, generator, seed or content); without it such a resume is refused")
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
     a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
@@ -110,7 +113,9 @@ def add_arguments(parser):
       "first 32 training samples)")
     a("--no-cache", dest="cache", action="store_const", const=False, help="re-read samples every epoch")
     a("--no-plot", dest="plot", action="store_const", const=False, help="do not write loss.png")
-    a("--quiet", action="store_const", const=True, help="no progress bar or log lines")
+    a("--quiet", action="store_const", const=True, help="no progress bar or log lines (kept by --resume)")
+    a("--no-quiet", dest="quiet", action="store_const", const=False,
+      help="progress and log lines again (a run started --quiet keeps it across --resume otherwise)")
     a("--stall-timeout", type=float, metavar="SECONDS",
       help="end the job (exit 5) when a rank has sent no heartbeat, or no rank has moved on, for this "
            "long; the message names the silent ranks and where the others wait (default 600; 0 = off)")
@@ -119,7 +124,7 @@ def add_arguments(parser):
 FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite", "break_lock",
-             "checkpoint_every", "validate_every", "log_every", "allreduce", "allreduce_options", "bucket_mb", "overlap",
+             "data_changed_ok", "checkpoint_every", "validate_every", "log_every", "allreduce", "allreduce_options", "bucket_mb", "overlap",
              "optimizer_sharding", "compress", "error_feedback", "priority", "chunk_mb", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
