@@ -169,7 +169,7 @@ BAD_VALUES = {
     "steps": 2.0, "epochs": "3", "optimizer": "lamb", "lr": -0.1, "momentum": "high",
     "nesterov": None, "weight_decay": float("nan"), "betas": [0.9], "eps": True, "base_batch": 0,
     "warmup_steps": -1, "schedule": "cosine", "decay": {"300": 0.25}, "warmup_epochs": -2,
-    "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0, "break_lock": "yes",
+    "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0, "break_lock": "yes", "data_changed_ok": "true",
     "checkpoint_every": 0, "validate_every": None, "log_every": 0.5, "quiet": "false", "plot": [],
     "allreduce": "butterfly", "allreduce_options": {"colors": 2}, "bucket_mb": -1, "overlap": "on", "optimizer_sharding": "yes", "compress": "int4", "error_feedback": "maybe",
     "priority": "output-first", "chunk_mb": -0.5, "backend": "jax", "cuda_aware": 1,
