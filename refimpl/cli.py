@@ -40,7 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
         p.set_defaults(_module=module)
         plain_help(p)
+    strict_parsing(parser)
     return parser
+
+
+def strict_parsing(parser: argparse.ArgumentParser) -> None:
+    """Every parser, sub-commands included, takes flags only as written (no abbreviations:
+    ``--step 10`` is not silently ``--steps``), and remembers itself (``_parser``) so that an
+    unknown flag is reported with the usage of the (sub)command it was given to."""
+    parser.allow_abbrev = False
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                strict_parsing(sub)
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list) -> str:
+    """'unrecognized arguments: ...' with the closest flag of ``parser`` for each unknown one."""
+    import difflib
+    flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--")]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 #: reST inline literals (``x``) in the command modules' docstrings, which are also their --help
@@ -116,7 +143,9 @@ def main(argv=None) -> int:
     from . import failstop
     from .settings import env_setting
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:                # told with the usage of the (sub)command they were given to
+        args._parser.error(unknown_arguments(args._parser, extras))
     if args.command is None:
         parser.print_help()
         return 2
