@@ -137,12 +137,11 @@ def resolve_run(config: dict, world_size: int) -> dict:
     global batch and the grid are written back into ``config``, so config.json
     and the checkpoint say what ran.
     """
-    from .parallel.grid import format_grid, parse_grid
+    from .parallel.grid import format_grid, parse_grid, world_mismatch
     dims = parse_grid(config["grid"]) if config["grid"] else (world_size, 1, 1, 1)
     product = math.prod(dims)
     if product != world_size:
-        raise ValueError(f"--grid {format_grid(dims)} holds {product} ranks but mpiexec started "
-                         f"{world_size}; run 'mpiexec -n {product} ...' or change --grid")
+        raise ValueError(world_mismatch(format_grid(dims), product, world_size))
     batch = config["global_batch"]
     if batch is None:
         batch = dims[0] * max(1, -(-4 // dims[0]))      # 4 samples, rounded up to a multiple of Pn

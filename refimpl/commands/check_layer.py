@@ -117,11 +117,11 @@ def add_arguments(parser):
 def parse_check(args, world_size: int) -> LayerCheck:
     """The flags as a validated ``LayerCheck`` for ``world_size`` ranks: the same on every
     rank, refused (ValueError) before any message."""
-    from ..parallel.grid import parse_grid
+    from ..parallel.grid import parse_grid, world_mismatch
     shape = _ints(args.input, "input")
     grid = parse_grid(args.grid)
     if math.prod(grid) != world_size:
-        raise ValueError(f"--grid {args.grid} holds {math.prod(grid)} ranks but mpiexec started {world_size}")
+        raise ValueError(world_mismatch(args.grid, math.prod(grid), world_size))
     check = LayerCheck(
         layer=args.layer, input=shape, grid=grid, out_channels=args.out_channels,
         kernel=_ints(args.kernel, "kernel"), stride=None if args.stride is None else _ints(args.stride, "stride"),
