@@ -35,9 +35,11 @@ from ..failstop import DEFAULT_STALL_TIMEOUT
 def add_arguments(parser):
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    required = parser.add_argument_group("required arguments (both, except with --calibrate alone)")
-    required.add_argument("--batch", type=int, required=False, default=None, metavar="B", help="global batch")
+    required = parser.add_argument_group("required arguments (except with --calibrate alone)")
     required.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks (at most 2^20)")
+    parser.add_argument("--batch", type=int, required=False, default=None, metavar="B",
+                        help="global batch (default: --ranks, one sample per rank, which every grid's sample "
+                             "groups can split; give the batch you train with)")
     parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow",
                         help="the network to plan for (default cosmoflow)")
     parser.add_argument("--preset", default=None,
@@ -141,16 +143,34 @@ def tie_note(feasible):
 
 
 def layers_of(args, model_parallel=None):
-    from ..models import PRESETS
     from ..plan import model_layers
-    default = {"cosmoflow": "mlperf", "unet3d": "default"}[args.model]
+    return model_layers(args.model, config_of(args, model_parallel))
+
+
+def priced(args) -> str:
+    """What is priced, said first: model, preset (or config), sample (C, D, H, W), batch, ranks."""
+    config = config_of(args)
+    from ..models import CHECK_CONFIG
+    shape = tuple(CHECK_CONFIG[args.model](config)["input_shape"])
+    source = f"config {args.config}" if args.config else f"preset {preset_name(args)}"
+    batch = f"batch {args.batch}" + (" (the default: one sample per rank)" if args.batch_default else "")
+    return f"plan: {args.model} {source}, samples (C, D, H, W) = {shape}, {batch}, {args.ranks} ranks"
+
+
+def preset_name(args) -> str:
+    return args.preset or {"cosmoflow": "mlperf", "unet3d": "default"}[args.model]
+
+
+def config_of(args, model_parallel=None) -> dict:
+    """The model config the plan prices: --config or the preset, --sample, the model axis."""
+    from ..models import PRESETS
     if args.config and args.preset:
         raise ValueError("give --preset or --config, not both")
     if args.config:
         from ..config import load_toml
         config = load_toml(args.config)
     else:
-        name = args.preset or default
+        name = preset_name(args)
         if name not in PRESETS[args.model]:
             raise ValueError(f"--preset: no {args.model} preset {name!r}; presets: {sorted(PRESETS[args.model])}")
         config = dict(PRESETS[args.model][name])
@@ -161,7 +181,7 @@ def layers_of(args, model_parallel=None):
         config["input_shape"] = (channels, args.sample, args.sample, args.sample)
     if model_parallel:
         config["model_parallel"] = model_parallel
-    return model_layers(args.model, config)
+    return config
 
 
 def check(args):
@@ -176,10 +196,13 @@ def check(args):
     if launcher_size() > 1 and not args.calibrate:
         raise ValueError("it runs in one process: start it without mpiexec (mpiexec -n 2 only with "
                          "--calibrate, to measure the link)")
+    args.batch_default = args.batch is None and args.ranks is not None
+    if args.batch_default:
+        args.batch = args.ranks                 # one sample per rank: every grid's sample groups split it
     for name in ("batch", "ranks"):
         value = getattr(args, name)
         if value is None and not args.calibrate:
-            raise ValueError(f"--{name} is required")
+            raise ValueError(f"--{name} is required (--batch defaults to --ranks, one sample per rank)")
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
     if args.ranks is not None and args.ranks > MAX_RANKS:
@@ -273,7 +296,8 @@ def explain(plan):
           f"= compute {plan.compute_s * 1e3:.1f} + halo {plan.halo_s * 1e3:.1f} + model/bn/flatten messages "
           f"{plan.model_s * 1e3:.1f} + gradient allreduce {plan.allreduce_s * 1e3:.1f} ({plan.buckets} buckets, "
           f"{format_bytes(plan.grad_bytes)}); memory {format_bytes(plan.memory_bytes)}")
-    header = ["layer", "kind", "GFLOP", "comp ms", "halo KiB", "msgs", "halo ms", "model KiB", "other ms", "saved MiB"]
+    header = ["layer", "kind", "GFLOP", "comp ms", "sent KiB", "sent msgs", "halo ms", "model KiB", "other ms",
+              "saved MiB"]
     rows = [[c.name, c.kind, f"{c.flops / 1e9:.3f}", f"{c.compute_s * 1e3:.2f}", f"{c.halo_bytes / 1024:.1f}",
              str(c.halo_messages), f"{c.halo_s * 1e3:.3f}", f"{(c.model_bytes + c.model_allreduce_bytes) / 1024:.1f}",
              f"{c.comm_s * 1e3:.3f}", f"{c.saved_bytes / 2**20:.1f}"] for c in plan.layers]
@@ -379,6 +403,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
             print(f"wrote {args.save_machine}")
         if args.batch is None or args.ranks is None:
             return
+    print(priced(args))
     if not args.calibrate and not args.machine:
         print(UNCALIBRATED)
     kw = dict(optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding, algorithm=args.allreduce)
@@ -399,8 +424,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
         left_out = (f"priced the {plans.priced} whose blocks cut the fewest voxels (--max-grids N for more)"
                     if plans.priced < plans.runnable else "all priced")
         print(f"{args.model}: {plans.grids} grids of {args.ranks} ranks, {plans.runnable} can run it, {left_out}; "
-              f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; "
-              f"{machine.summary()}")
+              f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}")
         tie = tie_note(feasible) if feasible else None
         if tie:
             print(tie)
@@ -411,6 +435,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
                 explain(feasible[1])
                 compare_two(feasible[0], feasible[1])
         batch_advice(args, plans)
+    print(f"\nmachine: {machine.summary()}")
     if args.json:
         text = json.dumps({"model": args.model, "batch": args.batch, "ranks": args.ranks, "searched": searched,
                            "machine": machine.__dict__, "grids": [p.as_dict() for p in plans[:args.top]]},
