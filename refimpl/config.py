@@ -62,7 +62,7 @@ DEFAULTS = {
     # output
     "out": "runs/train", "resume": False, "overwrite": False, "break_lock": False, "data_changed_ok": False,
     "checkpoint_every": 50,
-    "validate_every": 25, "log_every": 1, "quiet": False, "plot": True,
+    "validate_every": 25, "log_every": 10, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "allreduce_options": {},   # options: the algorithm's (parallel/allreduce/)
     "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,

@@ -81,7 +81,7 @@ def add_arguments(parser):
            "count, shape, generator, seed or content); without it such a resume is refused")
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
-    a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
+    a("--log-every", type=int, metavar="N", help="a log line every N steps and at the last (default 10; each validation prints its own line)")
     a("--allreduce", choices=sorted(CHOICES["allreduce"]), help="gradient allreduce algorithm (default native; "
       "docs/communication.md)")
     a("--allreduce-option", dest="allreduce_options", action="append", metavar="NAME=VALUE",
