@@ -502,7 +502,7 @@ def write_trace(spec: TraceSpec, path: str) -> dict:
     """Compute the trace of ``spec`` and write it to ``path`` atomically; returns a summary."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     spec, layers, content = compute(spec)
     meta = {**spec.as_json(), "layers": layer_json(layers, content)}
     entries = {e["name"]: e for e in meta["layers"]}
