@@ -32,7 +32,7 @@ from ..progress import phase
 from ..parallel.collectives import allreduce
 from ..parallel.objects import allreduce_sum
 from ..parallel.halo import HaloExchange
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d

@@ -338,7 +338,7 @@ def offset_of(slices) -> list:
 @contextlib.contextmanager
 def reference_math():
     """Every op computes with refimpl/functional's math, never a fast kernel (the oracle's rule)."""
-    from ..functional._route import reference_only
+    from ..functional import reference_only
     from ..functional.conv3d import ENV_ALGORITHM
     saved = os.environ.get(ENV_ALGORITHM)
     os.environ[ENV_ALGORITHM] = "reference"
