@@ -41,36 +41,20 @@ no error at all.  refimpl closes both holes with the pieces below: this module
    exceptions (main thread and worker threads) here too.
 
 3. **A watchdog with heartbeats** (refimpl/watchdog.py), for ranks that stop
-   answering.  Every rank runs one daemon thread on a private duplicate of the
-   communicator (its messages never match the program's).  The main thread
-   records what it is doing in ``PROGRESS`` (refimpl/progress.py: two stores and an increment per
-   phase: *halo exchange of features.3 (forward)*, *gradient allreduce*,
-   *checkpoint write*); every ``interval`` the thread sends that record to rank 0
-   (rank 0 sends its own to everyone).  Rank 0 declares a stall when a rank has
-   sent nothing for ``timeout`` seconds (a stopped process, a lost node: its
-   watchdog thread is stopped too) or when no rank has moved to a new phase for
-   ``timeout`` seconds (a deadlock or a hang inside one phase); it names the
-   ranks that stopped answering and the phase the others wait in, and ends the
-   job with ``EXIT_STALL``.  Rank 1 does the same for rank 0.  The thread only
-   ever uses non-blocking calls (``isend``, ``improbe``) and sleeps between
-   polls: Open MPI's blocking receive would spin a core.
+   answering: one daemon thread per rank, on a private duplicate of the
+   communicator, sends what the main thread is doing (refimpl/progress.py:
+   *halo exchange of features.3 (forward)*, *gradient allreduce*) to rank 0,
+   which names the ranks that stopped answering, or the phase every rank hangs
+   in, and ends the job with ``EXIT_STALL``; rank 1 does the same for rank 0.
 
-4. **Exit codes** (refimpl/errors.py) documented in docs/training.md ("Faults"): 0 done, 1 a check
-   failed (``check-layer``), 2 bad input, 3 divergence, 4 I/O failure, 5 stall,
-   70 internal error (a bug), 130 / 143 interrupted by SIGINT / SIGTERM, 138 checkpointed
-   and ended on a pre-emption warning (SIGUSR1, ``refimpl train`` only).
+4. **Exit codes** (refimpl/errors.py), documented in docs/training.md ("Faults").
    Tracebacks are shown only with ``--debug`` or ``REFIMPL_DEBUG=1``.
 
-5. **Signals** (refimpl/signals.py).  SIGINT and SIGTERM are read from Python's
-   wake-up pipe by a thread of their own, at once, whatever the main thread is
-   doing; temporaries and the lock are removed first (Open MPI's mpiexec sends
-   SIGKILL 0.5 s after it was interrupted), then the job ends as for a failure
-   on one rank, with one line naming the signal, the step and the last checkpoint.
-   SIGUSR1, a scheduler's warning before pre-emption or the time limit (``sbatch
-   --signal=USR1@60``), only sets a flag (``preemption_requested``) for commands
-   that ask for it (``run_command(..., preemptible=True)``: ``refimpl train``):
-   the loop agrees on it at the next step boundary, every rank writes the
-   checkpoint at that same step, and the job ends with ``EXIT_PREEMPTED``.
+5. **Signals** (refimpl/signals.py).  SIGINT and SIGTERM end the job at once,
+   whatever the main thread is doing, with one line naming the signal, the step
+   and the last checkpoint (temporaries and the lock removed first, refimpl/atomic.py);
+   SIGUSR1, a scheduler's warning before pre-emption, makes ``refimpl train``
+   checkpoint at the next step boundary on every rank and end with ``EXIT_PREEMPTED``.
 
 How the anchors do it: ULFM (Open MPI 5, ``features/ulfm``) makes a failed
 peer an error *returned* by MPI calls and lets the survivors revoke and shrink
