@@ -141,7 +141,9 @@ def main(argv=None) -> int:
     ends every rank with one line instead of leaving the others blocked.
     """
     from . import failstop
+    from .errors import EXIT_BAD_INPUT
     from .settings import env_setting
+    from .watchdog import launcher_size
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:                # told with the usage of the (sub)command they were given to
@@ -154,9 +156,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         values, error = None, str(err)
     failstop.note_settings(error, values)
-    if error is not None and failstop.launcher_size() == 1:
+    if error is not None and launcher_size() == 1:
         print(f"refimpl: error: {error}", file=sys.stderr)
-        return failstop.EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT
     failstop.DEBUG = bool(args.debug or (error is None and env_setting("REFIMPL_DEBUG")))
     failstop.install_excepthook(args.command)
     return int(importlib.import_module(args._module).run(args) or 0)

@@ -19,7 +19,7 @@ was killed stops refreshing).  A stale lock is reported, never taken silently:
 ``--break-lock`` (or ``--overwrite``, which discards the old run anyway) takes it
 over.  A live lock is never broken by any flag: wait for the holder, or choose
 another ``--out``.  The holder removes the lock on every way out: normal end,
-an agreed error, ``fail_stop``'s abort (``failstop.remove_on_abort``) and a
+an agreed error, ``fail_stop``'s abort (``atomic.remove_on_abort``) and a
 signal; only SIGKILL (or a lost node) leaves it behind, stale.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 
-from . import failstop
+from . import atomic
 
 NAME = ".lock"
 REFRESH_S = 60.0           # the holder touches the lock this often
@@ -154,7 +154,7 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        failstop.remove_on_abort(self.path)
+        atomic.remove_on_abort(self.path)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "command": " ".join(sys.argv), "token": self.token}
         try:
@@ -188,7 +188,7 @@ class RunLock:
         self._stop.set()
         if holder_of(self.path).get("token") == self.token:
             self._remove()
-        failstop.forget_on_abort(self.path)
+        atomic.forget_on_abort(self.path)
 
     def _remove(self) -> None:
         try:

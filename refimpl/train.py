@@ -32,7 +32,10 @@ import sys
 
 from . import checkpoint
 from .config import effective_settings
-from .failstop import InputError, WriteError, agree, check_writable, decide, on_root, phase, refuse
+from .errors import InputError, WriteError, refuse
+from .failstop import agree, decide, on_root
+from .paths import check_writable
+from .progress import phase
 from .optim import parse_decay, scaled_lr
 from .train_loop import Trainer
 from .train_report import CHECKPOINT, RUN_FILES

@@ -20,7 +20,9 @@ import json
 import os
 
 from .backend import asarray
-from .failstop import WriteError, agree, decide, describe, on_root, phase, refuse
+from .errors import WriteError, describe, refuse
+from .failstop import agree, decide, on_root
+from .progress import phase
 from .parallel.objects import allreduce_sum
 
 NORMALIZATION_SAMPLES = 32        # the training samples the input statistics are taken from

@@ -33,8 +33,10 @@ import time
 
 from . import checkpoint
 from .backend import resolve_dtype, set_backend
-from .failstop import (Diverged, Preempted, WriteError, agree, decide, label_layers, phase, preemption_requested, refuse,
-                       set_step)
+from .errors import Diverged, Preempted, WriteError, refuse
+from .failstop import agree, decide
+from .progress import label_layers, phase, set_step
+from .signals import preemption_requested
 from .parallel.objects import allreduce_sum
 from .data.identity import changes as data_changes
 from .train_data import data_identities, input_normalization, open_data, read_batch

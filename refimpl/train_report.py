@@ -23,7 +23,10 @@ import json
 import os
 import sys
 
-from .failstop import PROGRESS, WriteError, atomic_write, on_root, phase
+from .atomic import atomic_write
+from .errors import WriteError
+from .failstop import on_root
+from .progress import PROGRESS, phase
 
 CHECKPOINT = "checkpoint.h5"
 METRICS = "metrics.jsonl"

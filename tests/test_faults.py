@@ -552,13 +552,13 @@ def test_sigusr1_is_a_preemption_warning_only_where_asked_for(preemptible):
     warning, a flag for the loop; other commands keep its default action and end, never
     silently ignoring it."""
     code = ("import os, signal, sys, time\n"
-            "from refimpl import failstop\n"
-            f"failstop.handle_signals('x', {preemptible})\n"
+            "from refimpl import signals\n"
+            f"signals.handle_signals('x', {preemptible})\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
             "deadline = time.time() + 5\n"
-            "while not failstop.preemption_requested() and time.time() < deadline:\n"
+            "while not signals.preemption_requested() and time.time() < deadline:\n"
             "    time.sleep(0.01)\n"
-            "print(failstop.preemption_requested())\n")
+            "print(signals.preemption_requested())\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
                           timeout=60)
     if preemptible:

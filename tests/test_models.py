@@ -303,7 +303,7 @@ MLPERF_REFERENCE = {"sample": (4, 128, 128, 128), "kernel": 2, "widths": [32, 64
 def test_mlperf_preset_is_the_mlperf_reference_network():
     """Kernel sizes, paddings ('same', TensorFlow's: 0 before, 1 after for kernel 2), widths, pools
     and the dense head of ``--preset mlperf`` are the reference's; mlperf-k3 keeps kernel 3."""
-    from refimpl.functional._args import padding_sides
+    from refimpl.functional.args import padding_sides
     from refimpl.models.cosmoflow import CosmoFlow, check_config
     ref = MLPERF_REFERENCE
     config = check_config(PRESETS["cosmoflow"]["mlperf"])

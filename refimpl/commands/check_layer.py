@@ -30,7 +30,8 @@ import numpy
 
 from .. import layers
 from ..check import ALGORITHMS, TOLERANCE, LayerCheck, check_layer
-from ..failstop import atomic_write, check_writable
+from ..atomic import atomic_write
+from ..paths import check_writable
 
 #: every --model-parallel mode some layer kind takes, 'none' first
 MODEL_MODES = tuple(dict.fromkeys(mode for name in layers.names() for mode in layers.lookup(name).model_modes))
@@ -151,7 +152,8 @@ def run(args) -> int:
 
 
 def check(args, comm) -> int:
-    from ..failstop import EXIT_CHECK_FAILED, WriteError, agree, on_root
+    from ..errors import EXIT_CHECK_FAILED, WriteError
+    from ..failstop import agree, on_root
     from ..parallel.objects import bcast_object
     request = agree(comm, parse_check, args, comm.Get_size())   # bad input: the same error on every rank, exit 2
     report = check_layer(request, comm, keep_arrays=bool(args.save))

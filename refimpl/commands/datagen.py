@@ -9,7 +9,7 @@ Examples::
 Train sample i is drawn from seed + i and val sample j from seed + samples + j,
 so the splits never share a universe and any sample can be regenerated alone.
 Files appear under their final names only when complete (tmp + fsync +
-os.replace, ``failstop.atomic_write``).  OUT belongs to one datagen at a time
+os.replace, ``atomic.atomic_write``).  OUT belongs to one datagen at a time
 (``OUT/.lock``, ``run_lock.RunLock``): two writing the same files would each
 rename a complete file over the other's, mixing two datasets.
 """
@@ -98,7 +98,9 @@ def generate(args) -> int:
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
-    from refimpl.failstop import WriteError, check_writable, describe, phase, refuse
+    from refimpl.errors import WriteError, describe, refuse
+    from refimpl.paths import check_writable
+    from refimpl.progress import phase
     from refimpl.run_lock import RunLock, describe_holder, live_lock_above
 
     if args.samples < 1 or args.val_samples < 0:

@@ -158,7 +158,7 @@ def layers(args) -> int:
 def _check_out(path, flag):
     import os
 
-    from ..failstop import check_writable
+    from ..paths import check_writable
     check_writable(path, flag)
     if not path.endswith((".h5", ".hdf5")):
         raise ValueError(f"{flag} {path}: give an HDF5 file name ending in .h5")
@@ -166,7 +166,7 @@ def _check_out(path, flag):
 
 
 def generate(args) -> int:
-    from ..failstop import WriteError, describe
+    from ..errors import WriteError, describe
     from ..oracle.trace import DTYPES, TraceSpec, check_spec, default_input, write_trace
     dtypes = tuple(d.strip() for d in args.dtype.split(","))
     grid = _ints(args.grid, "--grid", 4, 5)
@@ -187,7 +187,7 @@ def generate(args) -> int:
 
 
 def run_torch(args) -> int:
-    from ..failstop import WriteError, describe
+    from ..errors import WriteError, describe
     from ..oracle.trace import load_trace
     from ..oracle.trace_torch import parse_plant, run_trace, write_results
     trace = load_trace(args.trace)
@@ -219,7 +219,7 @@ def _line(f) -> str:
 
 
 def check(args) -> int:
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     from ..oracle.trace import load_trace
     from ..oracle.trace_check import check_trace, load_names, load_peer
     trace = load_trace(args.trace)
@@ -275,7 +275,7 @@ def check(args) -> int:
 
 
 def _check_out_json(path):
-    from ..failstop import check_writable
+    from ..paths import check_writable
     check_writable(path, "--json")
 
 

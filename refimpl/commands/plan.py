@@ -29,7 +29,7 @@ import math
 import sys
 import time
 
-from ..failstop import DEFAULT_STALL_TIMEOUT
+from ..watchdog import DEFAULT_STALL_TIMEOUT
 
 
 def add_arguments(parser):
@@ -190,7 +190,7 @@ def check(args):
     Returns (machine, layers, layers_mp, dims): the machine of --machine and --mem-per-rank,
     the model's layers, and when a plan follows (--batch and --ranks given) its layers with
     the model axis (None for --model-parallel off) and the 5 dims of --grid (None: search)."""
-    from ..failstop import launcher_size
+    from ..watchdog import launcher_size
     from ..parallel.grid import parse_grid
     from ..plan import MAX_RANKS, Machine, feasibility, load_machine, parse_bytes
     if launcher_size() > 1 and not args.calibrate:
@@ -220,7 +220,7 @@ def check(args):
     if args.mem_per_rank is not None:
         from dataclasses import replace
         machine = replace(machine, mem_per_rank=parse_bytes(args.mem_per_rank))
-    from ..failstop import check_writable
+    from ..paths import check_writable
     for path, flag in ((args.json, "--json"), (args.plot, "--plot"), (args.save_machine, "--save-machine")):
         if path:
             check_writable(path, flag)
@@ -243,7 +243,7 @@ def check(args):
 
 
 def run(args) -> int:
-    from ..failstop import launcher_size
+    from ..watchdog import launcher_size
     from ..failstop import run_command
     comm = None
     if launcher_size() > 1:              # mpiexec -n 2 refimpl plan --calibrate: every rank measures
@@ -255,7 +255,8 @@ def run(args) -> int:
 def agreed(comm, fn, *args):
     """``fn(*args)`` whose ValueError becomes bad input on every rank alike (``failstop.agree``
     under mpiexec; in one process, that one)."""
-    from ..failstop import InputError, agree
+    from ..errors import InputError
+    from ..failstop import agree
     if comm is not None:
         return agree(comm, fn, *args)
     try:
@@ -334,7 +335,8 @@ def plot_scaling(args, path, machine, layers, searching):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..failstop import atomic_write, phase
+    from ..atomic import atomic_write
+    from ..progress import phase
     from ..plan import search
     ps = sorted({2 ** i for i in range(int(math.log2(args.ranks)) + 1)} | {args.ranks})
     families = ("data", "spatial", "model", "hybrid")
@@ -375,7 +377,8 @@ def plot_scaling(args, path, machine, layers, searching):
 def plan(args, comm) -> int:
     """Refuse bad input on every rank alike, calibrate on every rank (``comm``: under mpiexec),
     then answer from rank 0 while the others wait for its outcome (``failstop.on_root``)."""
-    from ..failstop import on_root, phase, set_stall_timeout
+    from ..failstop import on_root, set_stall_timeout
+    from ..progress import phase
     machine, layers, layers_mp, dims = agreed(comm, check, args)
     set_stall_timeout(args.stall_timeout)
     if args.calibrate:
@@ -393,7 +396,8 @@ def plan(args, comm) -> int:
 def answer(args, machine, layers, layers_mp, dims) -> None:
     """What rank 0 prints and writes: the calibrated machine, then the plan of one grid (``dims``)
     or of the search."""
-    from ..failstop import atomic_write, phase
+    from ..atomic import atomic_write
+    from ..progress import phase
     from ..plan import MAX_PRICED, plan_grid, save_machine, search
     if args.calibrate:
         print(f"calibrated: {machine.summary()}")

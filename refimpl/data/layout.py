@@ -14,7 +14,7 @@ Root attributes: ``format`` ("refimpl-hdf5"), ``version``, ``generator``,
 sample i used ``default_rng(seed + first_index + i)``), ``layout``; per-sample
 files also carry ``sample_index``.
 
-Writes are atomic, through ``failstop.atomic_write`` as checkpoints are: every
+Writes are atomic, through ``atomic.atomic_write`` as checkpoints are: every
 file is built under a temporary name beside its target, fsync-ed and renamed
 (``os.replace``) only once complete; a ``per-sample`` directory is built as a
 temporary directory and renamed as a whole.  A crash never leaves a half-written
@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 
-from ..failstop import atomic_write, forget_on_abort, remove_on_abort
+from ..atomic import atomic_write, forget_on_abort, remove_on_abort
 
 FORMAT = "refimpl-hdf5"
 VERSION = 1
@@ -60,7 +60,7 @@ def chunk_shape(sample_shape, edge: int = DEFAULT_CHUNK_EDGE):
 def atomic_target(path):
     """Yield a temporary path beside ``path``; on success rename it to ``path``.
 
-    For a ``per-sample`` directory (a file goes through ``failstop.atomic_write``).
+    For a ``per-sample`` directory (a file goes through ``atomic.atomic_write``).
     On an exception the temporary directory is removed and ``path`` is left as
     it was.  An existing directory target is swapped out and deleted after the
     rename (a directory cannot be replaced in one step).

@@ -15,7 +15,7 @@ process without MPI, and the partitioned layers import mpi4py.
 """
 from __future__ import annotations
 
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..parallel.partition import conv_halo_plan, needed_input_range, window_output_extent
 
 #: pooling's options, the convs' groups, and PyTorch's defaults (a spec without them has the defaults)

@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module
-from ..functional._args import compact_padding, padding_sides
-from ..kernels._threads import blas_held_single
+from ..functional.args import compact_padding, padding_sides
+from ..kernels import blas_held_single
 from ..functional.losses import mae_local_sums, mean_finish, mse_local_sums, mse_loss_backward
 from ..nn.activation import LeakyReLU, ScaledTanh
 from ..nn.module import Sequential

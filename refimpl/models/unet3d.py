@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, asarray
-from ..kernels._threads import blas_held_single
+from ..kernels import blas_held_single
 from ..functional.losses import (
     cross_entropy_backward, cross_entropy_local_sums, dice_score_finish, dice_score_local_sums,
     mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums, SoftmaxParts)

@@ -36,7 +36,7 @@ and statistics (``ModelParallelBatchNorm3d``; its sums are reduced over
 from __future__ import annotations
 
 from ..backend import array_module
-from ..failstop import phase
+from ..progress import phase
 from ..parallel.channels import allgather_channels, channel_range, reduce_scatter_channels
 from ..parallel.collectives import allreduce
 from .linear import Linear

@@ -28,11 +28,11 @@ from __future__ import annotations
 from ..backend import array_module
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from ..functional.linear import linear, linear_backward
-from ..failstop import phase
+from ..progress import phase
 from ..parallel.collectives import allreduce
 from ..parallel.objects import allreduce_sum
 from ..parallel.halo import HaloExchange
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d

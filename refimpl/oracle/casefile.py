@@ -82,7 +82,7 @@ def write_case(spec: CaseSpec, directory: str) -> str:
     """Generate and write one case file (atomically); returns its path."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     path = os.path.join(directory, spec.file_name)
     content = {dtype: expect.expectations(spec, dtype) for dtype in spec.dtypes}
     layouts = expect.rank_layouts(spec)
@@ -490,7 +490,7 @@ def write_results(path: str, case: Case, global_: dict | None = None, ranks: dic
     attribute (a block of another split than the case's)."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
 
     def write(f):
         with h5py.File(f, "w") as h5:

@@ -208,7 +208,7 @@ def write_results(path: str, case, glob: dict, ranks: dict) -> None:
     """The results file: the case's digest, rank shards with ``offset``, parameters once."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
 
     def write(f):
         with h5py.File(f, "w") as h5:
@@ -284,7 +284,7 @@ def tensor_status(entry: dict) -> dict:
 
 
 def write_summary(out_dir: str, entries: list, nproc) -> str:
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     path = os.path.join(out_dir, SUMMARY)
     flat = [{"case": e["case"], **{k: r[k] for k in ("dtype", "tensor", "status", "error")}}
             for e in entries for r in e.get("tensors", [])]
@@ -329,7 +329,7 @@ def run_trace(trace, out_path: str, timeout_s: float = 300.0) -> list:
     import h5py
     import numpy
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     if trace.spec.model_dims > 1 or trace.spec.model_parallel != "none":
         raise ValueError(f"run-dtensor --trace {trace.path}: the DTensor CosmoFlow shards the batch and the "
                          f"volume (grids Pn,Pd,Ph,Pw); this trace splits channels over a model axis "

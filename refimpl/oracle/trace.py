@@ -338,7 +338,7 @@ def offset_of(slices) -> list:
 @contextlib.contextmanager
 def reference_math():
     """Every op computes with refimpl/functional's math, never a fast kernel (the oracle's rule)."""
-    from ..functional._route import reference_only
+    from ..functional import reference_only
     from ..functional.conv3d import ENV_ALGORITHM
     saved = os.environ.get(ENV_ALGORITHM)
     os.environ[ENV_ALGORITHM] = "reference"
@@ -502,7 +502,7 @@ def write_trace(spec: TraceSpec, path: str) -> dict:
     """Compute the trace of ``spec`` and write it to ``path`` atomically; returns a summary."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     spec, layers, content = compute(spec)
     meta = {**spec.as_json(), "layers": layer_json(layers, content)}
     entries = {e["name"]: e for e in meta["layers"]}

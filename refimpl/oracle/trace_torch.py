@@ -391,7 +391,7 @@ def write_results(path: str, trace: Trace, results: dict) -> None:
     """The results file of ``results`` (run_trace's), in the documented layout, atomically."""
     import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
 
     def write(f):
         with h5py.File(f, "w") as h5:

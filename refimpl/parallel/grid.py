@@ -129,10 +129,6 @@ class ProcessGrid:
     def spatial_rank(self) -> int:
         return grid_rank(self.spatial_coords, self.spatial_dims)
 
-    def rank_of(self, coords) -> int:
-        """Row-major world rank of grid ``coords`` (n, d, h, w[, m])."""
-        return grid_rank(coords, self.dims)
-
     def local_block(self, global_shape_dhw) -> tuple[slice, slice, slice]:
         """Slices of this rank's balanced block of a (D, H, W) volume."""
         return block_slices(tuple(global_shape_dhw), self.spatial_dims, self.spatial_coords)
