@@ -42,7 +42,7 @@ def test_required_options_are_listed_as_such():
     helps = {" ".join(p): parser.format_help() for p, parser in ALL}
     for command, flags in {"refimpl check-layer": ("--input", "--grid"), "refimpl datagen": ("--out",),
                            "refimpl oracle generate": ("--out",), "refimpl oracle run-torch": ("--out",),
-                           "refimpl plan": ("--batch", "--ranks")}.items():
+                           "refimpl plan": ("--ranks",)}.items():
         section = helps[command].split("required arguments", 1)[1].split("\n\n", 1)[0]
         for flag in flags:
             assert re.search(rf"^\s+{flag}\b", section, re.M), (command, flag, section)

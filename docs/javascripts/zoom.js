@@ -34,13 +34,21 @@
   }
 
   function setup() {
+    var pictures = [];
     document.querySelectorAll(".md-content img").forEach(function (img) {
       if (img.classList.contains("refimpl-zoomable") || img.closest("a")) { return; }
-      if (!img.getAttribute("alt")) { img.setAttribute("alt", "figure: " + headingBefore(img)); }
+      var alt = img.getAttribute("alt") || "";
+      if (!alt || /^No description has been provided/.test(alt)) {      // mkdocs-jupyter's placeholder
+        img.setAttribute("alt", "figure: " + headingBefore(img));
+      }
       img.classList.add("refimpl-zoomable");
       img.setAttribute("title", "click to open full size");
       img.addEventListener("click", function () { open(img); });
+      pictures.push(img);
     });
+    // a link to a page's N-th picture, full size: PAGE/#figure-N (1-based)
+    var wanted = /^#figure-(\d+)$/.exec(window.location.hash);
+    if (wanted && pictures[Number(wanted[1]) - 1]) { open(pictures[Number(wanted[1]) - 1]); }
   }
 
   if (window.document$ && window.document$.subscribe) {
