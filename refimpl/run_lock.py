@@ -15,9 +15,12 @@ on several parallel file systems it is local to a node, or off.
 A lock whose holder is gone is *stale*: its host is this host and its process no
 longer runs, or it has not been refreshed for ``STALE_AFTER_S`` seconds (a daemon
 thread of the holder touches it every ``REFRESH_S``; a job on another host that
-was killed stops refreshing).  A stale lock is reported, never taken silently:
-``--break-lock`` (or ``--overwrite``, which discards the old run anyway) takes it
-over.  A live lock is never broken by any flag: wait for the holder, or choose
+was killed stops refreshing).  A holder on this host whose process is gone is
+certainly gone (SIGKILL, or the launcher ending it after a Ctrl-C): its lock is
+taken over at once and the command says so, with the temporaries it left
+(``remove_temporaries``).  A lock that is merely old, of another host, is reported,
+never taken silently: ``--break-lock`` (or ``--overwrite``, which discards the old
+run anyway) takes it over.  A live lock is never broken by any flag: wait for the holder, or choose
 another ``--out``.  The holder removes the lock on every way out: normal end,
 an agreed error, ``fail_stop``'s abort (``atomic.remove_on_abort``) and a
 signal; only SIGKILL (or a lost node) leaves it behind, stale.
@@ -70,10 +73,17 @@ def holder_of(path: str) -> dict:
         return {}
 
 
+def gone_here(holder: dict) -> bool:
+    """Whether the holder ran on this host and its process no longer runs: certainly gone (killed,
+    or ended by the launcher after a Ctrl-C), so its lock is taken over without --break-lock."""
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_exists(pid)
+
+
 def stale_reason(holder: dict, age_s: float) -> str | None:
     """Why the holder is gone, or None while it may still run."""
     pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_exists(pid):
+    if gone_here(holder):
         return f"process {pid} on this host no longer runs"
     if age_s > STALE_AFTER_S:
         return f"it was last refreshed {age_s:.0f} s ago (stale after {STALE_AFTER_S:.0f} s)"
@@ -109,6 +119,26 @@ def live_lock_above(directory) -> tuple[str, dict] | None:
     return None
 
 
+def remove_temporaries(directory, holder: dict) -> list[str]:
+    """Remove what a gone job on this host left half-written in ``directory``: the files and
+    directories named ``*.tmp-<its pid>`` (atomic.atomic_write's and the data writer's
+    temporaries); their names."""
+    import shutil
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return []                            # another host's pid names nothing here
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(f".tmp-{pid}"):
+            path = os.path.join(directory, name)
+            try:
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+                removed.append(name)
+            except OSError:
+                pass                         # gone meanwhile, or not ours to remove: leave it
+    return removed
+
+
 class RunLock:
     """``OUT/.lock`` held by this process: ``acquire`` (raises LockHeld), ``release``."""
 
@@ -136,7 +166,7 @@ class RunLock:
             if reason is None:
                 raise LockHeld(f"{self.flag} {self.directory} is in use by another job ({describe_holder(holder)}); "
                                f"wait for it to end or choose another {self.flag} (lock: {self.path})")
-            if not break_lock:
+            if not break_lock and not gone_here(holder):
                 raise LockHeld(f"{self.flag} {self.directory} is locked by a job that is gone ({reason}; "
                                f"{describe_holder(holder)}); pass {how_to_break} to take the lock over "
                                f"(lock: {self.path})")
@@ -147,6 +177,9 @@ class RunLock:
             except FileNotFoundError:
                 pass
             self.note = f"took over the lock of a job that is gone ({reason}; {describe_holder(holder)})"
+            removed = remove_temporaries(self.directory, holder)
+            if removed:
+                self.note += f"; removed the temporar{'ies' if len(removed) > 1 else 'y'} it left: {', '.join(removed)}"
         raise LockHeld(f"{self.flag} {self.directory}: could not take {self.path} (other jobs keep taking it)")
 
     def _create(self) -> bool:

@@ -1,4 +1,5 @@
-"""Signals: SIGINT and SIGTERM end the job at once with one line; SIGUSR1 asks for a checkpoint.
+"""Signals: SIGINT and SIGTERM end the job at once with one line; SIGUSR1 asks for a checkpoint
+(``refimpl train``) or, in a command that cannot checkpoint, ends it as SIGTERM does (138).
 
 SIGINT and SIGTERM are read from Python's wake-up pipe by a thread of their own
 (``SignalThread``), at once, whatever the main thread is doing; temporaries and the lock
@@ -76,7 +77,11 @@ class SignalThread:
         self.command = command
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
-        self.previous = {name: signal.signal(getattr(signal, name), _park) for name in INTERRUPTS}
+        # a command that cannot checkpoint (datagen, oracle generate, ...) ends on SIGUSR1 as on
+        # SIGTERM (its temporaries and lock removed, one line, 138) rather than by the default action
+        self.interrupts = INTERRUPTS if preemptible else INTERRUPTS + (PREEMPTION,)
+        self.preemptible = preemptible
+        self.previous = {name: signal.signal(getattr(signal, name), _park) for name in self.interrupts}
         if preemptible:            # SIGUSR1 no longer kills the process: the thread sets the flag
             self.previous[PREEMPTION] = signal.signal(getattr(signal, PREEMPTION), _note)
         _preemption.clear()
@@ -86,7 +91,7 @@ class SignalThread:
 
     def _wait(self) -> None:
         import signal
-        wanted = {int(getattr(signal, name)) for name in INTERRUPTS}
+        wanted = {int(getattr(signal, name)) for name in self.interrupts}
         while True:
             try:
                 data = os.read(self.read_fd, 64)
@@ -97,7 +102,7 @@ class SignalThread:
             for signum in data:
                 if signum in wanted:
                     _interrupted(signum, self.command)
-                elif signum == int(getattr(signal, PREEMPTION)) and PREEMPTION in self.previous:
+                elif signum == int(getattr(signal, PREEMPTION)) and self.preemptible:
                     _preemption.set()
 
     def close(self) -> None:
@@ -112,6 +117,11 @@ class SignalThread:
         signal.set_wakeup_fd(self.previous_fd)
         for name, handler in self.previous.items():
             signal.signal(getattr(signal, name), handler)
+        if self.preemptible:
+            # the run is over (checkpointed, or ended): a pre-emption warning that arrives between now
+            # and the process's exit has nothing left to save, and must not turn a finished run's 0
+            # into the default action's 138 (a requeue-on-138 script would requeue a finished job)
+            signal.signal(getattr(signal, PREEMPTION), signal.SIG_IGN)
         os.close(self.write_fd)
         self.thread.join(timeout=5.0)
         if not self.thread.is_alive():       # still ending the job (a signal came): leave it its pipe

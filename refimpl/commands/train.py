@@ -74,8 +74,9 @@ def add_arguments(parser):
     a("--resume", action="store_const", const=True, help="continue the run in OUT from OUT/checkpoint.h5")
     a("--overwrite", action="store_const", const=True, help="start over in an OUT that holds a run")
     a("--break-lock", action="store_const", const=True,
-      help="take over OUT/.lock when the job that took it is gone (its process no longer runs on this host, "
-           "or it was not refreshed for 10 minutes; --overwrite does too); a live job's lock is never broken")
+      help="take over OUT/.lock of a job on another host that was not refreshed for 10 minutes (--overwrite "
+           "does too; a lock whose process no longer runs on this host is taken over without it, and said so); "
+           "a live job's lock is never broken")
     a("--data-changed-ok", action="store_const", const=True,
       help="with --resume: train on the data even if it is not what the checkpoint recorded (another sample "
            "count, shape, generator, seed or content); without it such a resume is refused")
