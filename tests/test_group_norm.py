@@ -193,3 +193,23 @@ def test_bad_arguments_are_refused():
         group_norm3d_backward(dy[:, :2], cache)
     with pytest.raises(ValueError, match="cache"):
         group_norm3d_backward(dy, (cache, 1))
+
+
+@pytest.mark.parametrize("layer_kind", ["group", "instance"])
+def test_layers_equal_functional(layer_kind):
+    """nn.GroupNorm3d / nn.InstanceNorm3d: the functional op, gradients accumulated, eval alike."""
+    from refimpl.nn import GroupNorm3d, InstanceNorm3d
+    x, gamma, beta, dy = make_case((2, 6, 3, 4, 2), 8)
+    layer = GroupNorm3d(3, 6, dtype="float64") if layer_kind == "group" else InstanceNorm3d(6, dtype="float64")
+    groups = 3 if layer_kind == "group" else 6
+    layer.weight.data[...], layer.bias.data[...] = gamma, beta
+    y_ref, cache = group_norm3d(x, groups, gamma, beta)
+    dx_ref, dw_ref, db_ref = group_norm3d_backward(dy, cache)
+    assert rel_err(layer.forward(x), y_ref) == 0 and rel_err(layer.backward(dy), dx_ref) == 0
+    assert rel_err(layer.weight.grad, dw_ref) == 0 and rel_err(layer.bias.grad, db_ref) == 0
+    layer.training = False
+    assert rel_err(layer.forward(x), y_ref) == 0
+    with pytest.raises(ValueError, match="num_groups=4 must divide"):
+        GroupNorm3d(4, 6)
+    with pytest.raises(ValueError, match="expects 6"):
+        layer.forward(x[:, :4])
