@@ -107,9 +107,10 @@ class Layers:
     def model_norm(self, kind, channels, num_groups=None, eps=1e-5, momentum=0.1):
         """``norm`` of a channel-split activation: batch norm's statistics of the global batch; group
         and instance norm per sample, every model rank's slice whole groups (else a ValueError)."""
-        if self.grid is None or kind == "batch":
-            return self.model_batch_norm(channels, eps, momentum) if kind == "batch" else \
-                self.norm(kind, channels, num_groups, eps, momentum)
+        if kind == "batch":
+            return self.model_batch_norm(channels, eps, momentum)
+        if self.grid is None:
+            return self.norm(kind, channels, num_groups, eps, momentum)
         from ..nn.model_parallel import ModelParallelGroupNorm3d, ModelParallelInstanceNorm3d
         if kind == "instance":
             return ModelParallelInstanceNorm3d(channels, eps, grid=self.grid, dtype=self.dtype)

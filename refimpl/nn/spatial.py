@@ -24,7 +24,7 @@ Ranks whose output block is empty still call every collective and accumulate
 zero gradients, so hooks and reductions line up on every rank.
 
 Statistics layers (batch, group and instance norm) need no halo: they are pointwise but
-for their sums, which ``_SpatialStatistics`` allreduces (packed in one message) over the
+for their sums, which ``SpatialStatistics`` allreduces (packed in one message) over the
 ranks holding the rest of the values they cover.
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
         return self._adjoint_exchange(dx_ext)
 
 
-class _SpatialStatistics:
+class SpatialStatistics:
     """What every statistics layer shares on a grid: its sums are those of the unpartitioned tensor.
 
     A statistics layer (batch, group, instance norm) computes sums on its block and hands them
@@ -271,6 +271,11 @@ class _SpatialStatistics:
     Every rank calls both in forward and ``global_sums`` in backward, empty blocks included
     (their sums are zeros), so the collectives line up.  ``stats_phase`` names the step in
     progress reports.
+
+    A new statistics layer is its one-process layer, whose forward and backward pass their sums
+    through ``self.global_count`` / ``self.global_sums`` (identities there, as in ``BatchNorm3d``
+    and ``GroupNorm3d``), and ``class SpatialX(SpatialStatistics, X)``; ``stats_comm`` (default
+    ``grid.spatial_comm``) names who shares its values.
     """
 
     stats_phase = "statistics allreduce of {layer}"
@@ -295,7 +300,7 @@ class _SpatialStatistics:
         return tuple(packed[i] for i in range(len(sums)))
 
 
-class SpatialBatchNorm3d(_SpatialStatistics, BatchNorm3d):
+class SpatialBatchNorm3d(SpatialStatistics, BatchNorm3d):
     """Batch norm whose statistics are those of the whole (unpartitioned) tensor.
 
     The per-channel sums and the element count are allreduced over the spatial
@@ -312,7 +317,7 @@ class SpatialBatchNorm3d(_SpatialStatistics, BatchNorm3d):
         self.global_stats = bool(global_stats)
 
 
-class SpatialGroupNorm3d(_SpatialStatistics, GroupNorm3d):
+class SpatialGroupNorm3d(SpatialStatistics, GroupNorm3d):
     """Group norm whose statistics are those of each whole (unpartitioned) sample.
 
     The per-(sample, group) sums and the value count are allreduced over the spatial group
@@ -326,7 +331,7 @@ class SpatialGroupNorm3d(_SpatialStatistics, GroupNorm3d):
     stats_phase = "group-norm statistics allreduce of {layer}"
 
 
-class SpatialInstanceNorm3d(_SpatialStatistics, InstanceNorm3d):
+class SpatialInstanceNorm3d(SpatialStatistics, InstanceNorm3d):
     """Instance norm (group norm, one group per channel) with statistics of each whole sample:
     the (sample, channel) sums allreduced over the spatial group, as ``SpatialGroupNorm3d``."""
 
