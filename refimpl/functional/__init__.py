@@ -15,10 +15,10 @@ from .batch_norm import (batch_norm3d, batch_norm3d_backward, batch_norm_backwar
                          batch_norm_stats, update_running_stats)
 from .conv3d import conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_grad
 from .conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
+from .dropout import dropout, dropout_backward, dropout_mask, fold_seed
 from .group_norm import (group_norm3d, group_norm3d_backward, group_norm_backward,
                          group_norm_backward_local_sums, group_norm_forward, group_norm_local_sums,
                          group_norm_stats, instance_norm3d, instance_norm3d_backward)
-from .dropout import dropout, dropout_backward, dropout_mask, fold_seed
 from .linear import flatten, flatten_backward, linear, linear_backward
 from .losses import (cross_entropy_backward, cross_entropy_local_sums, dice_score,
                      dice_score_finish, dice_score_local_sums, log_softmax, mae_local_sums,
