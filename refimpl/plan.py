@@ -252,6 +252,7 @@ class Layer:
     split: str = "none"     # model axis: none | filter | filter-replicated | channel | row | row-split
     split_in: bool = False  # its input is channel-split over the model group
     input_grad: bool = True
+    norm_groups: int = 0    # statistics groups per sample (group / instance norm); 0: none
     op: str = ""            # the registry kind (conv3d, max_pool3d, ...); '' : the first one labelled ``kind``
 
 

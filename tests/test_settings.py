@@ -320,3 +320,24 @@ def test_resume_notes_another_grid():
     assert resume_config(saved, {"resume": True, "grid": [1, 1, 1, 1]})[1] == []
     notes = resume_config(saved, {"resume": True, "grid": "2,1,1,1"})[1]
     assert len(notes) == 1 and "not bit for bit" in notes[0]
+
+
+def test_norm_flag_and_model_config_key():
+    """``refimpl train --norm group`` lands in [model_config] (as --model-parallel does); the TOML
+    key is checked like every model setting, num_groups against the U-Net's widths."""
+    from refimpl.cli import build_parser
+    from refimpl.commands.train import given_settings
+    args = build_parser().parse_args(["train", "--model", "unet3d", "--norm", "instance", "--model-parallel", "filter"])
+    given = given_settings(args)
+    assert given["model_config"] == {"model_parallel": "filter", "norm": "instance"}
+    e = effective_settings(merge(given))["model_config"]
+    assert (e["norm"], e["num_groups"], e["model_parallel"]) == ("instance", 8, "filter")
+    assert effective_settings(merge({"model": "unet3d"}))["model_config"]["norm"] == "batch"
+    for bad, match in (({"norm": "layer"}, r"model_config\['norm'\] must be one of batch, group, instance"),
+                       ({"norm": 1}, r"model_config\['norm'\]"),
+                       ({"norm": "group", "num_groups": 3}, r"model_config\['num_groups'\] = 3 must divide"),
+                       ({"num_groups": 2.5}, r"model_config\['num_groups'\] must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            merge({"model": "unet3d", "model_config": bad})
+    with pytest.raises(ValueError, match=r"unknown cosmoflow model_config key\(s\) \['norm'\]"):
+        merge({"model": "cosmoflow", "model_config": {"norm": "group"}})

@@ -63,6 +63,9 @@ def add_arguments(parser):
     parser.add_argument("--max-grids", type=int, default=None, metavar="N",
                         help="price at most N grids, those whose blocks cut the fewest voxels first (default 24: "
                              "a few seconds; each grid takes 10 to 250 ms); the output says how many were left out")
+    parser.add_argument("--norm", choices=("batch", "group", "instance"), default=None,
+                        help="unet3d: the conv blocks' normalisation (as refimpl train --norm; default: the "
+                             "preset's or --config's, batch)")
     parser.add_argument("--model-parallel", choices=("filter", "channel", "off"), default="filter",
                         help="how grids with Pm > 1 split the model (default filter); off: no model axis")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
@@ -181,6 +184,8 @@ def config_of(args, model_parallel=None) -> dict:
         config["input_shape"] = (channels, args.sample, args.sample, args.sample)
     if model_parallel:
         config["model_parallel"] = model_parallel
+    if getattr(args, "norm", None) is not None:
+        config["norm"] = args.norm
     return config
 
 

@@ -51,6 +51,10 @@ def add_arguments(parser):
       help="split layers by filters or channels over the grid's Pm: cosmoflow its last [model_config] "
            "model_parallel_blocks conv blocks (default 1) and its dense head (Gholami's 1.5-D layers), "
            "unet3d its bottleneck (docs/model_parallel.md; default none: every model rank runs every layer)")
+    a("--norm", choices=("batch", "group", "instance"),
+      help="unet3d: the conv blocks' normalisation, [model_config] norm (default batch: statistics of the "
+           "global batch; group: per sample and group of [model_config] num_groups channels, default 8; "
+           "instance: per sample and channel; docs/training.md)")
     a("--global-batch", type=int, metavar="B", help="samples per step over all sample groups; "
       "divisible by Pn (default 4 rounded up to a multiple of Pn)")
     a("--steps", type=int, help="train this many steps in total (default: --epochs)")
@@ -168,8 +172,9 @@ def given_settings(args) -> dict:
             raise ValueError(f"--config {args.config}: allreduce_options must be a table of options, got {table!r}")
         flags["allreduce_options"] = {**table, **allreduce_options(flags["allreduce_options"])}
     given = {**given, **flags}
-    if args.model_parallel is not None:       # a model setting: it goes into [model_config]
-        given["model_config"] = {**given.get("model_config", {}), "model_parallel": args.model_parallel}
+    for key in ("model_parallel", "norm"):     # model settings: they go into [model_config]
+        if getattr(args, key) is not None:
+            given["model_config"] = {**given.get("model_config", {}), key: getattr(args, key)}
     return given
 
 
