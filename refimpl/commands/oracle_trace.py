@@ -56,6 +56,8 @@ def add_parser(sub):
                             "default none)")
         p.add_argument("--model-parallel-blocks", type=int, default=1, metavar="K",
                        help="CosmoFlow: how many of its last conv blocks the model axis splits (default 1)")
+        p.add_argument("--norm", default="batch", metavar="batch|group|instance",
+                       help="the U-Net's normalisation layers (default batch; group: the preset's num_groups)")
 
     lay = actions.add_parser("layers", help="the model's layers in forward order",
                              description="Print the model's canonical layer names in forward order, with "
@@ -87,7 +89,8 @@ and write every rank's blocks in the results layout (docs/oracle.md, Model trace
   inner-padding:LAYER    every rank pads its block at its internal faces (no halo)
   adjoint-halo:LAYER:R   rank R's dx lacks the ghost gradients its neighbours send back
   stride-phase:LAYER:R   rank R's strided windows restart at its own block's first cell
-  bn-local-stats:LAYER   batch norm normalises each rank's block by its own statistics
+  local-stats:LAYER      batch / group / instance norm normalises each rank's block by its
+                         own statistics (not reduced over the ranks)
   dw-unsummed:LAYER:R    rank R reports its own share of dw/db (no allreduce there)
   dw-count:LAYER         dw/db divided by the number of ranks P (and the update uses them)
   loss-count             the loss (so every gradient) multiplied by P
@@ -129,7 +132,12 @@ def _model_parallel(args):
         raise ValueError(f"--model-parallel-blocks must be a positive integer, got {args.model_parallel_blocks}")
     if args.model != "cosmoflow" and args.model_parallel_blocks != 1:
         raise ValueError("--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only)")
-    return args.model_parallel, args.model_parallel_blocks
+    from ..oracle.trace import NORMS
+    if args.norm not in NORMS:
+        raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {args.norm!r}")
+    if args.model != "unet3d" and args.norm != "batch":
+        raise ValueError("--norm is the U-Net's (CosmoFlow has no normalisation layers)")
+    return args.model_parallel, args.model_parallel_blocks, args.norm
 
 
 def _input(args):

@@ -53,6 +53,8 @@ NORM_KINDS = {"batch": "batch_norm3d", "group": "group_norm3d", "instance": "ins
 def norm_groups(config, width: int) -> int:
     """Statistics groups per sample of a normalisation layer of ``width`` channels (0: batch norm)."""
     return {"batch": 0, "group": min(config["num_groups"], width), "instance": width}[config["norm"]]
+
+
 DEFAULTS = {
     "input_shape": (1, 128, 128, 128),   # (C, D, H, W)
     "num_classes": 3,
