@@ -8,6 +8,7 @@ calls ``clean_up`` first, so no half-written file is left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .paths import refuse_special
@@ -70,3 +71,65 @@ def atomic_write(path, write, *, binary: bool = False, fsync: bool = False) -> N
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class _KeepFirstError:
+    """The file HDF5 writes through: every write "succeeds" for HDF5; the first failure is kept.
+
+    HDF5 reports a failed write (ENOSPC, EFBIG) wherever its caches happen to be
+    flushed, often while h5py frees an object: from a destructor, where the
+    error reaches only ``sys.excepthook`` / ``sys.unraisablehook`` and the
+    writing code carries on.  Here HDF5 never sees a failure: the first
+    ``OSError`` is kept (nothing after it reaches the disk) and ``check`` raises
+    it in the writer's own code.  It wraps the unbuffered file, because a
+    buffered one would also fail in ``seek`` (which flushes its buffer).
+    """
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.error = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        if self.error is None:
+            try:
+                while view:                        # an unbuffered write may write a part only
+                    view = view[self.raw.write(view):]
+            except OSError as err:
+                self.error = err
+        return size
+
+    def truncate(self, size: int) -> int:
+        if self.error is None:
+            try:
+                self.raw.truncate(size)
+            except OSError as err:
+                self.error = err
+        return size
+
+    def check(self) -> None:
+        """Raise the first failed write's error, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def __getattr__(self, name):                   # seek, tell, read, flush: the file's own
+        return getattr(self.raw, name)
+
+
+@contextlib.contextmanager
+def hdf5_file(binary_file):
+    """``(h5py.File, check)`` writing through ``binary_file`` (the file ``atomic_write`` hands
+    its writer); the HDF5 file is closed here, and a write that failed (in the body, or in the
+    close's flush) is raised after the close, as an ``OSError``, never from an h5py destructor
+    (a full disk is exit 4 at any file size, not an internal error).  Every HDF5 file refimpl
+    writes goes through it: datasets, case and results files, traces."""
+    import h5py
+
+    sink = _KeepFirstError(binary_file.raw)
+    f = h5py.File(sink, "w")
+    try:
+        yield f, sink.check
+    finally:
+        f.close()
+    sink.check()

@@ -513,15 +513,14 @@ def layer_json(layers, content) -> list[dict]:
 
 def write_trace(spec: TraceSpec, path: str) -> dict:
     """Compute the trace of ``spec`` and write it to ``path`` atomically; returns a summary."""
-    import h5py
 
-    from ..atomic import atomic_write
+    from ..atomic import atomic_write, hdf5_file
     spec, layers, content = compute(spec)
     meta = {**spec.as_json(), "layers": layer_json(layers, content)}
     entries = {e["name"]: e for e in meta["layers"]}
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "refimpl_version": __version__,
                              "digest": digest(spec), "trace": json.dumps(meta),
                              "about": "refimpl oracle trace: see docs/oracle.md, Model traces "

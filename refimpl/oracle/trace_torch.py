@@ -390,12 +390,11 @@ def _own_contribution(module, rec, grid, rank, fresh, entry):
 
 def write_results(path: str, trace: Trace, results: dict) -> None:
     """The results file of ``results`` (run_trace's), in the documented layout, atomically."""
-    import h5py
 
-    from ..atomic import atomic_write
+    from ..atomic import atomic_write, hdf5_file
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs["trace_digest"] = trace.digest
             for dtype, steps in results.items():
                 for s, step in enumerate(steps):
