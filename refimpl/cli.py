@@ -114,8 +114,10 @@ def check_settings(command: str | None = None) -> dict:
     agrees on the outcome in its first collective (``failstop.agree_settings``).
     For a command of ``HOST_COMMANDS`` the backend is numpy whatever REFIMPL_BACKEND names.
     """
+    from . import precision
     from .backend import set_backend, tune_allocator
     from .settings import SETTINGS, check_environment, parse_setting
+    precision.apply(command)        # before anything imports CuPy (REFIMPL_BACKEND=cupy's check does)
     environ = os.environ
     host = command in HOST_COMMANDS
     if host:
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:                # told with the usage of the (sub)command they were given to
         args._parser.error(unknown_arguments(args._parser, extras))
+    if getattr(args, "tf32", None):
+        os.environ["REFIMPL_TF32"] = "1"      # train --tf32: the same as REFIMPL_TF32=1 (refimpl/precision.py)
     if args.command is None:
         parser.print_help()
         return 2

@@ -39,6 +39,8 @@ from .progress import label_layers, phase, set_step
 from .signals import preemption_requested
 from .parallel.objects import allreduce_sum
 from .data.identity import changes as data_changes
+from .precision import refuse_for_float64 as refuse_tf32_for_float64
+from .precision import requested as tf32_requested
 from .train_data import data_identities, input_normalization, open_data, read_batch
 from .train_report import CHECKPOINT, RunReport
 from .train_update import (build_optimizer, compressor_state, exchange_summary, make_gradient_sync, make_schedule,
@@ -59,6 +61,10 @@ class Trainer:
         self.global_batch = run["global_batch"]
         self.notes = list(notes) + select_backend(config, comm)
         self.dtype = resolve_dtype(config["dtype"])
+        agree(comm, refuse_tf32_for_float64, config["dtype"])
+        tf32 = tf32_requested()
+        if tf32 is not None:
+            self.notes.append(f"{tf32}: float32 matrix products on a GPU may round to TF32 (10 mantissa bits)")
         self.grid = ProcessGrid(comm, run["dims"])
         self.model = agree(comm, build_model, config["model"], run["model_config"], self.grid,
                            config["seed"], self.dtype, self.global_batch)

@@ -23,6 +23,7 @@ GOOD = {
     "REFIMPL_THREADS": [("1", 1), (" 3 ", 3), ("", None)],
     "REFIMPL_ALLOCATOR": [("retain", "retain"), ("system", "system")],
     "REFIMPL_DEBUG": [("1", True), ("off", False)],
+    "REFIMPL_TF32": [("1", True), ("off", False), ("", False)],
     "REFIMPL_EXAMPLES": [("10", 10)],
     "REFIMPL_MPI_EXAMPLES": [("7", 7)],
     "REFIMPL_MPI_TIMEOUT": [("60", 60), ("", 900)],
@@ -30,6 +31,7 @@ GOOD = {
 BAD = {
     "REFIMPL_BACKEND": ("torch", "one of numpy, cupy"),
     "REFIMPL_CUDA_AWARE": ("maybe", "a boolean"),
+    "REFIMPL_TF32": ("tf32", "a boolean"),
     "REFIMPL_CONV_ALGORITHM": ("Winograd", "one of auto, im2col, winograd"),
     "REFIMPL_CONV_SCHEDULE": ("gpu", "one of auto, host, device"),
     "REFIMPL_THREADS": ("2x", "a positive integer"),

@@ -110,6 +110,9 @@ def add_arguments(parser):
     a("--chunk-mb", type=float, metavar="MIB", help="cut each gradient bucket into allreduces of at most "
       "MIB MiB (default: 1 with --priority input-first, else 0 = whole buckets)")
     a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
+    a("--tf32", action="store_true", default=None,
+      help="let float32 matrix products on a GPU round to TF32 (faster on tensor cores, 10 mantissa bits): "
+           "the same as REFIMPL_TF32=1 (docs/gpu.md, Precision); refused for --dtype float64")
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
       "sample before training; lazy: check each batch as it is read")
