@@ -2,14 +2,16 @@
 
 NVIDIA's tensor cores multiply float32 matrices faster as TF32 (10 mantissa bits instead of
 23).  PyTorch lets cuDNN do so for convolutions by default; CuPy's GEMMs do it when the
-environment variable ``CUPY_TF32`` is set (read when CuPy is imported).  A reference must not
+environment variable ``CUPY_TF32`` is set (read at CuPy's first float32 matrix product, then
+cached: ``cupy._core._routines_linalg.get_compute_type``).  A reference must not
 lose 13 bits silently because a user's shell exported ``CUPY_TF32=1``, so refimpl decides:
 
 - float32 GEMMs use TF32 only when asked: ``REFIMPL_TF32=1`` (or ``refimpl train --tf32``), a
   speed/precision trade (docs/gpu.md, "Precision"); ``CUPY_TF32`` set to anything but 0 in the
   environment counts as asking, and is reported as such;
 - every command sets ``CUPY_TF32`` for CuPy accordingly (to ``0`` unless asked) before CuPy is
-  imported (``apply``, from ``cli.check_settings``);
+  imported (``apply``, from ``cli.check_settings``), and, unless asked, NVIDIA's library-wide
+  switch ``NVIDIA_TF32_OVERRIDE=0`` (cuBLAS and cuDNN then never pick TF32 on their own);
 - the commands that compare numbers with an exact reference (``check-layer``, ``oracle``)
   refuse TF32 (exit 2, one line), and a float64 run refuses it too (float64 has no TF32: the
   request is a mistake).
@@ -47,6 +49,8 @@ def apply(command: str | None, environ=None) -> str | None:
         raise ValueError(f"{source} lets float32 matrix products round to TF32 (10 mantissa bits), but "
                          f"refimpl {command} compares with an exact reference: unset it for this command")
     environ["CUPY_TF32"] = "1" if source is not None else "0"
+    if source is None:
+        environ["NVIDIA_TF32_OVERRIDE"] = "0"
     return source
 
 

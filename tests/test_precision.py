@@ -20,6 +20,7 @@ def test_cupy_gets_tf32_only_when_asked():
                                   ({"REFIMPL_TF32": "off", "CUPY_TF32": "1"}, "1", "CUPY_TF32=1")):
         assert precision.apply("train", environ) == source
         assert environ["CUPY_TF32"] == want, environ
+        assert environ.get("NVIDIA_TF32_OVERRIDE") == ("0" if source is None else None), environ
     with pytest.raises(ValueError, match="REFIMPL_TF32 must be a boolean"):
         precision.apply("train", {"REFIMPL_TF32": "maybe"})
 
