@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import layers, settings
-from .functional._args import compact_padding, padding_sides, triple
+from .functional.args import compact_padding, padding_sides, triple
 from .functional.conv3d import ALGORITHMS, ENV_ALGORITHM
 from .layers.options import HasOptions
 from .parallel.grid import check_dims

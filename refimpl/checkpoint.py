@@ -62,7 +62,8 @@ import numpy
 
 from .backend import to_host
 from .data.reader import check_stored
-from .failstop import atomic_write, describe
+from .atomic import atomic_write
+from .errors import describe
 from .paths import special_kind
 from .parallel.objects import bcast_object
 
@@ -130,7 +131,7 @@ def write_file(path, arrays: dict, meta: dict) -> None:
     The HDF5 file is built in memory first and written with plain Python I/O:
     a disk that fills up (or a file-size limit) then surfaces as one OSError
     (ENOSPC, EFBIG), never as HDF5 error stacks or a crash inside HDF5's close,
-    and ``failstop.atomic_write`` leaves the previous checkpoint untouched and no
+    and ``atomic.atomic_write`` leaves the previous checkpoint untouched and no
     temporary behind.
     """
     import io

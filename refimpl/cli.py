@@ -53,7 +53,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show Python tracebacks on failures (also REFIMPL_DEBUG=1)")
         p.set_defaults(_module=module)
         plain_help(p)
+    strict_parsing(parser)
     return parser
+
+
+def strict_parsing(parser: argparse.ArgumentParser) -> None:
+    """Every parser, sub-commands included, takes flags only as written (no abbreviations:
+    ``--step 10`` is not silently ``--steps``), and remembers itself (``_parser``) so that an
+    unknown flag is reported with the usage of the (sub)command it was given to."""
+    parser.allow_abbrev = False
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                strict_parsing(sub)
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list) -> str:
+    """'unrecognized arguments: ...' with the closest flag of ``parser`` for each unknown one."""
+    import difflib
+    flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--")]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 #: reST inline literals (``x``) in the command modules' docstrings, which are also their --help
@@ -100,8 +127,10 @@ def check_settings(command: str | None = None) -> dict:
     agrees on the outcome in its first collective (``failstop.agree_settings``).
     For a command of ``HOST_COMMANDS`` the backend is numpy whatever REFIMPL_BACKEND names.
     """
+    from . import precision
     from .backend import set_backend, tune_allocator
     from .settings import SETTINGS, check_environment, parse_setting
+    precision.apply(command)        # before anything imports CuPy (REFIMPL_BACKEND=cupy's check does)
     environ = os.environ
     host = command in HOST_COMMANDS
     if host:
@@ -127,9 +156,15 @@ def main(argv=None) -> int:
     ends every rank with one line instead of leaving the others blocked.
     """
     from . import failstop
+    from .errors import EXIT_BAD_INPUT
     from .settings import env_setting
+    from .watchdog import launcher_size
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:                # told with the usage of the (sub)command they were given to
+        args._parser.error(unknown_arguments(args._parser, extras))
+    if getattr(args, "tf32", None):
+        os.environ["REFIMPL_TF32"] = "1"      # train --tf32: the same as REFIMPL_TF32=1 (refimpl/precision.py)
     if args.command is None:
         parser.print_help()
         return 2
@@ -138,9 +173,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         values, error = None, str(err)
     failstop.note_settings(error, values)
-    if error is not None and failstop.launcher_size() == 1:
+    if error is not None and launcher_size() == 1:
         print(f"refimpl: error: {error}", file=sys.stderr)
-        return failstop.EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT
     failstop.DEBUG = bool(args.debug or (error is None and env_setting("REFIMPL_DEBUG")))
     failstop.install_excepthook(args.command)
     return int(importlib.import_module(args._module).run(args) or 0)

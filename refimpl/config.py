@@ -60,8 +60,9 @@ DEFAULTS = {
     # numerics and reproducibility
     "dtype": "float32", "seed": 0,
     # output
-    "out": "runs/train", "resume": False, "overwrite": False, "break_lock": False, "checkpoint_every": 50,
-    "validate_every": 25, "log_every": 1, "quiet": False, "plot": True,
+    "out": "runs/train", "resume": False, "overwrite": False, "break_lock": False, "data_changed_ok": False,
+    "checkpoint_every": 50,
+    "validate_every": 25, "log_every": 10, "quiet": False, "plot": True,
     # communication and device
     "allreduce": "native", "allreduce_options": {},   # options: the algorithm's (parallel/allreduce/)
     "bucket_mb": 25.0, "overlap": True, "backend": "numpy", "cuda_aware": False,
@@ -287,7 +288,7 @@ RULES = {
     "schedule": _one_of(*CHOICES["schedule"]), "decay": _decay, "warmup_epochs": _integer(0, optional=True),
     "dtype": _one_of(*CHOICES["dtype"]), "seed": _integer(0),
     "out": _text(), "resume": _boolean(), "overwrite": _boolean(), "break_lock": _boolean(),
-    "checkpoint_every": _integer(1),
+    "data_changed_ok": _boolean(), "checkpoint_every": _integer(1),
     "validate_every": _integer(1), "log_every": _integer(1), "quiet": _boolean(), "plot": _boolean(),
     "allreduce": _allreduce, "allreduce_options": _allreduce_options, "bucket_mb": _number(positive=True),
     "overlap": _boolean(), "optimizer_sharding": _boolean(),

@@ -48,8 +48,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .failstop import phase
 from .parallel.partition import block_range, grid_coords, grid_rank, moved_bytes, pack_buckets
+from .progress import phase
 
 GRAD_BUCKET_BYTES = 25 * 2 ** 20          # GradientSynchronizer's defaults
 FIRST_BUCKET_BYTES = 1 * 2 ** 20
@@ -252,6 +252,7 @@ class Layer:
     split: str = "none"     # model axis: none | filter | filter-replicated | channel | row | row-split
     split_in: bool = False  # its input is channel-split over the model group
     input_grad: bool = True
+    norm_groups: int = 0    # statistics groups per sample (group / instance norm); 0: none
     op: str = ""            # the registry kind (conv3d, max_pool3d, ...); '' : the first one labelled ``kind``
 
 
@@ -748,7 +749,7 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
       between its ranks 0 and 1 (small messages: alpha; 8 MiB: beta).  Every rank computes
       at once, as in training.
 
-    Each measurement is a phase of the fail-stop watchdog (``failstop.phase``), so a rank
+    Each measurement is a phase of the fail-stop watchdog (``progress.phase``), so a rank
     that stops answering is named with what the others were measuring.  ``report(line)``
     receives one line per measurement.  Returns the machine on rank 0 of ``comm``, None on
     its other ranks."""

@@ -15,11 +15,14 @@ on several parallel file systems it is local to a node, or off.
 A lock whose holder is gone is *stale*: its host is this host and its process no
 longer runs, or it has not been refreshed for ``STALE_AFTER_S`` seconds (a daemon
 thread of the holder touches it every ``REFRESH_S``; a job on another host that
-was killed stops refreshing).  A stale lock is reported, never taken silently:
-``--break-lock`` (or ``--overwrite``, which discards the old run anyway) takes it
-over.  A live lock is never broken by any flag: wait for the holder, or choose
+was killed stops refreshing).  A holder on this host whose process is gone is
+certainly gone (SIGKILL, or the launcher ending it after a Ctrl-C): its lock is
+taken over at once and the command says so, with the temporaries it left
+(``remove_temporaries``).  A lock that is merely old, of another host, is reported,
+never taken silently: ``--break-lock`` (or ``--overwrite``, which discards the old
+run anyway) takes it over.  A live lock is never broken by any flag: wait for the holder, or choose
 another ``--out``.  The holder removes the lock on every way out: normal end,
-an agreed error, ``fail_stop``'s abort (``failstop.remove_on_abort``) and a
+an agreed error, ``fail_stop``'s abort (``atomic.remove_on_abort``) and a
 signal; only SIGKILL (or a lost node) leaves it behind, stale.
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ import threading
 import time
 import uuid
 
-from . import failstop
+from . import atomic
 
 NAME = ".lock"
 REFRESH_S = 60.0           # the holder touches the lock this often
@@ -70,10 +73,17 @@ def holder_of(path: str) -> dict:
         return {}
 
 
+def gone_here(holder: dict) -> bool:
+    """Whether the holder ran on this host and its process no longer runs: certainly gone (killed,
+    or ended by the launcher after a Ctrl-C), so its lock is taken over without --break-lock."""
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_exists(pid)
+
+
 def stale_reason(holder: dict, age_s: float) -> str | None:
     """Why the holder is gone, or None while it may still run."""
     pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_exists(pid):
+    if gone_here(holder):
         return f"process {pid} on this host no longer runs"
     if age_s > STALE_AFTER_S:
         return f"it was last refreshed {age_s:.0f} s ago (stale after {STALE_AFTER_S:.0f} s)"
@@ -87,6 +97,46 @@ def describe_holder(holder: dict) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
     return (f"PID {holder.get('pid', '?')} on {holder.get('host', '?')}, started {when}: "
             f"{holder.get('command', '?')}")
+
+
+def live_lock_above(directory) -> tuple[str, dict] | None:
+    """(lock path, holder) of a live job's lock in a directory *above* ``directory`` (its
+    ``OUT`` holds ``directory``: e.g. ``OUT/data`` of a running ``refimpl train``), or None.
+    A writer refuses such a directory: the live job reads or writes what is there."""
+    path = os.path.abspath(os.fspath(directory))
+    parent = os.path.dirname(path)
+    while parent != path:
+        lock = os.path.join(parent, NAME)
+        holder = holder_of(lock) if os.path.isfile(lock) else {}
+        if "pid" in holder:                  # a refimpl job's lock (another tool's .lock says nothing)
+            try:
+                age = time.time() - os.stat(lock).st_mtime
+            except FileNotFoundError:
+                age = None
+            if age is not None and stale_reason(holder, age) is None:
+                return lock, holder
+        path, parent = parent, os.path.dirname(parent)
+    return None
+
+
+def remove_temporaries(directory, holder: dict) -> list[str]:
+    """Remove what a gone job on this host left half-written in ``directory``: the files and
+    directories named ``*.tmp-<its pid>`` (atomic.atomic_write's and the data writer's
+    temporaries); their names."""
+    import shutil
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return []                            # another host's pid names nothing here
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(f".tmp-{pid}"):
+            path = os.path.join(directory, name)
+            try:
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+                removed.append(name)
+            except OSError:
+                pass                         # gone meanwhile, or not ours to remove: leave it
+    return removed
 
 
 class RunLock:
@@ -116,7 +166,7 @@ class RunLock:
             if reason is None:
                 raise LockHeld(f"{self.flag} {self.directory} is in use by another job ({describe_holder(holder)}); "
                                f"wait for it to end or choose another {self.flag} (lock: {self.path})")
-            if not break_lock:
+            if not break_lock and not gone_here(holder):
                 raise LockHeld(f"{self.flag} {self.directory} is locked by a job that is gone ({reason}; "
                                f"{describe_holder(holder)}); pass {how_to_break} to take the lock over "
                                f"(lock: {self.path})")
@@ -127,6 +177,9 @@ class RunLock:
             except FileNotFoundError:
                 pass
             self.note = f"took over the lock of a job that is gone ({reason}; {describe_holder(holder)})"
+            removed = remove_temporaries(self.directory, holder)
+            if removed:
+                self.note += f"; removed the temporar{'ies' if len(removed) > 1 else 'y'} it left: {', '.join(removed)}"
         raise LockHeld(f"{self.flag} {self.directory}: could not take {self.path} (other jobs keep taking it)")
 
     def _create(self) -> bool:
@@ -134,7 +187,7 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        failstop.remove_on_abort(self.path)
+        atomic.remove_on_abort(self.path)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "command": " ".join(sys.argv), "token": self.token}
         try:
@@ -168,7 +221,7 @@ class RunLock:
         self._stop.set()
         if holder_of(self.path).get("token") == self.token:
             self._remove()
-        failstop.forget_on_abort(self.path)
+        atomic.forget_on_abort(self.path)
 
     def _remove(self) -> None:
         try:

@@ -117,6 +117,10 @@ _REGISTRY = (
             "array module of the run: numpy (host), cupy (CUDA device) or strict (host memory "
             "behaving like a device array: refuses and counts what would synchronise; for CI)",
             choices=("numpy", "cupy", "strict")),
+    Setting("REFIMPL_TF32", _boolean, _BOOLEAN, False,
+            "let float32 matrix products on a GPU round to TF32 (10 mantissa bits; faster on tensor "
+            "cores): a speed/precision trade, refused by check-layer, the oracle and float64 runs "
+            "(refimpl/precision.py; CUPY_TF32 set in the environment counts as asking)"),
     Setting("REFIMPL_CUDA_AWARE", _boolean, _BOOLEAN, False,
             "hand device buffers to MPI directly (MPI built with CUDA support) instead of "
             "staging them through host memory"),

@@ -32,7 +32,10 @@ import sys
 
 from . import checkpoint
 from .config import effective_settings
-from .failstop import InputError, WriteError, agree, check_writable, decide, on_root, phase, refuse
+from .errors import InputError, WriteError, refuse
+from .failstop import agree, decide, on_root
+from .paths import check_writable
+from .progress import phase
 from .optim import parse_decay, scaled_lr
 from .train_loop import Trainer
 from .train_report import CHECKPOINT, RUN_FILES
@@ -137,12 +140,11 @@ def resolve_run(config: dict, world_size: int) -> dict:
     global batch and the grid are written back into ``config``, so config.json
     and the checkpoint say what ran.
     """
-    from .parallel.grid import format_grid, parse_grid
+    from .parallel.grid import format_grid, parse_grid, world_mismatch
     dims = parse_grid(config["grid"]) if config["grid"] else (world_size, 1, 1, 1)
     product = math.prod(dims)
     if product != world_size:
-        raise ValueError(f"--grid {format_grid(dims)} holds {product} ranks but mpiexec started "
-                         f"{world_size}; run 'mpiexec -n {product} ...' or change --grid")
+        raise ValueError(world_mismatch(format_grid(dims), product, world_size))
     batch = config["global_batch"]
     if batch is None:
         batch = dims[0] * max(1, -(-4 // dims[0]))      # 4 samples, rounded up to a multiple of Pn

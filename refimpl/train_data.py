@@ -20,7 +20,9 @@ import json
 import os
 
 from .backend import asarray
-from .failstop import WriteError, agree, decide, describe, on_root, phase, refuse
+from .errors import WriteError, describe, refuse
+from .failstop import agree, decide, on_root
+from .progress import phase
 from .parallel.objects import allreduce_sum
 
 NORMALIZATION_SAMPLES = 32        # the training samples the input statistics are taken from
@@ -66,6 +68,13 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
             if reader is not None:
                 agree(comm, check_all_samples, reader)
     return train, val, notes
+
+
+def data_identities(train, val) -> dict:
+    """{"train": identity, "val": identity or None} of the opened splits (data/identity.py):
+    what the checkpoint records, and what --resume compares with it."""
+    from .data.identity import data_identity
+    return {"train": data_identity(train.path), "val": None if val is None else data_identity(val.path)}
 
 
 def generated_counts(config, input_shape) -> tuple[int, int]:

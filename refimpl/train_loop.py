@@ -33,10 +33,15 @@ import time
 
 from . import checkpoint
 from .backend import resolve_dtype, set_backend
-from .failstop import (Diverged, Preempted, WriteError, agree, label_layers, phase, preemption_requested, refuse,
-                       set_step)
+from .errors import Diverged, Preempted, WriteError, refuse
+from .failstop import agree, decide
+from .progress import label_layers, phase, set_step
+from .signals import preemption_requested
 from .parallel.objects import allreduce_sum
-from .train_data import input_normalization, open_data, read_batch
+from .data.identity import changes as data_changes
+from .precision import refuse_for_float64 as refuse_tf32_for_float64
+from .precision import requested as tf32_requested
+from .train_data import data_identities, input_normalization, open_data, read_batch
 from .train_report import CHECKPOINT, RunReport
 from .train_update import (build_optimizer, compressor_state, exchange_summary, make_gradient_sync, make_schedule,
                            restore_compressor_state)
@@ -56,6 +61,10 @@ class Trainer:
         self.global_batch = run["global_batch"]
         self.notes = list(notes) + select_backend(config, comm)
         self.dtype = resolve_dtype(config["dtype"])
+        agree(comm, refuse_tf32_for_float64, config["dtype"])
+        tf32 = tf32_requested()
+        if tf32 is not None:
+            self.notes.append(f"{tf32}: float32 matrix products on a GPU may round to TF32 (10 mantissa bits)")
         self.grid = ProcessGrid(comm, run["dims"])
         self.model = agree(comm, build_model, config["model"], run["model_config"], self.grid,
                            config["seed"], self.dtype, self.global_batch)
@@ -64,6 +73,7 @@ class Trainer:
         self.train_reader, self.val_reader, data_notes = open_data(config, comm, self.model, self.grid,
                                                                    self.global_batch, self.report.say)
         self.notes += data_notes
+        self.data_identity = decide(comm, data_identities, self.train_reader, self.val_reader)
         self.steps_per_epoch = self.train_reader.num_samples // self.global_batch
         self.total_steps = config["steps"] if config["steps"] is not None else \
             (config["epochs"] or 1) * self.steps_per_epoch
@@ -83,16 +93,44 @@ class Trainer:
     def _resume(self, arrays, meta) -> None:
         """Parameters, optimiser, residuals, input statistics, loader position and step of the checkpoint."""
         comm, config = self.comm, self.config
+        self._check_data(meta.get("data"))
         self.input_norm = meta.get("input_norm")
         self.notes += agree(comm, checkpoint.restore, arrays, meta, self.model, self.optimizer, self.grid)
         self.notes += agree(comm, restore_compressor_state, self.sync, arrays, meta, self.grid, comm)
-        agree(comm, self.loader.load_state_dict, meta["loader"])
+        loader = meta["loader"]
+        if loader["num_samples"] != self.train_reader.num_samples and config["data_changed_ok"]:
+            loader = dict(loader, num_samples=self.train_reader.num_samples, step=0, epoch=loader["epoch"] + 1)
+            self.notes.append(f"the training data holds {self.train_reader.num_samples} samples where the "
+                              f"checkpoint's held {meta['loader']['num_samples']}: its order starts afresh with "
+                              f"epoch {loader['epoch']}")
+        agree(comm, self.loader.load_state_dict, loader)
         self.step = int(meta["step"])
         if self.total_steps < self.step:
             length = f"--steps {config['steps']}" if config["steps"] is not None else \
                 f"--epochs {config['epochs'] or 1} ({self.total_steps} steps)"
             refuse(f"--resume: {length} is below the {self.step} steps the checkpoint has done; "
                    f"give more than {self.step} steps to train further")
+
+    def _check_data(self, recorded) -> None:
+        """Refuse (every rank alike) to resume on data other than the checkpoint's, unless
+        --data-changed-ok; a checkpoint without a record (an older refimpl) is noted."""
+        if recorded is None:
+            self.notes.append("the checkpoint records no data identity (written by an older refimpl): "
+                              "the data cannot be checked against it")
+            return
+        for split in ("train", "val"):
+            was, now = recorded.get(split), self.data_identity.get(split)
+            if was is None and now is None:
+                continue
+            found = ["the split was absent" if was is None else "the split is gone" if now is None else ""] \
+                if (was is None) != (now is None) else data_changes(was, now)
+            if not found:
+                continue
+            what = f"--resume: the {split} data in {self.config['data']} is not the data the checkpoint trained on " \
+                   f"({'; '.join(found)})"
+            if not self.config["data_changed_ok"]:
+                refuse(f"{what}: restore that data, or pass --data-changed-ok to train on this data anyway")
+            self.notes.append(f"{what}; training on it (--data-changed-ok)")
 
     # ------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -199,7 +237,8 @@ class Trainer:
         self.update.flush()
         phase("checkpoint write (rank 0 writes, the others wait)")
         meta = {"step": self.step, "epoch": self.loader.epoch, "loader": self.loader.state_dict(),
-                "config": self.config, "input_norm": self.input_norm}
+                "config": {**self.config, "data_changed_ok": False},    # a change is allowed once, not forever
+                "input_norm": self.input_norm, "data": self.data_identity}
         try:
             checkpoint.save(self.report.path(CHECKPOINT), self.model, self.optimizer, self.grid, meta,
                             rank_state=compressor_state(self.sync))

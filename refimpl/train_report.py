@@ -23,7 +23,10 @@ import json
 import os
 import sys
 
-from .failstop import PROGRESS, WriteError, atomic_write, on_root, phase
+from .atomic import atomic_write
+from .errors import WriteError
+from .failstop import on_root
+from .progress import PROGRESS, phase
 
 CHECKPOINT = "checkpoint.h5"
 METRICS = "metrics.jsonl"
@@ -74,7 +77,7 @@ class RunReport:
         name, step = self.metric_name, record["step"]
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.4g}", **{name: f"{record[name]:.4g}"})
-        if step % self.config["log_every"] == 0 and self.talks:
+        if (step % self.config["log_every"] == 0 or step == total_steps) and self.talks:
             self.bar.write(f"step {step:>5}/{total_steps} | epoch {record['epoch']} | "
                            f"loss {record['loss']:.5g} | {name} {record[name]:.4g} | lr {record['lr']:.3g} | "
                            f"{record['samples_per_s']:.1f} samples/s", file=sys.stdout)

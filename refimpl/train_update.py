@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import statistics
 
-from .failstop import agree, refuse
+from .errors import refuse
+from .failstop import agree
 from .optim import Schedule, make_optimizer
 
 

@@ -83,7 +83,16 @@ ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "strict"),
                 help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA/cuDNN (the GPU "
                      "lane of scripts/gpu_check.sh); strict: refimpl on the strict device stand-in "
                      "(REFIMPL_BACKEND=strict: a CI smoke run of the device path) vs PyTorch CPU")
+ap.add_argument("--tf32", default="off", choices=("off", "on"),
+                help="with --device cuda: off (default) compares full float32 on both sides (CuPy without TF32, "
+                     "torch.backends.cudnn/cuda.matmul.allow_tf32 = False); on lets both round float32 matrix "
+                     "products to TF32 (REFIMPL_TF32=1 for refimpl; docs/gpu.md, Precision). Run it once per "
+                     "setting for the two columns of a like-for-like table")
 args = ap.parse_args()
+if args.tf32 == "on" and args.device != "cuda":
+    ap.error("--tf32 on needs --device cuda (NumPy's BLAS and PyTorch CPU have no TF32)")
+os.environ["REFIMPL_TF32"] = "1" if args.tf32 == "on" else "0"
+os.environ["CUPY_TF32"] = "1" if args.tf32 == "on" else "0"     # read by CuPy when it is imported (below)
 
 THREADS = args.threads or os.cpu_count() or 1
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -133,6 +142,9 @@ if args.device != "cpu":
     backend.set_backend("cupy" if args.device == "cuda" else "strict")
 XP = backend.get_xp()
 TORCH_DEVICE = "cuda" if args.device == "cuda" else "cpu"
+if args.device == "cuda":                 # like for like: PyTorch's TF32 exactly as refimpl's
+    import torch  # noqa: E402
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = args.tf32 == "on"
 
 
 def dev(*arrays):

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refimpl.failstop import label_layers
+from refimpl.progress import label_layers
 from refimpl.models import build_model
 from refimpl.nn import model_parallel as mp
 from refimpl.nn import spatial

@@ -176,9 +176,10 @@ def watchdog_cost(args, comm, step) -> dict | None:
     every 5 s, the inbox polled every 0.2 s), the signal thread, and the run directory's
     lock held by rank 0 (``run_lock.RunLock``, refreshed by its own thread); and
     ``--steps`` without any of them, the order alternating so drifts of the machine hit
-    both alike.  The phase marks (``failstop.phase``) run in both: they are part of every step.
+    both alike.  The phase marks (``progress.phase``) run in both: they are part of every step.
     """
-    from refimpl.failstop import DEFAULT_STALL_TIMEOUT, Watchdog, handle_signals
+    from refimpl.signals import handle_signals
+    from refimpl.watchdog import DEFAULT_STALL_TIMEOUT, Watchdog
     from refimpl.run_lock import RunLock
     totals = {"on": 0.0, "off": 0.0}
     lock_dir = tempfile.mkdtemp() if comm.rank == 0 else None

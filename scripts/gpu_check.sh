@@ -83,7 +83,8 @@ for mode in "${MODES[@]}"; do
 done
 
 echo "== 4. layers: CuPy vs PyTorch CUDA/cuDNN"
-run python scripts/bench_layers.py --device cuda --repeats 5 --json "$OUT/bench_layers_cuda.json"
+run python scripts/bench_layers.py --device cuda --repeats 5 --tf32 off --json "$OUT/bench_layers_cuda.json"
+run python scripts/bench_layers.py --device cuda --repeats 3 --tf32 on --json "$OUT/bench_layers_cuda_tf32.json"
 
 echo "== 5. CosmoFlow at 128^3 on the GPU"
 for mode in "${MODES[@]}"; do

@@ -134,7 +134,7 @@ def tune_allocator_if_any() -> str:
 def refimpl_threads():
     """refimpl's worker threads for its chunked passes (None before refimpl had them)."""
     try:
-        from refimpl.kernels._threads import thread_count
+        from refimpl.kernels import thread_count
     except ImportError:
         return None
     return thread_count()

@@ -73,11 +73,11 @@ if rank == fault_rank:
         limit = int(os.environ["FAULT_FSIZE"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     if what:
-        from refimpl import failstop, train_report
+        from refimpl import progress, train_report
         from refimpl.nn import spatial
 
         def due():
-            return failstop.PROGRESS.step == int(at)
+            return progress.PROGRESS.step == int(at)
 
         def wrap(method_name, action):
             original = getattr(spatial.SpatialConv3d, method_name)
@@ -123,7 +123,7 @@ if rank == fault_rank:
             original_forward = spatial.SpatialConv3d.forward
 
             def slow_forward(self, x):
-                if (failstop.PROGRESS.step or 0) >= int(at):
+                if (progress.PROGRESS.step or 0) >= int(at):
                     time.sleep(0.2)
                 return original_forward(self, x)
             spatial.SpatialConv3d.forward = slow_forward

@@ -49,6 +49,14 @@ def test_bad_grid_fails_cleanly_on_every_rank():
     assert "--grid 1,2,1,1 holds 2 ranks but mpiexec started 3" in proc.stderr
 
 
+def test_one_process_is_told_to_run_under_mpiexec(capsys):
+    """Without mpiexec (one process) the error says so, with the command to run."""
+    from refimpl.cli import main
+    assert main(["check-layer", "conv3d", "--input", "1,1,5,5,5", "--grid", "1,2,1,1"]) == 2
+    err = capsys.readouterr().err
+    assert "this process is 1 rank" in err and "mpiexec -n 2 --oversubscribe refimpl" in err
+
+
 def test_help_explains():
     proc = subprocess.run([sys.executable, "-m", "refimpl", "check-layer", "--help"],
                           capture_output=True, text=True, timeout=60)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from refimpl.cli import build_parser
+from refimpl.cli import build_parser, main
 from refimpl.models import PRESETS
 
 
@@ -42,7 +42,7 @@ def test_required_options_are_listed_as_such():
     helps = {" ".join(p): parser.format_help() for p, parser in ALL}
     for command, flags in {"refimpl check-layer": ("--input", "--grid"), "refimpl datagen": ("--out",),
                            "refimpl oracle generate": ("--out",), "refimpl oracle run-torch": ("--out",),
-                           "refimpl plan": ("--batch", "--ranks")}.items():
+                           "refimpl plan": ("--ranks",)}.items():
         section = helps[command].split("required arguments", 1)[1].split("\n\n", 1)[0]
         for flag in flags:
             assert re.search(rf"^\s+{flag}\b", section, re.M), (command, flag, section)
@@ -57,3 +57,22 @@ def test_train_preset_help_names_each_models_presets():
     preset = next(a for a in plan._actions if "--preset" in a.option_strings).help
     for model, presets in PRESETS.items():
         assert f"{model} {', '.join(presets)}" in preset, (model, preset)
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["train", "--step", "10"], "usage: refimpl train", "--step: did you mean --steps?"),
+    (["oracle", "trace", "check", "t.h5", "r.h5", "--jsn", "x"], "usage: refimpl oracle trace check",
+     "--jsn: did you mean --json?"),
+    (["plan", "--model", "cosmoflow", "--ranks", "2", "--bach", "4"], "usage: refimpl plan",
+     "--bach: did you mean --batch?"),
+    (["check-layer", "conv3d", "--input", "1,1,4,4,4", "--grid", "1,1,1,1", "--kernal", "3"],
+     "usage: refimpl check-layer", "--kernal: did you mean --kernel?"),
+])
+def test_an_unknown_or_abbreviated_flag_names_its_command_and_the_closest_flag(capsys, argv, usage, hint):
+    """No abbreviations (``--step 10`` is not ``--steps 10``); the error is the sub-command's,
+    with its usage and the closest flag, exit 2 before anything runs."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and "unrecognized arguments" in err and hint in err

@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from refimpl.kernels import _im2col, _phase_grid, routes
-from refimpl.functional._args import transposed_out_size, window_out_size
+from refimpl.functional.args import transposed_out_size, window_out_size
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,
                                        conv3d_weight_grad)
 from refimpl.functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward

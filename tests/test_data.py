@@ -380,6 +380,34 @@ def test_datagen_is_registered():
     assert COMMANDS["datagen"][0] == "refimpl.commands.datagen"
 
 
+def test_datagen_refuses_the_data_of_a_running_job(tmp_path, capsys):
+    """OUT/data of a live run (its OUT/.lock held: here by this process) is not replaced; once
+    the lock is released it is; the identity a checkpoint records (data/identity.py)
+    changes with the seed and the layout, not with a regeneration of the same data."""
+    from refimpl.data.identity import changes, data_identity
+    from refimpl.run_lock import RunLock
+    run = tmp_path / "run"
+    assert datagen("cosmoflow", "--out", run / "data", "--samples", 3, "--size", 8, "--quiet") == 0
+    first = data_identity(run / "data" / "train.h5")
+    with RunLock(run).acquire():
+        assert datagen("cosmoflow", "--out", run / "data", "--samples", 3, "--size", 8, "--overwrite",
+                       "--quiet") == 2
+        err = capsys.readouterr().err
+        assert "lies in the directory of a running job" in err and str(run / ".lock") in err
+    assert datagen("cosmoflow", "--out", run / "data", "--samples", 3, "--size", 8, "--overwrite", "--quiet") == 0
+    assert changes(first, data_identity(run / "data" / "train.h5")) == []          # the same data again
+    assert datagen("cosmoflow", "--out", run / "data", "--samples", 3, "--size", 8, "--seed", 5, "--overwrite",
+                   "--quiet") == 0
+    assert changes(first, data_identity(run / "data" / "train.h5")) == ["writer's seed 0 -> 5"]
+    assert datagen("cosmoflow", "--out", run / "per", "--samples", 3, "--size", 8, "--layout", "per-sample",
+                   "--quiet") == 0
+    per = data_identity(run / "per" / "train")
+    assert per["samples"] == 3 and changes(first, per)[0] == "layout single -> per-sample"
+    with h5py.File(run / "data" / "train.h5", "a") as f:      # the same attributes, other content
+        f["full"][1, :, 4] += 1.0
+    assert changes(first, data_identity(run / "data" / "train.h5")) != []
+
+
 def test_datagen_writes_valid_files(tmp_path, capsys):
     out = tmp_path / "cosmo"
     assert datagen("cosmoflow", "--out", out, "--samples", 3, "--val-samples", 2, "--size", "8,8,4",

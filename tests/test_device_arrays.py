@@ -96,6 +96,20 @@ def test_pooling_and_batch_norm_on_the_device(device):
     _close(ref, tuple(backend.to_host(d) for d in dev))
 
 
+def test_group_and_instance_norm_on_the_device(device):
+    from refimpl.functional import group_norm3d, group_norm3d_backward, instance_norm3d
+    rng = np.random.default_rng(9)
+    x, dy = rng.standard_normal((2, 6, 5, 4, 3)) + 1.5, rng.standard_normal((2, 6, 5, 4, 3))
+    gamma, beta = rng.uniform(0.5, 1.5, 6), rng.standard_normal(6)
+    for run in (lambda a, g, b: group_norm3d(a, 3, g, b), instance_norm3d):
+        y_ref, cache_ref = run(x, gamma, beta)
+        y, cache = run(backend.asarray(x), backend.asarray(gamma), backend.asarray(beta))
+        assert rel_err(backend.to_host(y), y_ref) <= RTOL
+        ref = group_norm3d_backward(dy, cache_ref)
+        dev = group_norm3d_backward(backend.asarray(dy), cache)
+        _close(ref, tuple(backend.to_host(d) for d in dev))
+
+
 @pytest.mark.parametrize("name, config, batch", MODELS)
 def test_models_train_on_the_device_as_on_the_host(name, config, batch, device):
     """Three float64 training steps (forward, loss, backward, Adam) on the device end where the

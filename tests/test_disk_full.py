@@ -70,10 +70,21 @@ def test_train_generation_on_a_full_disk(tmp_path):
     assert not (out / "data" / "train.h5").exists()
 
 
-def test_oracle_generate_on_a_full_disk(tmp_path):
+@pytest.mark.parametrize("fsize", [20_000, 30_000, 50_000, 100_000, 200_000])
+def test_oracle_generate_on_a_full_disk(tmp_path, fsize):
+    """Exit 4 at every limit: HDF5's failed flush inside h5py's close is raised as the write's
+    OSError (atomic.hdf5_file), never an internal error (it was at 20-200 KB)."""
     out = tmp_path / "cases"
-    proc = refimpl("oracle", "generate", "hard", "--out", out, fsize=30_000)
+    proc = refimpl("oracle", "generate", "hard", "--out", out, fsize=fsize)
     expect_clean_failure(proc, out, str(out), ".h5", "File too large")
+
+
+def test_oracle_trace_generate_on_a_full_disk(tmp_path):
+    out = tmp_path / "traces"
+    out.mkdir()
+    proc = refimpl("oracle", "trace", "generate", "--model", "cosmoflow", "--input", "2,4,8,8,8", "--grid", "1,2,1,1",
+                   "--out", out / "t.h5", fsize=100_000)
+    expect_clean_failure(proc, out, "t.h5", "File too large")
 
 
 def test_second_datagen_into_the_same_out_is_refused(tmp_path):

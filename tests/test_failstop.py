@@ -1,4 +1,6 @@
-"""The pure pieces of refimpl/failstop.py, on one process (tests/test_faults.py runs them under mpiexec).
+"""The pure pieces of the fail-stop machinery (refimpl/failstop.py and the modules it builds on:
+atomic, errors, paths, progress, signals, watchdog), on one process (tests/test_faults.py runs
+them under mpiexec).
 
 - ``check_writable``: what a path given on the command line must satisfy;
 - ``atomic_write``: the target is untouched or complete, no temporary is left, errors name it;
@@ -13,9 +15,12 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refimpl[mpi]'")
 
-from refimpl import failstop  # noqa: E402
-from refimpl.failstop import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, InputError, InternalError,  # noqa: E402
-                              WriteError, agree, atomic_write, check_writable, on_root)
+from refimpl import atomic, progress, signals, watchdog  # noqa: E402
+from refimpl.atomic import atomic_write  # noqa: E402
+from refimpl.errors import (EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_IO, EXIT_STALL, InputError,  # noqa: E402
+                            InternalError, WriteError)
+from refimpl.failstop import agree, on_root  # noqa: E402
+from refimpl.paths import check_writable  # noqa: E402
 
 
 def test_check_writable(tmp_path):
@@ -51,7 +56,7 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)   # names the target
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]             # no temporary left
-    assert not failstop._cleanups
+    assert not atomic._cleanups
     atomic_write(path, lambda f: f.write(b"new"), binary=True, fsync=True)
     assert path.read_text() == "new"
 
@@ -81,17 +86,17 @@ def test_progress_names_layers():
     from refimpl.models import build_model
     model = build_model("cosmoflow", {"input_shape": (4, 16, 16, 16), "conv_size": 2, "n_conv_layers": 2,
                                       "fc1_size": 8, "fc2_size": 4}, seed=0)
-    failstop.label_layers(model)
+    progress.label_layers(model)
     conv = model.features[0]
-    failstop.phase("halo exchange of {layer} (forward)", conv)
-    failstop.set_step(12)
-    assert failstop.PROGRESS.where() == "halo exchange of features.0 (forward) at step 12"
-    failstop.phase("gradient allreduce")
-    failstop.set_step(None)
-    assert failstop.PROGRESS.where() == "gradient allreduce"
+    progress.phase("halo exchange of {layer} (forward)", conv)
+    progress.set_step(12)
+    assert progress.PROGRESS.where() == "halo exchange of features.0 (forward) at step 12"
+    progress.phase("gradient allreduce")
+    progress.set_step(None)
+    assert progress.PROGRESS.where() == "gradient allreduce"
 
 
-class FakeWatchdog(failstop.Watchdog):
+class FakeWatchdog(watchdog.Watchdog):
     """A watchdog's bookkeeping without its thread or communicator: verdicts only."""
 
     def __init__(self, size, timeout, rank=0):
@@ -112,11 +117,11 @@ def test_stall_verdicts():
     for r in range(4):
         dog._note(r, (7, wait), now - 1)
     dog.last_beat[2] = now - 11
-    failstop.PROGRESS.count, failstop.PROGRESS.phase, failstop.PROGRESS.layer, failstop.PROGRESS.step = \
+    progress.PROGRESS.count, progress.PROGRESS.phase, progress.PROGRESS.layer, progress.PROGRESS.step = \
         7, "halo exchange of features.3 (forward)", None, 5
     dog._check(now)
     code, line = dog.verdicts[-1]
-    assert code == failstop.EXIT_STALL
+    assert code == EXIT_STALL
     assert "rank 2 stopped answering (no heartbeat for 11.0 s" in line
     assert f"ranks 0-1, 3 wait in {wait}" in line and "--stall-timeout 10" in line
 
@@ -125,7 +130,7 @@ def test_stall_verdicts():
     for r in range(3):
         dog._note(r, (3, "gradient allreduce at step 9" if r else "backward of features.0 at step 9"), now - 12)
         dog.last_beat[r] = now - 0.5
-    failstop.PROGRESS.count, failstop.PROGRESS.phase, failstop.PROGRESS.step = 3, "backward of features.0", 9
+    progress.PROGRESS.count, progress.PROGRESS.phase, progress.PROGRESS.step = 3, "backward of features.0", 9
     dog._check(now)
     line = dog.verdicts[-1][1]
     assert "rank 0 made no progress for" in line and "in backward of features.0 at step 9" in line
@@ -150,7 +155,7 @@ def test_a_watchdog_that_was_itself_frozen_accuses_no_one():
     """A rank stopped (SIGSTOP) and continued (Open MPI continues its processes before killing
     them) sees every peer silent for as long as it was stopped: that silence is its own, so its
     watchdog restarts its clocks instead of naming the others (its peers have named it)."""
-    from refimpl.failstop import self_frozen
+    from refimpl.watchdog import self_frozen
     assert self_frozen(10.0, 13.5, 3.0) and self_frozen(0.0, 3.0, 3.0)
     assert not self_frozen(10.0, 10.2, 3.0)
     assert not self_frozen(0.0, 100.0, 0.0)          # --stall-timeout 0: off
@@ -162,7 +167,8 @@ def test_a_watchdog_that_was_itself_frozen_accuses_no_one():
 
 def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
     """An exited rank not yet reaped (a container's init may not reap at once) holds no lock: its
-    lock is stale, reported as gone, not as a job still running."""
+    lock is stale and, its holder being of this host, taken over at once with a note (not
+    reported as a job still running)."""
     import json
     import socket
     import subprocess
@@ -177,10 +183,10 @@ def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
         time.sleep(0.01)
     (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": child.pid,
                                                 "started": time.time(), "command": "train"}))
-    with pytest.raises(LockHeld, match="gone .*no longer runs"):
-        RunLock(tmp_path).acquire()
-    lock = RunLock(tmp_path).acquire(break_lock=True)
-    assert holder_of(lock.path)["pid"] == os.getpid() and "took over" in lock.note
+    lock = RunLock(tmp_path).acquire()
+    assert holder_of(lock.path)["pid"] == os.getpid() and "took over" in lock.note and "no longer runs" in lock.note
+    with pytest.raises(LockHeld, match="in use by another job"):      # this process is live: never broken
+        RunLock(tmp_path).acquire(break_lock=True)
     lock.release()
     assert not (tmp_path / ".lock").exists()
     child.wait()
@@ -190,7 +196,7 @@ def test_the_signal_thread_ends_before_its_pipe_is_closed(tmp_path):
     """After close() the thread is gone, so no later file that reuses the pipe's descriptor
     number is read as signals (HDF5 bytes 2 / 15 ended a later in-process command with 130)."""
     for _ in range(3):
-        thread = failstop.handle_signals("test")
+        thread = signals.handle_signals("test")
         read_fd = thread.read_fd
         thread.close()
         assert not thread.thread.is_alive()

@@ -473,18 +473,29 @@ def test_a_second_job_into_the_same_out_is_refused(tmp_path, tmp_path_factory, d
 
 
 def test_a_lock_left_by_a_killed_job(tmp_path, data_dir):
-    """SIGKILL leaves the lock; it is reported (the holder is gone), taken over only with --break-lock."""
+    """SIGKILL leaves the lock and a temporary; the holder ran on this host and its process is
+    gone, so the next --resume takes the lock over at once, removes the temporary and says so
+    (no --break-lock needed: a Ctrl-C followed at once by --resume just works).  A lock of
+    another host that is merely old still needs --break-lock."""
     out = tmp_path / "run"
     args = common(data_dir, "1,2,1,1", out)
     proc = faulty(tmp_path, 2, args + ["--steps", STEPS], fault="kill:5", rank=0)
     assert proc.returncode != 0
     assert (out / ".lock").exists()
+    holder = json.loads((out / ".lock").read_text())
+    (out / f"checkpoint.h5.tmp-{holder['pid']}").write_bytes(b"half a checkpoint")
     proc = launch(2, ["--out", out, "--resume", "--steps", STEPS])
-    expect(proc, 2, "locked by a job that is gone", "no longer runs", "--break-lock")
-    proc = launch(2, ["--out", out, "--resume", "--steps", STEPS, "--break-lock"])
     assert proc.returncode == 0, proc.stderr
-    assert "took over the lock" in proc.stderr
-    assert not (out / ".lock").exists()
+    assert "took over the lock of a job that is gone" in proc.stderr and "no longer runs" in proc.stderr
+    assert f"removed the temporary it left: checkpoint.h5.tmp-{holder['pid']}" in proc.stderr
+    assert not (out / ".lock").exists() and not list(out.glob("*.tmp-*"))
+    (out / ".lock").write_text(json.dumps(dict(holder, host="another-host")))
+    old = time.time() - 3600
+    os.utime(out / ".lock", (old, old))
+    proc = launch(2, ["--out", out, "--resume", "--steps", STEPS + 1])
+    expect(proc, 2, "locked by a job that is gone", "last refreshed", "--break-lock")
+    proc = launch(2, ["--out", out, "--resume", "--steps", STEPS + 1, "--break-lock"])
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_out_names_the_file_system_cannot_hold_are_bad_input(tmp_path, data_dir):
@@ -549,22 +560,40 @@ def test_a_preemption_warning_in_the_last_step_finishes_the_run(tmp_path, data_d
 @pytest.mark.parametrize("preemptible", [False, True])
 def test_sigusr1_is_a_preemption_warning_only_where_asked_for(preemptible):
     """Only `refimpl train` (``run_command(..., preemptible=True)``) takes SIGUSR1 as a pre-emption
-    warning, a flag for the loop; other commands keep its default action and end, never
-    silently ignoring it."""
+    warning, a flag for the loop; other commands end on it as on SIGTERM (one line, 138, their
+    temporaries removed), never silently ignoring it."""
     code = ("import os, signal, sys, time\n"
-            "from refimpl import failstop\n"
-            f"failstop.handle_signals('x', {preemptible})\n"
+            "from refimpl import signals\n"
+            f"signals.handle_signals('x', {preemptible})\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
             "deadline = time.time() + 5\n"
-            "while not failstop.preemption_requested() and time.time() < deadline:\n"
+            "while not signals.preemption_requested() and time.time() < deadline:\n"
             "    time.sleep(0.01)\n"
-            "print(failstop.preemption_requested())\n")
+            "print(signals.preemption_requested())\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
                           timeout=60)
     if preemptible:
         assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
     else:
-        assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stdout, proc.stderr)
+        assert proc.returncode == 128 + signal.SIGUSR1, (proc.returncode, proc.stdout, proc.stderr)
+        assert "refimpl x: interrupted by SIGUSR1 on rank 0" in proc.stderr, proc.stderr
+
+
+def test_sigusr1_to_datagen_removes_its_temporary_and_lock(tmp_path):
+    """SIGUSR1 (a scheduler's warning) to a command that cannot checkpoint: one line, 138,
+    neither the half-written split nor the lock left behind."""
+    out = tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "refimpl", "datagen", "cosmoflow", "--out", str(out),
+                             "--samples", "2000", "--size", "32", "--quiet"], cwd=ROOT, env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(out.glob("*.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)                        # writing its first split
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 138, err
+    assert "refimpl datagen: interrupted by SIGUSR1 on rank 0 during writing" in err
+    assert sorted(p.name for p in out.iterdir()) == [], list(out.iterdir())
 
 
 @pytest.mark.parametrize("fault", ["ctrl-c", "sigterm-launcher"])

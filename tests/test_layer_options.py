@@ -21,7 +21,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from refimpl.functional import pooling as P
-from refimpl.functional._args import padding_sides, window_out_size
+from refimpl.functional.args import padding_sides, window_out_size
 from refimpl.functional.conv3d import conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_grad
 from refimpl.functional.conv_transpose3d import conv_transpose3d
 from refimpl.kernels import pooling as pooling_kernel

@@ -22,11 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the nn class names each registry kind is built as (unpartitioned: build_model without a grid)
 BUILT_AS = {"conv3d": ("Conv3d",), "conv_transpose3d": ("ConvTranspose3d",), "max_pool3d": ("MaxPool3d",),
             "batch_norm3d": ("BatchNorm3d",), "relu": ("ReLU",), "leaky_relu": ("LeakyReLU",),
-            "linear": ("Linear",), "flatten_linear": ("FlattenLinear",), "gather": ("Sequential",)}
+            "linear": ("Linear",), "flatten_linear": ("FlattenLinear",), "gather": ("Sequential",),
+            "group_norm3d": ("GroupNorm3d",), "instance_norm3d": ("InstanceNorm3d",)}
 
 CONFIGS = [("cosmoflow", "tiny"), ("cosmoflow", "small"), ("unet3d", "tiny"),
            ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="channel", model_parallel_blocks=2)),
-           ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="filter"))]
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="filter")),
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="group")),
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="instance", model_parallel="filter"))]
 
 
 def _config(model, config):
@@ -57,8 +60,9 @@ def test_planned_layers_carry_their_registry_kind(model, config):
 
 def test_every_described_kind_has_planner_hooks():
     kinds = {entry["kind"] for model in MODELS for preset in PRESETS[model]
-             for mode in ("none", "filter") for entry in MODELS[model].describe(
-                 dict(PRESETS[model][preset], model_parallel=mode))}
+             for mode in ("none", "filter") for norm in ("batch", "group", "instance")
+             for entry in MODELS[model].describe(
+                 dict(PRESETS[model][preset], model_parallel=mode, **({"norm": norm} if model == "unet3d" else {})))}
     assert kinds == set(BUILT_AS)
     for name in kinds:
         kind = layers.plan_kind(name)
@@ -122,3 +126,36 @@ def test_predictions_are_those_of_the_name_dispatching_planner(model, mode, dims
     got = plan_grid(layers_, dims, batch, Machine())
     assert (got.step_s, got.memory_bytes, got.grad_bytes) == (pytest.approx(step_s, rel=1e-12), memory, grad)
     assert sum(c.halo_bytes for c in got.layers) == halo and sum(c.model_bytes for c in got.layers) == model_bytes
+
+
+def _norm_layer(kind, groups=0):
+    return layer_of({"name": "n", "kind": kind, "c_in": 16, "c_out": 16, "in_dhw": (8, 8, 8), "out_dhw": (8, 8, 8),
+                     "weights": 32, **({"norm_groups": groups} if groups else {})})
+
+
+def test_group_and_instance_norm_are_priced():
+    """Batch norm's rate; per-sample sums allreduced over the spatial group only: (2, N_r, G_r)
+    float64 each way, nothing on a grid that splits only the samples."""
+    group, instance, batch = _norm_layer("group_norm3d", 4), _norm_layer("instance_norm3d", 16), \
+        _norm_layer("batch_norm3d")
+    assert (group.kind, instance.kind, group.norm_groups) == ("group_norm", "instance_norm", 4)
+    assert layers.plan_kind("group_norm3d").name not in layers.REGISTRY     # planner hooks only, for now
+    spatial = [rank_costs([lay], (1, 2, 1, 1, 1), (0, 0, 0, 0, 0), 2, 4, Machine())[0]
+               for lay in (group, instance, batch)]
+    assert spatial[0].allreduce_bytes == 2 * 16 * 2 * 4 and spatial[1].allreduce_bytes == 2 * 16 * 2 * 16
+    assert spatial[0].compute_s == spatial[2].compute_s and spatial[0].flops == spatial[2].flops
+    (data,) = rank_costs([group], (2, 1, 1, 1, 1), (0, 0, 0, 0, 0), 2, 4, Machine())
+    assert data.allreduce_bytes == 0 and data.comm_s == 0
+
+
+def test_plan_cli_prices_the_unet_with_group_norm():
+    import subprocess
+    import sys
+    for norm, label in (("group", "group_norm"), ("instance", "instance_norm")):
+        proc = subprocess.run([sys.executable, "-m", "refimpl", "plan", "--model", "unet3d", "--preset", "tiny",
+                               "--norm", norm, "--batch", "2", "--ranks", "4", "--grid", "1,2,2,1"],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("enc0.1", "dec0.4"))]
+        assert [row[:2] for row in rows] == [["enc0.1", label], ["dec0.4", label]], proc.stdout
+        assert "batch_norm" not in proc.stdout and " bn " not in proc.stdout

@@ -79,6 +79,9 @@ def test_same_seed_same_weights_other_seed_other_weights():
     ("unet3d", {"loss": "focal"}, "loss"),
     ("unet3d", {"class_weights": [1.0, 2.0]}, "class_weights"),
     ("unet3d", {"levels": 0}, "levels"),
+    ("unet3d", {"norm": "layer"}, "'norm'"),
+    ("unet3d", {"norm": "group", "num_groups": 3}, "'num_groups'"),
+    ("unet3d", {"num_groups": 0}, "'num_groups'"),
 ])
 def test_bad_config_raises_naming_it(name, config, match):
     with pytest.raises(ValueError, match=match):
@@ -159,10 +162,16 @@ def torch_unet3d(torch, config):
     levels, base = config["levels"], config["base_width"]
     widths = [base * 2 ** i for i in range(levels + 1)]
 
+    def norm(c):
+        kind = config.get("norm", "batch")
+        if kind == "group":
+            return tnn.GroupNorm(min(config["num_groups"], c), c)
+        return tnn.InstanceNorm3d(c, affine=True) if kind == "instance" else tnn.BatchNorm3d(c)
+
     def block(c_in, c_out):
-        return tnn.Sequential(tnn.Conv3d(c_in, c_out, 3, padding=1, bias=False), tnn.BatchNorm3d(c_out),
+        return tnn.Sequential(tnn.Conv3d(c_in, c_out, 3, padding=1, bias=False), norm(c_out),
                               tnn.ReLU(), tnn.Conv3d(c_out, c_out, 3, padding=1, bias=False),
-                              tnn.BatchNorm3d(c_out), tnn.ReLU())
+                              norm(c_out), tnn.ReLU())
 
     class UNet(tnn.Module):
         def __init__(self):
@@ -208,6 +217,9 @@ ORACLE_CASES = [
     ("unet3d", {**TINY["unet3d"], "loss": "ce"}),
     ("unet3d", {**TINY["unet3d"], "loss": "ce+dice", "input_shape": (2, 8, 12, 16), "num_classes": 4, "class_weights": [0.5, 1.0, 2.0, 1.5]}),
     ("unet3d", {**TINY["unet3d"], "loss": "dice", "levels": 1}),
+    ("unet3d", {**TINY["unet3d"], "loss": "ce+dice", "norm": "group"}),               # 4 groups, then 8
+    ("unet3d", {**TINY["unet3d"], "loss": "ce", "norm": "group", "num_groups": 2}),
+    ("unet3d", {**TINY["unet3d"], "loss": "ce", "norm": "instance", "input_shape": (2, 8, 12, 16)}),
 ]
 
 
@@ -303,7 +315,7 @@ MLPERF_REFERENCE = {"sample": (4, 128, 128, 128), "kernel": 2, "widths": [32, 64
 def test_mlperf_preset_is_the_mlperf_reference_network():
     """Kernel sizes, paddings ('same', TensorFlow's: 0 before, 1 after for kernel 2), widths, pools
     and the dense head of ``--preset mlperf`` are the reference's; mlperf-k3 keeps kernel 3."""
-    from refimpl.functional._args import padding_sides
+    from refimpl.functional.args import padding_sides
     from refimpl.models.cosmoflow import CosmoFlow, check_config
     ref = MLPERF_REFERENCE
     config = check_config(PRESETS["cosmoflow"]["mlperf"])

@@ -24,13 +24,14 @@ GRIDS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2)]
 
 
 def make_trace(directory, model, grid, seed=0, dtypes=T.DTYPES, steps=1, optimizer="sgd", preset="tiny",
-               split=("none", 1), shape=None):
-    """``split``: (model_parallel, model_parallel_blocks) for a 5-entry grid's model axis."""
+               split=("none", 1), shape=None, norm="batch"):
+    """``split``: (model_parallel, model_parallel_blocks) for a 5-entry grid's model axis;
+    ``norm``: the U-Net's normalisation."""
     shape = shape or (COSMO_INPUT if model == "cosmoflow" else UNET_INPUT)
     path = directory / (f"{model}-{preset}.{'-'.join(map(str, shape))}.{'-'.join(map(str, grid))}.s{seed}.{'-'.join(dtypes)}."
-                        f"k{steps}{optimizer}.{split[0]}{split[1]}.h5")
+                        f"k{steps}{optimizer}.{split[0]}{split[1]}.{norm}.h5")
     if not path.exists():
-        T.write_trace(T.TraceSpec(model, preset, shape, grid, steps, tuple(dtypes), seed, optimizer, *split),
+        T.write_trace(T.TraceSpec(model, preset, shape, grid, steps, tuple(dtypes), seed, optimizer, *split, norm),
                       str(path))
     return str(path)
 
@@ -172,6 +173,23 @@ def test_torch_twin_passes_with_model_parallelism(traces, tmp_path, model, grid,
     assert sum(shares) == whole
 
 
+@pytest.mark.parametrize("norm", ["group", "instance"])
+@pytest.mark.parametrize("grid", [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 2, 1, 2)], ids=lambda g: "-".join(map(str, g)))
+def test_the_unet_with_group_or_instance_norm(traces, tmp_path, norm, grid):
+    """--norm group / instance: the twin (torch's GroupNorm / InstanceNorm3d) passes in float64
+    and float32, on a model axis too; each rank's local statistics are named as such."""
+    split = ("filter", 1) if len(grid) == 5 else ("none", 1)
+    trace = torch_results(traces("unet3d", grid, norm=norm, split=split), tmp_path / "r.h5")
+    assert {e["kind"] for e in trace.layers} >= {f"{norm}_norm3d"}
+    assert [f.where for f in judged(trace, tmp_path / "r.h5") if f.status != "pass"] == []
+    trace = torch_results(traces("unet3d", grid, norm=norm, split=split, dtypes=("float64",)), tmp_path / "bad.h5",
+                          "local-stats:enc1.4")
+    first = next(f for f in judged(trace, tmp_path / "bad.h5") if f.status == "fail")
+    assert (first.layer, first.tensor) == ("enc1.4", "y")
+    assert f"{norm}-norm statistics of each failing rank's own block" in first.diagnosis
+    assert "not reduced over the spatial group" in first.diagnosis
+
+
 def test_float32_has_no_false_alarm_with_model_parallelism(traces, tmp_path):
     """Five seeds of CosmoFlow split over a model axis (filter, 2 blocks), float32: no alarm."""
     alarms = []
@@ -189,7 +207,7 @@ MP_PLANTS = [
      "the adjoint halo exchange is missing"),
     ("cosmoflow", (1, 2, 1, 1, 2), ("channel", 2), "dw-unsummed:features.3:2", "backward", "features.3", "dw", [2],
      "own contribution only"),
-    ("unet3d", (1, 1, 2, 1, 2), ("filter", 1), "bn-local-stats:bottleneck.4", "forward", "bottleneck.4", "y",
+    ("unet3d", (1, 1, 2, 1, 2), ("filter", 1), "local-stats:bottleneck.4", "forward", "bottleneck.4", "y",
      [0, 1, 2, 3], "not reduced over the spatial group"),
     ("unet3d", (1, 1, 2, 1, 2), ("channel", 1), "halo:bottleneck.3:1", "forward", "bottleneck.3", "y", [1],
      "rank 1 read zeros beyond its H high face"),
@@ -255,9 +273,9 @@ PLANTS = [
      "the adjoint halo exchange is missing"),
     ("unet3d", (1, 3, 1, 1), "halo:pool0:0", "forward", "pool0", "y", [0], "pooled without its halo"),
     ("unet3d", (1, 3, 1, 1), "stride-phase:pool0:1", "forward", "pool0", "y", [1], "strided windows misplaced"),
-    ("unet3d", (1, 1, 2, 2), "bn-local-stats:enc1.1", "forward", "enc1.1", "y", [0, 1, 2, 3],
+    ("unet3d", (1, 1, 2, 2), "local-stats:enc1.1", "forward", "enc1.1", "y", [0, 1, 2, 3],
      "not reduced over the spatial group"),
-    ("unet3d", (2, 1, 1, 1), "bn-local-stats:dec0.4", "forward", "dec0.4", "y", [0, 1],
+    ("unet3d", (2, 1, 1, 1), "local-stats:dec0.4", "forward", "dec0.4", "y", [0, 1],
      "not reduced over the data group"),
     ("cosmoflow", (1, 1, 2, 2), "dw-unsummed:features.3:2", "backward", "features.3", "dw", [2],
      "own contribution only"),
@@ -506,6 +524,10 @@ BAD = [
     (["generate", "--model", "cosmoflow", "--grid", "1,2,1", "--out", "t.h5"], "--grid must be 4 or 5 positive integers"),
     (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1,16", "--model-parallel", "filter", "--out", "t.h5"],
      "--grid Pm=16: layer features.3 splits 8 channels over the model axis"),
+    (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1", "--norm", "group", "--out", "t.h5"],
+     "--norm is the U-Net's"),
+    (["generate", "--model", "unet3d", "--grid", "1,1,1,1", "--norm", "layer", "--out", "t.h5"],
+     "--norm must be one of batch, group, instance"),
     (["generate", "--model", "cosmoflow", "--grid", "1,1,1,1,2", "--model-parallel", "rows", "--out", "t.h5"],
      "--model-parallel must be one of none, filter, channel"),
     (["generate", "--model", "unet3d", "--grid", "1,1,1,1,2", "--model-parallel", "filter",

@@ -311,18 +311,30 @@ PAPER_SCALE = ("--model", "cosmoflow", "--preset", "mlperf", "--sample", "512", 
 
 
 def test_first_lines_say_uncalibrated_and_tie():
-    """The README's paper-scale plan says in its first lines that it runs on default constants
-    (and how to calibrate), and that its top grids are a tie at the model's resolution, with
-    how to pick among them; a --machine file's plan does not call itself uncalibrated."""
+    """The README's paper-scale plan says in its first lines what it priced (model, preset,
+    sample size, batch, ranks), that it runs on default constants (and how to calibrate),
+    and that its top grids are a tie at the model's resolution, with how to pick among them;
+    the machine's constants come last."""
     proc = cli(*PAPER_SCALE)
     assert proc.returncode == 0, proc.stderr
-    first = proc.stdout.splitlines()[:3]
-    assert first[0].startswith("uncalibrated: default machine constants") and \
-        "refimpl plan --calibrate" in first[0], first
+    lines = proc.stdout.splitlines()
+    first = lines[:4]
+    assert first[0] == "plan: cosmoflow preset mlperf, samples (C, D, H, W) = (4, 512, 512, 512), batch 64, 2048 ranks"
+    assert first[1].startswith("uncalibrated: default machine constants") and \
+        "refimpl plan --calibrate" in first[1], first
+    assert lines[-1].startswith("machine: Machine(") and not any("Machine(" in line for line in lines[:-1])
+    assert "sent KiB  sent msgs" in proc.stdout
     tie = next(line for line in first if line.startswith("tie: "))
     count, spread = re.search(r"the top (\d+) grids are within ([\d.]+) % of the best", tie).groups()
     assert int(count) >= 10 and float(spread) < 1, tie
     assert "fewer spatial ranks" in tie and "less memory" in tie and "calibrate" in tie, tie
+
+
+def test_batch_defaults_to_one_sample_per_rank():
+    proc = cli("--model", "cosmoflow", "--preset", "tiny", "--ranks", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == ("plan: cosmoflow preset tiny, samples (C, D, H, W) = (4, 16, 16, 16), "
+                                           "batch 4 (the default: one sample per rank), 4 ranks")
 
 
 def test_tie_rule():

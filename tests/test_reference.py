@@ -174,7 +174,7 @@ def traced(fn):
 
 def test_the_reference_conv_reads_in_four_files(monkeypatch):
     """Forward and backward of a conv under REFIMPL_CONV_ALGORITHM=reference: the math
-    (functional/conv3d.py) and its argument checks (_args.py, backend.py, settings.py), nothing
+    (functional/conv3d.py) and its argument checks (args.py, backend.py, settings.py), nothing
     of refimpl/kernels/: at most 15 functions, 8 of them the math (60 in 8 files before the split)."""
     monkeypatch.setenv("REFIMPL_CONV_ALGORITHM", "reference")
     rng = np.random.default_rng(0)

@@ -24,6 +24,7 @@ GOOD = {
     "REFIMPL_ALLOCATOR": [("retain", "retain"), ("system", "system")],
     "REFIMPL_DEBUG": [("1", True), ("off", False)],
     "REFIMPL_KINDS": [("", ())],
+    "REFIMPL_TF32": [("1", True), ("off", False), ("", False)],
     "REFIMPL_EXAMPLES": [("10", 10)],
     "REFIMPL_MPI_EXAMPLES": [("7", 7)],
     "REFIMPL_MPI_TIMEOUT": [("60", 60), ("", 900)],
@@ -31,6 +32,7 @@ GOOD = {
 BAD = {
     "REFIMPL_BACKEND": ("torch", "one of numpy, cupy"),
     "REFIMPL_CUDA_AWARE": ("maybe", "a boolean"),
+    "REFIMPL_TF32": ("tf32", "a boolean"),
     "REFIMPL_CONV_ALGORITHM": ("Winograd", "one of auto, im2col, winograd"),
     "REFIMPL_CONV_SCHEDULE": ("gpu", "one of auto, host, device"),
     "REFIMPL_THREADS": ("2x", "a positive integer"),
@@ -171,7 +173,7 @@ BAD_VALUES = {
     "steps": 2.0, "epochs": "3", "optimizer": "lamb", "lr": -0.1, "momentum": "high",
     "nesterov": None, "weight_decay": float("nan"), "betas": [0.9], "eps": True, "base_batch": 0,
     "warmup_steps": -1, "schedule": "cosine", "decay": {"300": 0.25}, "warmup_epochs": -2,
-    "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0, "break_lock": "yes",
+    "dtype": "float16", "seed": -1, "out": "", "resume": "no", "overwrite": 0, "break_lock": "yes", "data_changed_ok": "true",
     "checkpoint_every": 0, "validate_every": None, "log_every": 0.5, "quiet": "false", "plot": [],
     "allreduce": "butterfly", "allreduce_options": {"colors": 2}, "bucket_mb": -1, "overlap": "on", "optimizer_sharding": "yes", "compress": "int4", "error_feedback": "maybe",
     "priority": "output-first", "chunk_mb": -0.5, "backend": "jax", "cuda_aware": 1,
@@ -322,3 +324,24 @@ def test_resume_notes_another_grid():
     assert resume_config(saved, {"resume": True, "grid": [1, 1, 1, 1]})[1] == []
     notes = resume_config(saved, {"resume": True, "grid": "2,1,1,1"})[1]
     assert len(notes) == 1 and "not bit for bit" in notes[0]
+
+
+def test_norm_flag_and_model_config_key():
+    """``refimpl train --norm group`` lands in [model_config] (as --model-parallel does); the TOML
+    key is checked like every model setting, num_groups against the U-Net's widths."""
+    from refimpl.cli import build_parser
+    from refimpl.commands.train import given_settings
+    args = build_parser().parse_args(["train", "--model", "unet3d", "--norm", "instance", "--model-parallel", "filter"])
+    given = given_settings(args)
+    assert given["model_config"] == {"model_parallel": "filter", "norm": "instance"}
+    e = effective_settings(merge(given))["model_config"]
+    assert (e["norm"], e["num_groups"], e["model_parallel"]) == ("instance", 8, "filter")
+    assert effective_settings(merge({"model": "unet3d"}))["model_config"]["norm"] == "batch"
+    for bad, match in (({"norm": "layer"}, r"model_config\['norm'\] must be one of batch, group, instance"),
+                       ({"norm": 1}, r"model_config\['norm'\]"),
+                       ({"norm": "group", "num_groups": 3}, r"model_config\['num_groups'\] = 3 must divide"),
+                       ({"num_groups": 2.5}, r"model_config\['num_groups'\] must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            merge({"model": "unet3d", "model_config": bad})
+    with pytest.raises(ValueError, match=r"unknown cosmoflow model_config key\(s\) \['norm'\]"):
+        merge({"model": "cosmoflow", "model_config": {"norm": "group"}})

@@ -220,6 +220,19 @@ def test_mathjax_is_served_by_the_site(site):
     assert 'class="arithmatex"' in derivations
 
 
+def test_pictures_open_full_size_and_wide_content_scrolls(site):
+    """Every page loads the zoom script (a click opens a picture at its natural size; PAGE#figure-N
+    opens the N-th) and the stylesheet that lets wide equations, tables, code and notebook
+    outputs scroll instead of being cut."""
+    for page in ("tutorials/02_splitting_a_sample/index.html", "derivations/index.html", "peers/index.html"):
+        html = (site / page).read_text(encoding="utf-8")
+        assert "javascripts/zoom.js" in html and "stylesheets/extra.css" in html, page
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert 'mjx-container[display="true"]' in css and "overflow-x: auto" in css and ".refimpl-zoom" in css
+    script = (site / "javascripts" / "zoom.js").read_text()
+    assert "#figure-" in script and "No description has been provided" in script
+
+
 def test_no_page_shows_unrendered_markdown(pages):
     bad = {}
     for name, page in pages.items():

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from refimpl import checkpoint, paths
-from refimpl.failstop import atomic_write, check_writable
+from refimpl.atomic import atomic_write
+from refimpl.paths import check_writable
 from refimpl.oracle import parse_suite, write_case
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_"))}

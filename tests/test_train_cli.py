@@ -266,6 +266,38 @@ def test_damaged_checkpoint_refused_on_resume(tmp_path, data_dir):
     expect_error(train(2, "--out", tmp_path / "fresh", "--resume"), "nothing to resume")
 
 
+def test_resume_on_other_data_is_refused_unless_meant(tmp_path):
+    """The checkpoint records its data (data/identity.py): data regenerated with another seed
+    or count while the run was stopped is refused on --resume (exit 2, one line naming what
+    changed); --data-changed-ok trains on it (a note says so, the order starts afresh where the
+    count changed), and the next checkpoint records the new data.  --no-quiet undoes --quiet."""
+    data, out = tmp_path / "data", tmp_path / "run"
+
+    def datagen(seed, samples):
+        subprocess.run([sys.executable, "-m", "refimpl", "datagen", "cosmoflow", "--out", str(data), "--overwrite",
+                        "--samples", str(samples), "--val-samples", "4", "--size", "16", "--seed", str(seed),
+                        "--quiet"], check=True, cwd=ROOT, timeout=TIMEOUT_S)
+    datagen(1, 8)
+    common = ("--data", data, "--global-batch", 2, "--no-plot", "--out", out)
+    assert train(2, *common, "--steps", 2).returncode == 0
+    assert read_file(out / "checkpoint.h5")[1]["data"]["train"]["samples"] == 8
+    datagen(1, 8)                                          # the same generator, seed and sizes: the same data
+    proc = train(2, *common, "--steps", 3, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    datagen(2, 8)                                          # another seed: other data
+    proc = train(2, *common, "--steps", 4, "--resume")
+    expect_error(proc, "--resume: the train data in", "writer's seed 1 -> 2", "--data-changed-ok")
+    datagen(2, 12)
+    proc = train(2, *common, "--steps", 4, "--resume")
+    expect_error(proc, "sample count 8 -> 12")
+    proc = train(2, *common, "--steps", 4, "--resume", "--data-changed-ok", "--no-quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "training on it (--data-changed-ok)" in proc.stdout and "order starts afresh" in proc.stdout
+    meta = read_file(out / "checkpoint.h5")[1]
+    assert meta["data"]["train"]["samples"] == 12 and meta["config"]["data_changed_ok"] is False
+    assert train(2, *common, "--steps", 5, "--resume").returncode == 0     # the record is the new data now
+
+
 def test_nan_loss_stops_with_status_3_and_keeps_checkpoint(tmp_path, data_dir):
     out = tmp_path / "run"
     proc = train(2, "--grid", "2,1,1,1", "--data", data_dir, "--optimizer", "sgd", "--lr", "1e38",

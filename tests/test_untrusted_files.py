@@ -24,7 +24,7 @@ pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'refi
 
 from refimpl import checkpoint  # noqa: E402
 from refimpl.checkpoint import CheckpointError  # noqa: E402
-from refimpl.failstop import InputError, classify  # noqa: E402
+from refimpl.errors import InputError, classify  # noqa: E402
 from refimpl.oracle import load_case, parse_suite, write_case, write_results  # noqa: E402
 from refimpl.oracle.casefile import UnusableInput  # noqa: E402
 from test_faults import expect, mpi_env  # noqa: E402

@@ -14,8 +14,8 @@
 #    outcomes are gathered, so all ranks leave by the same path (`agree`, `on_root`);
 # 2. **fail-stop** for what escapes: an exception on one rank ends the whole job with one
 #    message (`fail_stop`, with `MPI_Abort` as the safety net);
-# 3. **a watchdog** that notices a rank that stopped answering, and says which one and where
-#    the others wait;
+# 3. **a watchdog** (`refimpl/watchdog.py`) that notices a rank that stopped answering, and
+#    says which one and where the others wait;
 #
 # and two rules that keep ranks from parting ways before anything fails: **decisions taken
 # once** (what the file system holds, the `REFIMPL_*` settings) and **a lock on the run
@@ -30,7 +30,10 @@ import time
 from mpi4py import MPI
 
 from refimpl import failstop
-from refimpl.failstop import InputError, Watchdog, WriteError, agree, on_root
+from refimpl.errors import EXIT_BAD_INPUT, EXIT_IO, InputError, WriteError
+from refimpl.failstop import agree, on_root
+from refimpl.progress import phase
+from refimpl.watchdog import Watchdog
 
 comm = MPI.COMM_WORLD
 say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -56,7 +59,7 @@ except InputError as err:
     outcome = (type(err).__name__, str(err), err.agreed, err.exit_code)
 every = comm.allgather(outcome)
 say("every rank got:", every[0])
-assert all(o == every[0] for o in every) and every[0][2] and every[0][3] == failstop.EXIT_BAD_INPUT
+assert all(o == every[0] for o in every) and every[0][2] and every[0][3] == EXIT_BAD_INPUT
 
 # %% [markdown]
 # ## 2. One rank writes, everyone learns the outcome
@@ -84,7 +87,7 @@ except WriteError as err:
     outcome = (str(err), err.exit_code)
 every = comm.allgather(outcome)
 say("every rank got:", every[0])
-assert all(o == every[0] for o in every) and every[0][1] == failstop.EXIT_IO
+assert all(o == every[0] for o in every) and every[0][1] == EXIT_IO
 if comm.rank == 0:
     shutil.rmtree(scratch)                                   # the scratch directory, cleaned up
 
@@ -92,7 +95,7 @@ if comm.rank == 0:
 # ## 3. The watchdog: heartbeats and phases
 # A rank that is *stopped* (SIGSTOP, a node that vanished without MPI noticing) raises
 # nothing. Only silence gives it away. Each rank runs a watchdog thread on a private copy of
-# the communicator. The main thread records what it is doing with `failstop.phase(...)`
+# the communicator. The main thread records what it is doing with `progress.phase(...)`
 # (the layers call it: "halo exchange of features.3 (forward)", "gradient allreduce"), and
 # every `timeout / 5` seconds the thread sends that record to rank 0. Rank 0 declares a stall
 # when a rank has sent nothing for `timeout` seconds, or when no rank has entered a new phase
@@ -101,7 +104,7 @@ if comm.rank == 0:
 # %%
 watchdog = Watchdog(comm, "tutorial", timeout=2.0).start()    # heartbeats every 0.4 s
 last = comm.size - 1
-failstop.phase("a long computation" if comm.rank == last else "halo exchange of features.3 (forward)")
+phase("a long computation" if comm.rank == last else "halo exchange of features.3 (forward)")
 time.sleep(1.0)                                              # a few heartbeats, less than the timeout
 watchdog.stop()                                              # collective: drains, frees its communicator
 if comm.rank == 0:

@@ -28,6 +28,15 @@
 #
 # This tutorial does it all from Python, with PyTorch standing in for "your
 # implementation". Then it plants bugs in PyTorch's per-rank run and reads the diagnosis.
+# It needs PyTorch and h5py (the `oracle` extra): the first cell checks for them, so that a
+# missing one stops it here with the command that installs them, not a third of the way in.
+
+# %%
+import importlib.util
+
+missing = [name for name in ("torch", "h5py") if importlib.util.find_spec(name) is None]
+if missing:
+    raise SystemExit(f"tutorial 14 needs {' and '.join(missing)}: pip install -e '.[oracle]'")
 
 # %%
 import os

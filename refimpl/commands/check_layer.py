@@ -30,7 +30,8 @@ import numpy
 
 from .. import layers
 from ..check import ALGORITHMS, TOLERANCE, LayerCheck, check_layer
-from ..failstop import atomic_write, check_writable
+from ..atomic import atomic_write
+from ..paths import check_writable
 
 #: every --model-parallel mode some layer kind takes, 'none' first
 MODEL_MODES = tuple(dict.fromkeys(mode for name in layers.names() for mode in layers.lookup(name).model_modes))
@@ -123,11 +124,11 @@ def add_arguments(parser):
 def parse_check(args, world_size: int) -> LayerCheck:
     """The flags as a validated ``LayerCheck`` for ``world_size`` ranks: the same on every
     rank, refused (ValueError) before any message."""
-    from ..parallel.grid import parse_grid
+    from ..parallel.grid import parse_grid, world_mismatch
     shape = _ints(args.input, "input")
     grid = parse_grid(args.grid)
     if math.prod(grid) != world_size:
-        raise ValueError(f"--grid {args.grid} holds {math.prod(grid)} ranks but mpiexec started {world_size}")
+        raise ValueError(world_mismatch(args.grid, math.prod(grid), world_size))
     check = LayerCheck(
         layer=args.layer, input=shape, grid=grid, out_channels=args.out_channels,
         kernel=_ints(args.kernel, "kernel"), stride=None if args.stride is None else _ints(args.stride, "stride"),
@@ -156,7 +157,8 @@ def run(args) -> int:
 
 
 def check(args, comm) -> int:
-    from ..failstop import EXIT_CHECK_FAILED, WriteError, agree, on_root
+    from ..errors import EXIT_CHECK_FAILED, WriteError
+    from ..failstop import agree, on_root
     from ..parallel.objects import bcast_object
     request = agree(comm, parse_check, args, comm.Get_size())   # bad input: the same error on every rank, exit 2
     report = check_layer(request, comm, keep_arrays=bool(args.save))

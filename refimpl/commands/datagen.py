@@ -9,7 +9,7 @@ Examples::
 Train sample i is drawn from seed + i and val sample j from seed + samples + j,
 so the splits never share a universe and any sample can be regenerated alone.
 Files appear under their final names only when complete (tmp + fsync +
-os.replace, ``failstop.atomic_write``).  OUT belongs to one datagen at a time
+os.replace, ``atomic.atomic_write``).  OUT belongs to one datagen at a time
 (``OUT/.lock``, ``run_lock.RunLock``): two writing the same files would each
 rename a complete file over the other's, mixing two datasets.
 """
@@ -98,8 +98,10 @@ def generate(args) -> int:
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
     from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
-    from refimpl.failstop import WriteError, check_writable, describe, phase, refuse
-    from refimpl.run_lock import RunLock
+    from refimpl.errors import WriteError, describe, refuse
+    from refimpl.paths import check_writable
+    from refimpl.progress import phase
+    from refimpl.run_lock import RunLock, describe_holder, live_lock_above
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
@@ -124,6 +126,10 @@ def generate(args) -> int:
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
         refuse(str(err))
+    above = live_lock_above(args.out)
+    if above is not None:      # e.g. OUT/data of a running train: it reads (or generates) this data
+        refuse(f"--out {args.out} lies in the directory of a running job ({describe_holder(above[1])}; lock: "
+               f"{above[0]}), which may be reading this data: wait for it to end, or choose another --out")
     attrs = {"generator": args.kind, "params": params, "seed": args.seed,
              "refimpl_version": __version__}
     try:

@@ -181,7 +181,8 @@ def make_out_dir(path: str) -> None:
 
 def generate(args) -> int:
     """Write the suite's case files into --out, holding --out/.lock (a second generate there exits 2)."""
-    from ..failstop import WriteError, check_writable, describe
+    from ..errors import WriteError, describe
+    from ..paths import check_writable
     from ..run_lock import RunLock
     from ..oracle.casefile import write_case
     from ..oracle.suite import load_suite
@@ -211,7 +212,7 @@ def generate(args) -> int:
 
 
 def run_torch(args) -> int:
-    from ..failstop import check_writable
+    from ..paths import check_writable
     from ..oracle import casefile, torch_adapter
     paths = case_paths(args.cases)
     cases = [casefile.load_case(p) for p in paths]
@@ -230,7 +231,7 @@ def run_torch(args) -> int:
 
 def run_dtensor(args) -> int:
     """refimpl oracle run-dtensor: DTensor on every case, results in DIR, a summary of refusals."""
-    from ..failstop import check_writable
+    from ..paths import check_writable
     from ..oracle import casefile, dtensor_adapter
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -274,7 +275,7 @@ def run_dtensor(args) -> int:
 
 def run_dtensor_trace(args) -> int:
     """run-dtensor --trace: DTensor runs the trace's steps; one results file, and what failed."""
-    from ..failstop import check_writable
+    from ..paths import check_writable
     from ..oracle import dtensor_adapter
     from ..oracle.trace import load_trace
     if args.nproc is not None:
@@ -407,7 +408,9 @@ def _print_case(report, verbose):
 def check(args) -> int:
     """Judge every case that has results; a case without is 'not run', a file that cannot be
     checked makes its case 'unusable' (exit 2 at the end), the others are still judged."""
-    from ..failstop import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, atomic_write, check_writable
+    from ..atomic import atomic_write
+    from ..errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
+    from ..paths import check_writable
     from ..oracle import casefile
     from ..oracle.compare import CaseReport, apply_require, compare, parse_require
     if not args.tolerance_factor >= 1.0:
@@ -471,8 +474,9 @@ def check(args) -> int:
 
 
 def run(args) -> int:
-    from ..failstop import launcher_size
-    from ..failstop import InputError, run_command
+    from ..errors import InputError
+    from ..failstop import run_command
+    from ..watchdog import launcher_size
 
     def body():
         if launcher_size() > 1:

@@ -56,6 +56,8 @@ def add_parser(sub):
                             "default none)")
         p.add_argument("--model-parallel-blocks", type=int, default=1, metavar="K",
                        help="CosmoFlow: how many of its last conv blocks the model axis splits (default 1)")
+        p.add_argument("--norm", default="batch", metavar="batch|group|instance",
+                       help="the U-Net's normalisation layers (default batch; group: the preset's num_groups)")
 
     lay = actions.add_parser("layers", help="the model's layers in forward order",
                              description="Print the model's canonical layer names in forward order, with "
@@ -87,7 +89,8 @@ and write every rank's blocks in the results layout (docs/oracle.md, Model trace
   inner-padding:LAYER    every rank pads its block at its internal faces (no halo)
   adjoint-halo:LAYER:R   rank R's dx lacks the ghost gradients its neighbours send back
   stride-phase:LAYER:R   rank R's strided windows restart at its own block's first cell
-  bn-local-stats:LAYER   batch norm normalises each rank's block by its own statistics
+  local-stats:LAYER      batch / group / instance norm normalises each rank's block by its
+                         own statistics (not reduced over the ranks)
   dw-unsummed:LAYER:R    rank R reports its own share of dw/db (no allreduce there)
   dw-count:LAYER         dw/db divided by the number of ranks P (and the update uses them)
   loss-count             the loss (so every gradient) multiplied by P
@@ -129,7 +132,12 @@ def _model_parallel(args):
         raise ValueError(f"--model-parallel-blocks must be a positive integer, got {args.model_parallel_blocks}")
     if args.model != "cosmoflow" and args.model_parallel_blocks != 1:
         raise ValueError("--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only)")
-    return args.model_parallel, args.model_parallel_blocks
+    from ..oracle.trace import NORMS
+    if args.norm not in NORMS:
+        raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {args.norm!r}")
+    if args.model != "unet3d" and args.norm != "batch":
+        raise ValueError("--norm is the U-Net's (CosmoFlow has no normalisation layers)")
+    return args.model_parallel, args.model_parallel_blocks, args.norm
 
 
 def _input(args):
@@ -158,7 +166,7 @@ def layers(args) -> int:
 def _check_out(path, flag):
     import os
 
-    from ..failstop import check_writable
+    from ..paths import check_writable
     check_writable(path, flag)
     if not path.endswith((".h5", ".hdf5")):
         raise ValueError(f"{flag} {path}: give an HDF5 file name ending in .h5")
@@ -166,7 +174,7 @@ def _check_out(path, flag):
 
 
 def generate(args) -> int:
-    from ..failstop import WriteError, describe
+    from ..errors import WriteError, describe
     from ..oracle.trace import DTYPES, TraceSpec, check_spec, default_input, write_trace
     dtypes = tuple(d.strip() for d in args.dtype.split(","))
     grid = _ints(args.grid, "--grid", 4, 5)
@@ -187,7 +195,7 @@ def generate(args) -> int:
 
 
 def run_torch(args) -> int:
-    from ..failstop import WriteError, describe
+    from ..errors import WriteError, describe
     from ..oracle.trace import load_trace
     from ..oracle.trace_torch import parse_plant, run_trace, write_results
     trace = load_trace(args.trace)
@@ -219,7 +227,7 @@ def _line(f) -> str:
 
 
 def check(args) -> int:
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     from ..oracle.trace import load_trace
     from ..oracle.trace_check import check_trace, load_names, load_peer
     trace = load_trace(args.trace)
@@ -275,7 +283,7 @@ def check(args) -> int:
 
 
 def _check_out_json(path):
-    from ..failstop import check_writable
+    from ..paths import check_writable
     check_writable(path, "--json")
 
 

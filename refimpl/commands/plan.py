@@ -29,15 +29,17 @@ import math
 import sys
 import time
 
-from ..failstop import DEFAULT_STALL_TIMEOUT
+from ..watchdog import DEFAULT_STALL_TIMEOUT
 
 
 def add_arguments(parser):
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    required = parser.add_argument_group("required arguments (both, except with --calibrate alone)")
-    required.add_argument("--batch", type=int, required=False, default=None, metavar="B", help="global batch")
+    required = parser.add_argument_group("required arguments (except with --calibrate alone)")
     required.add_argument("--ranks", type=int, default=None, metavar="P", help="number of ranks (at most 2^20)")
+    parser.add_argument("--batch", type=int, required=False, default=None, metavar="B",
+                        help="global batch (default: --ranks, one sample per rank, which every grid's sample "
+                             "groups can split; give the batch you train with)")
     parser.add_argument("--model", choices=("cosmoflow", "unet3d"), default="cosmoflow",
                         help="the network to plan for (default cosmoflow)")
     parser.add_argument("--preset", default=None,
@@ -61,6 +63,9 @@ def add_arguments(parser):
     parser.add_argument("--max-grids", type=int, default=None, metavar="N",
                         help="price at most N grids, those whose blocks cut the fewest voxels first (default 24: "
                              "a few seconds; each grid takes 10 to 250 ms); the output says how many were left out")
+    parser.add_argument("--norm", choices=("batch", "group", "instance"), default=None,
+                        help="unet3d: the conv blocks' normalisation (as refimpl train --norm; default: the "
+                             "preset's or --config's, batch)")
     parser.add_argument("--model-parallel", choices=("filter", "channel", "off"), default="filter",
                         help="how grids with Pm > 1 split the model (default filter); off: no model axis")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
@@ -141,16 +146,34 @@ def tie_note(feasible):
 
 
 def layers_of(args, model_parallel=None):
-    from ..models import PRESETS
     from ..plan import model_layers
-    default = {"cosmoflow": "mlperf", "unet3d": "default"}[args.model]
+    return model_layers(args.model, config_of(args, model_parallel))
+
+
+def priced(args) -> str:
+    """What is priced, said first: model, preset (or config), sample (C, D, H, W), batch, ranks."""
+    config = config_of(args)
+    from ..models import CHECK_CONFIG
+    shape = tuple(CHECK_CONFIG[args.model](config)["input_shape"])
+    source = f"config {args.config}" if args.config else f"preset {preset_name(args)}"
+    batch = f"batch {args.batch}" + (" (the default: one sample per rank)" if args.batch_default else "")
+    return f"plan: {args.model} {source}, samples (C, D, H, W) = {shape}, {batch}, {args.ranks} ranks"
+
+
+def preset_name(args) -> str:
+    return args.preset or {"cosmoflow": "mlperf", "unet3d": "default"}[args.model]
+
+
+def config_of(args, model_parallel=None) -> dict:
+    """The model config the plan prices: --config or the preset, --sample, the model axis."""
+    from ..models import PRESETS
     if args.config and args.preset:
         raise ValueError("give --preset or --config, not both")
     if args.config:
         from ..config import load_toml
         config = load_toml(args.config)
     else:
-        name = args.preset or default
+        name = preset_name(args)
         if name not in PRESETS[args.model]:
             raise ValueError(f"--preset: no {args.model} preset {name!r}; presets: {sorted(PRESETS[args.model])}")
         config = dict(PRESETS[args.model][name])
@@ -161,7 +184,9 @@ def layers_of(args, model_parallel=None):
         config["input_shape"] = (channels, args.sample, args.sample, args.sample)
     if model_parallel:
         config["model_parallel"] = model_parallel
-    return model_layers(args.model, config)
+    if getattr(args, "norm", None) is not None:
+        config["norm"] = args.norm
+    return config
 
 
 def check(args):
@@ -170,16 +195,19 @@ def check(args):
     Returns (machine, layers, layers_mp, dims): the machine of --machine and --mem-per-rank,
     the model's layers, and when a plan follows (--batch and --ranks given) its layers with
     the model axis (None for --model-parallel off) and the 5 dims of --grid (None: search)."""
-    from ..failstop import launcher_size
+    from ..watchdog import launcher_size
     from ..parallel.grid import parse_grid
     from ..plan import MAX_RANKS, Machine, feasibility, load_machine, parse_bytes
     if launcher_size() > 1 and not args.calibrate:
         raise ValueError("it runs in one process: start it without mpiexec (mpiexec -n 2 only with "
                          "--calibrate, to measure the link)")
+    args.batch_default = args.batch is None and args.ranks is not None
+    if args.batch_default:
+        args.batch = args.ranks                 # one sample per rank: every grid's sample groups split it
     for name in ("batch", "ranks"):
         value = getattr(args, name)
         if value is None and not args.calibrate:
-            raise ValueError(f"--{name} is required")
+            raise ValueError(f"--{name} is required (--batch defaults to --ranks, one sample per rank)")
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
     if args.ranks is not None and args.ranks > MAX_RANKS:
@@ -197,7 +225,7 @@ def check(args):
     if args.mem_per_rank is not None:
         from dataclasses import replace
         machine = replace(machine, mem_per_rank=parse_bytes(args.mem_per_rank))
-    from ..failstop import check_writable
+    from ..paths import check_writable
     for path, flag in ((args.json, "--json"), (args.plot, "--plot"), (args.save_machine, "--save-machine")):
         if path:
             check_writable(path, flag)
@@ -220,7 +248,7 @@ def check(args):
 
 
 def run(args) -> int:
-    from ..failstop import launcher_size
+    from ..watchdog import launcher_size
     from ..failstop import run_command
     comm = None
     if launcher_size() > 1:              # mpiexec -n 2 refimpl plan --calibrate: every rank measures
@@ -232,7 +260,8 @@ def run(args) -> int:
 def agreed(comm, fn, *args):
     """``fn(*args)`` whose ValueError becomes bad input on every rank alike (``failstop.agree``
     under mpiexec; in one process, that one)."""
-    from ..failstop import InputError, agree
+    from ..errors import InputError
+    from ..failstop import agree
     if comm is not None:
         return agree(comm, fn, *args)
     try:
@@ -273,7 +302,8 @@ def explain(plan):
           f"= compute {plan.compute_s * 1e3:.1f} + halo {plan.halo_s * 1e3:.1f} + model/bn/flatten messages "
           f"{plan.model_s * 1e3:.1f} + gradient allreduce {plan.allreduce_s * 1e3:.1f} ({plan.buckets} buckets, "
           f"{format_bytes(plan.grad_bytes)}); memory {format_bytes(plan.memory_bytes)}")
-    header = ["layer", "kind", "GFLOP", "comp ms", "halo KiB", "msgs", "halo ms", "model KiB", "other ms", "saved MiB"]
+    header = ["layer", "kind", "GFLOP", "comp ms", "sent KiB", "sent msgs", "halo ms", "model KiB", "other ms",
+              "saved MiB"]
     rows = [[c.name, c.kind, f"{c.flops / 1e9:.3f}", f"{c.compute_s * 1e3:.2f}", f"{c.halo_bytes / 1024:.1f}",
              str(c.halo_messages), f"{c.halo_s * 1e3:.3f}", f"{(c.model_bytes + c.model_allreduce_bytes) / 1024:.1f}",
              f"{c.comm_s * 1e3:.3f}", f"{c.saved_bytes / 2**20:.1f}"] for c in plan.layers]
@@ -310,7 +340,8 @@ def plot_scaling(args, path, machine, layers, searching):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..failstop import atomic_write, phase
+    from ..atomic import atomic_write
+    from ..progress import phase
     from ..plan import search
     ps = sorted({2 ** i for i in range(int(math.log2(args.ranks)) + 1)} | {args.ranks})
     families = ("data", "spatial", "model", "hybrid")
@@ -351,7 +382,8 @@ def plot_scaling(args, path, machine, layers, searching):
 def plan(args, comm) -> int:
     """Refuse bad input on every rank alike, calibrate on every rank (``comm``: under mpiexec),
     then answer from rank 0 while the others wait for its outcome (``failstop.on_root``)."""
-    from ..failstop import on_root, phase, set_stall_timeout
+    from ..failstop import on_root, set_stall_timeout
+    from ..progress import phase
     machine, layers, layers_mp, dims = agreed(comm, check, args)
     set_stall_timeout(args.stall_timeout)
     if args.calibrate:
@@ -369,7 +401,8 @@ def plan(args, comm) -> int:
 def answer(args, machine, layers, layers_mp, dims) -> None:
     """What rank 0 prints and writes: the calibrated machine, then the plan of one grid (``dims``)
     or of the search."""
-    from ..failstop import atomic_write, phase
+    from ..atomic import atomic_write
+    from ..progress import phase
     from ..plan import MAX_PRICED, plan_grid, save_machine, search
     if args.calibrate:
         print(f"calibrated: {machine.summary()}")
@@ -379,6 +412,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
             print(f"wrote {args.save_machine}")
         if args.batch is None or args.ranks is None:
             return
+    print(priced(args))
     if not args.calibrate and not args.machine:
         print(UNCALIBRATED)
     kw = dict(optimizer=args.optimizer, optimizer_sharding=args.optimizer_sharding, algorithm=args.allreduce)
@@ -399,8 +433,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
         left_out = (f"priced the {plans.priced} whose blocks cut the fewest voxels (--max-grids N for more)"
                     if plans.priced < plans.runnable else "all priced")
         print(f"{args.model}: {plans.grids} grids of {args.ranks} ranks, {plans.runnable} can run it, {left_out}; "
-              f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}; batch {args.batch}; "
-              f"{machine.summary()}")
+              f"{len(feasible)} fit{' in ' + args.mem_per_rank if args.mem_per_rank else ''}")
         tie = tie_note(feasible) if feasible else None
         if tie:
             print(tie)
@@ -411,6 +444,7 @@ def answer(args, machine, layers, layers_mp, dims) -> None:
                 explain(feasible[1])
                 compare_two(feasible[0], feasible[1])
         batch_advice(args, plans)
+    print(f"\nmachine: {machine.summary()}")
     if args.json:
         text = json.dumps({"model": args.model, "batch": args.batch, "ranks": args.ranks, "searched": searched,
                            "machine": machine.__dict__, "grids": [p.as_dict() for p in plans[:args.top]]},

@@ -51,6 +51,10 @@ def add_arguments(parser):
       help="split layers by filters or channels over the grid's Pm: cosmoflow its last [model_config] "
            "model_parallel_blocks conv blocks (default 1) and its dense head (Gholami's 1.5-D layers), "
            "unet3d its bottleneck (docs/model_parallel.md; default none: every model rank runs every layer)")
+    a("--norm", choices=("batch", "group", "instance"),
+      help="unet3d: the conv blocks' normalisation, [model_config] norm (default batch: statistics of the "
+           "global batch; group: per sample and group of [model_config] num_groups channels, default 8; "
+           "instance: per sample and channel; docs/training.md)")
     a("--global-batch", type=int, metavar="B", help="samples per step over all sample groups; "
       "divisible by Pn (default 4 rounded up to a multiple of Pn)")
     a("--steps", type=int, help="train this many steps in total (default: --epochs)")
@@ -74,11 +78,15 @@ def add_arguments(parser):
     a("--resume", action="store_const", const=True, help="continue the run in OUT from OUT/checkpoint.h5")
     a("--overwrite", action="store_const", const=True, help="start over in an OUT that holds a run")
     a("--break-lock", action="store_const", const=True,
-      help="take over OUT/.lock when the job that took it is gone (its process no longer runs on this host, "
-           "or it was not refreshed for 10 minutes; --overwrite does too); a live job's lock is never broken")
+      help="take over OUT/.lock of a job on another host that was not refreshed for 10 minutes (--overwrite "
+           "does too; a lock whose process no longer runs on this host is taken over without it, and said so); "
+           "a live job's lock is never broken")
+    a("--data-changed-ok", action="store_const", const=True,
+      help="with --resume: train on the data even if it is not what the checkpoint recorded (another sample "
+           "count, shape, generator, seed or content); without it such a resume is refused")
     a("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps and at the end (default 50)")
     a("--validate-every", type=int, metavar="N", help="validate every N steps and at the end (default 25)")
-    a("--log-every", type=int, metavar="N", help="log line every N steps (default 1)")
+    a("--log-every", type=int, metavar="N", help="a log line every N steps and at the last (default 10; each validation prints its own line)")
     a("--allreduce", choices=sorted(CHOICES["allreduce"]), help="gradient allreduce algorithm (default native; "
       "docs/communication.md)")
     a("--allreduce-option", dest="allreduce_options", action="append", metavar="NAME=VALUE",
@@ -102,6 +110,9 @@ def add_arguments(parser):
     a("--chunk-mb", type=float, metavar="MIB", help="cut each gradient bucket into allreduces of at most "
       "MIB MiB (default: 1 with --priority input-first, else 0 = whole buckets)")
     a("--backend", choices=CHOICES["backend"], help="array module (default numpy)")
+    a("--tf32", action="store_true", default=None,
+      help="let float32 matrix products on a GPU round to TF32 (faster on tensor cores, 10 mantissa bits): "
+           "the same as REFIMPL_TF32=1 (docs/gpu.md, Precision); refused for --dtype float64")
     a("--cuda-aware", action="store_const", const=True, help="hand device buffers to MPI directly")
     a("--check-data", choices=CHOICES["check_data"], help="full (default): read and check every "
       "sample before training; lazy: check each batch as it is read")
@@ -110,7 +121,9 @@ def add_arguments(parser):
       "first 32 training samples)")
     a("--no-cache", dest="cache", action="store_const", const=False, help="re-read samples every epoch")
     a("--no-plot", dest="plot", action="store_const", const=False, help="do not write loss.png")
-    a("--quiet", action="store_const", const=True, help="no progress bar or log lines")
+    a("--quiet", action="store_const", const=True, help="no progress bar or log lines (kept by --resume)")
+    a("--no-quiet", dest="quiet", action="store_const", const=False,
+      help="progress and log lines again (a run started --quiet keeps it across --resume otherwise)")
     a("--stall-timeout", type=float, metavar="SECONDS",
       help="end the job (exit 5) when a rank has sent no heartbeat, or no rank has moved on, for this "
            "long; the message names the silent ranks and where the others wait (default 600; 0 = off)")
@@ -119,7 +132,7 @@ def add_arguments(parser):
 FLAG_KEYS = ("model", "preset", "data", "generate", "gen_samples", "gen_val_samples", "grid", "global_batch",
              "steps", "epochs", "optimizer", "lr", "base_batch", "momentum", "nesterov", "weight_decay",
              "warmup_steps", "schedule", "decay", "dtype", "seed", "out", "resume", "overwrite", "break_lock",
-             "checkpoint_every", "validate_every", "log_every", "allreduce", "allreduce_options", "bucket_mb", "overlap",
+             "data_changed_ok", "checkpoint_every", "validate_every", "log_every", "allreduce", "allreduce_options", "bucket_mb", "overlap",
              "optimizer_sharding", "compress", "error_feedback", "priority", "chunk_mb", "backend", "cuda_aware", "check_data", "cache", "normalize", "plot", "quiet", "stall_timeout")
 
 
@@ -162,8 +175,9 @@ def given_settings(args) -> dict:
             raise ValueError(f"--config {args.config}: allreduce_options must be a table of options, got {table!r}")
         flags["allreduce_options"] = {**table, **allreduce_options(flags["allreduce_options"])}
     given = {**given, **flags}
-    if args.model_parallel is not None:       # a model setting: it goes into [model_config]
-        given["model_config"] = {**given.get("model_config", {}), "model_parallel": args.model_parallel}
+    for key in ("model_parallel", "norm"):     # model settings: they go into [model_config]
+        if getattr(args, key) is not None:
+            given["model_config"] = {**given.get("model_config", {}), key: getattr(args, key)}
     return given
 
 

@@ -136,7 +136,7 @@ def generate_universe(index: int, seed: int, size, channels: int = 4, mean_count
     ``full`` holds Poisson counts with mean ``mean_count`` per voxel, or the
     positive lognormal density itself when ``mean_count`` is None.
     """
-    from ..functional._args import triple
+    from ..functional.args import triple
     shape = triple(size, "size", minimum=1)
     if channels < 1:
         raise ValueError(f"channels must be >= 1, got {channels}")

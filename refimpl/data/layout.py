@@ -14,7 +14,7 @@ Root attributes: ``format`` ("refimpl-hdf5"), ``version``, ``generator``,
 sample i used ``default_rng(seed + first_index + i)``), ``layout``; per-sample
 files also carry ``sample_index``.
 
-Writes are atomic, through ``failstop.atomic_write`` as checkpoints are: every
+Writes are atomic, through ``atomic.atomic_write`` as checkpoints are: every
 file is built under a temporary name beside its target, fsync-ed and renamed
 (``os.replace``) only once complete; a ``per-sample`` directory is built as a
 temporary directory and renamed as a whole.  A crash never leaves a half-written
@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 
-from ..failstop import atomic_write, forget_on_abort, remove_on_abort
+from ..atomic import atomic_write, forget_on_abort, hdf5_file, remove_on_abort
 
 FORMAT = "refimpl-hdf5"
 VERSION = 1
@@ -60,7 +60,7 @@ def chunk_shape(sample_shape, edge: int = DEFAULT_CHUNK_EDGE):
 def atomic_target(path):
     """Yield a temporary path beside ``path``; on success rename it to ``path``.
 
-    For a ``per-sample`` directory (a file goes through ``failstop.atomic_write``).
+    For a ``per-sample`` directory (a file goes through ``atomic.atomic_write``).
     On an exception the temporary directory is removed and ``path`` is left as
     it was.  An existing directory target is swapped out and deleted after the
     rename (a directory cannot be replaced in one step).
@@ -97,66 +97,6 @@ def _root_attrs(f, attrs: dict) -> None:
     f.attrs["version"] = VERSION
     for key, value in attrs.items():
         f.attrs[key] = json.dumps(value) if isinstance(value, dict) else value
-
-
-class _KeepFirstError:
-    """The file HDF5 writes through: every write "succeeds" for HDF5; the first failure is kept.
-
-    HDF5 reports a failed write (ENOSPC, EFBIG) wherever its caches happen to be
-    flushed, often while h5py frees an object: from a destructor, where the
-    error reaches only ``sys.excepthook`` / ``sys.unraisablehook`` and the
-    writing code carries on.  Here HDF5 never sees a failure: the first
-    ``OSError`` is kept (nothing after it reaches the disk) and ``check`` raises
-    it in the writer's own code.  It wraps the unbuffered file, because a
-    buffered one would also fail in ``seek`` (which flushes its buffer).
-    """
-
-    def __init__(self, raw):
-        self.raw = raw
-        self.error = None
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        size = len(view)
-        if self.error is None:
-            try:
-                while view:                        # an unbuffered write may write a part only
-                    view = view[self.raw.write(view):]
-            except OSError as err:
-                self.error = err
-        return size
-
-    def truncate(self, size: int) -> int:
-        if self.error is None:
-            try:
-                self.raw.truncate(size)
-            except OSError as err:
-                self.error = err
-        return size
-
-    def check(self) -> None:
-        """Raise the first failed write's error, if any."""
-        if self.error is not None:
-            raise self.error
-
-    def __getattr__(self, name):                   # seek, tell, read, flush: the file's own
-        return getattr(self.raw, name)
-
-
-@contextlib.contextmanager
-def _h5_file(binary_file):
-    """``(h5py.File, check)`` writing through ``binary_file`` (from ``atomic_write``); the HDF5
-    file is closed here, and a write that failed (in the body, or in the close's flush) is
-    raised after the close, as an ``OSError``, never from an h5py destructor."""
-    import h5py
-
-    sink = _KeepFirstError(binary_file.raw)
-    f = h5py.File(sink, "w")
-    try:
-        yield f, sink.check
-    finally:
-        f.close()
-    sink.check()
 
 
 def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
@@ -205,7 +145,7 @@ def _write_single(binary_file, make_sample, count, first_index, attrs, chunk_edg
     """Every sample into one file, (N, ...) datasets created from the first sample's shapes."""
     import numpy
 
-    with _h5_file(binary_file) as (f, check):
+    with hdf5_file(binary_file) as (f, check):
         _root_attrs(f, attrs)
         for i in range(count):
             full, target = make_sample(first_index + i)
@@ -224,7 +164,7 @@ def _write_single(binary_file, make_sample, count, first_index, attrs, chunk_edg
 
 
 def _write_sample(binary_file, full, target, attrs, chunk_edge) -> None:
-    with _h5_file(binary_file) as (f, _):
+    with hdf5_file(binary_file) as (f, _):
         _root_attrs(f, attrs)
         f.create_dataset(DATA_KEY, data=full, chunks=chunk_shape(full.shape, chunk_edge))
         f.create_dataset(_target_key(target), data=target)

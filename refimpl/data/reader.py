@@ -30,7 +30,7 @@ import os
 
 import numpy
 
-from ..functional._args import triple
+from ..functional.args import triple
 from ..parallel import partition
 from ..paths import refuse_special
 from .layout import DATA_KEY, LABEL_KEY, PER_SAMPLE_SUFFIXES, TARGET_KEY

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy
 
-from ..functional._args import triple
+from ..functional.args import triple
 
 
 def class_means(classes: int, channels: int):

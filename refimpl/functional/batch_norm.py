@@ -65,7 +65,7 @@ from typing import NamedTuple
 from ..backend import array_module, check_same_dtype
 from ..kernels import batch_norm as fast
 from ._route import kernel_for
-from ._args import check_float, check_ndim
+from .args import check_float, check_ndim
 
 
 

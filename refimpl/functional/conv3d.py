@@ -8,7 +8,7 @@ the kernel taps.  Output extent per axis: ``floor((n + p_lo + p_hi - dl(k-1) - 1
 ``padding`` is an int, ``(pd, ph, pw)`` (``p_lo = p_hi``), a per-side 6-tuple
 ``(d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)``, ``'valid'`` (0) or ``'same'`` (stride 1: total
 ``dl(k-1)`` per axis, the odd cell of an even kernel on the hi side, as both PyTorch and
-TensorFlow place it; refimpl/functional/_args.py has the rules side by side).  The
+TensorFlow place it; refimpl/functional/args.py has the rules side by side).  The
 kernels take symmetric padding; an asymmetric one reaches them as an explicit zero pad of
 the difference (refimpl/kernels/conv.py).
 
@@ -49,7 +49,7 @@ from math import prod
 
 from .. import settings
 from ..backend import array_module, check_same_dtype
-from ._args import PADDING_FORMS, triple
+from .args import PADDING_FORMS, triple
 
 AXES = ("depth", "height", "width")
 ENV_ALGORITHM = "REFIMPL_CONV_ALGORITHM"
@@ -170,7 +170,7 @@ def conv_args(stride, padding, dilation, *, x=None, w=None, b=None, dy=None, inp
                          f"got {getattr(b, 'shape', None)}")
     s, dl = triple(stride, "stride", 1), triple(dilation, "dilation", 1)
     # padding: int, (pd, ph, pw), (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi), 'valid' or 'same' (the
-    # table in refimpl/functional/_args.py) -> (lo, hi) per axis, written out here so that the
+    # table in refimpl/functional/args.py) -> (lo, hi) per axis, written out here so that the
     # reference reads in few functions
     if isinstance(padding, str):
         if padding not in ("valid", "same"):

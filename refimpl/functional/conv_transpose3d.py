@@ -19,7 +19,7 @@ read by no input's window, the conv's "inputs past the last window".
 from __future__ import annotations
 
 from ..backend import check_same_dtype
-from ._args import check_float, check_ndim, transposed_out_shape, triple
+from .args import check_float, check_ndim, transposed_out_shape, triple
 from .conv3d import AXES, _grouped, forward, input_grad, is_reference, weight_grad
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from math import prod
 
 from ..backend import check_same_dtype
-from ._args import check_float, check_ndim
+from .args import check_float, check_ndim
 
 
 def linear(x, w, b=None):

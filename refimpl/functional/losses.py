@@ -35,7 +35,7 @@ import numpy
 from ..backend import array_module, check_same_dtype, to_host
 from ..kernels import losses as fast
 from ._route import kernel_for
-from ._args import check_float
+from .args import check_float
 
 
 

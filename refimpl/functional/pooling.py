@@ -21,7 +21,7 @@ the math below.
 
 Padding: an int, ``(pd, ph, pw)``, a per-side ``(d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)``,
 ``'valid'`` or ``'same'`` (stride 1; the forms and the 'same' rules are in
-``refimpl/functional/_args.py``); each side must be ``<= kernel // 2`` (PyTorch's rule),
+``refimpl/functional/args.py``); each side must be ``<= kernel // 2`` (PyTorch's rule),
 so every window holds at least one real element.  Max pooling pads with ``-inf``;
 average pooling pads with zeros.
 
@@ -45,7 +45,7 @@ import numpy
 from ..backend import array_module, check_same_dtype
 from ..kernels import pooling as fast
 from ._route import kernel_for
-from ._args import check_float, check_ndim, padding_sides, triple, window_out_shape
+from .args import check_float, check_ndim, padding_sides, triple, window_out_shape
 
 AXES = (4, 3, 2)  # W, then H, then D: the forward order of the separable stages
 

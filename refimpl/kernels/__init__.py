@@ -19,5 +19,10 @@ reference (tests/test_reference.py and the ops' own tests):
   hands the kernel the reference's per-block functions: a kernel never imports functional);
 - ``_threads``: the worker threads (NumPy runs a pass on one core) and BLAS holding.
 
-Submodules are imported explicitly (``from refimpl.kernels import conv``).
+Submodules are imported explicitly (``from refimpl.kernels import conv``); the package itself
+exports the two names used outside it: ``blas_held_single`` (the models hold BLAS to one thread
+around their passes) and ``thread_count`` (the worker count).
 """
+from ._threads import blas_held_single, thread_count
+
+__all__ = ["blas_held_single", "thread_count"]

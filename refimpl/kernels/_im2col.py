@@ -430,8 +430,8 @@ def input_grad_without_overlap(dy, w, input_shape, budget):
         Z (C*T, M) = W^T (C*T, F) @ dy (F, M),     dx[c, j*k + t] = Z[(c, t), j]
 
     and each of the ``T`` taps' rows is *written* into ``dx`` with one strided copy (step
-    ``k``): no zeroed ``dx`` and no col2im adds (three times slower measured: a 2 x 32 x 32^3
-    ``dx`` written tap by tap 0.7 ms per sample, zeroed and added 2.1).  Inputs past the last
+    ``k``): no zeroed ``dx`` and no col2im adds (those take about three times as long:
+    docs/benchmarks.md, "Kernel choices").  Inputs past the last
     window (an odd extent) are zero.  The tiles (of whole planes or rows of one sample) write
     disjoint parts of ``dx`` and run on the worker threads; each worker's ``Z`` buffer is
     within its share of ``budget`` (one output row at least)."""
@@ -525,12 +525,10 @@ def flipped_kernel(w):
 # gradient keeps im2col's col2im (its depth taps would add into overlapping planes).
 
 #: Bytes of hw-columns per tile of the depth-tap *forward*: small enough to stay in the cache
-#: while its kd GEMMs (F rows each: few for the narrow first convs) read it three times.
-#: Measured on a 2-core AMD EPYC VM (512 KiB L2 per core, 8 MiB L3; 2 threads): with 8 MiB
-#: tiles the GEMMs of an 8->8 conv at 64^3 ran at 18 GFLOP/s, with 2 MiB at 24 (the rate of
-#: the same GEMMs on cached data); forward 1->8, 4->16, 8->8 at 64^3 12-42 % faster.  The
-#: weight gradient's GEMMs (a long sum over M) keep ``TARGET_TILE_BYTES`` tiles: 2 MiB
-#: ones ran them 5-10 % slower.
+#: while its kd GEMMs (F rows each: few for the narrow first convs) read it three times: with
+#: larger tiles those GEMMs fall below the rate they reach on cached data.  The weight
+#: gradient's GEMMs (a long sum over M) keep ``TARGET_TILE_BYTES`` tiles, which run them
+#: faster (measured: docs/benchmarks.md, "Kernel choices").
 FORWARD_TILE_BYTES = 2 * 2**20
 #: Depth planes per tile when a tile holds part of a plane: enough that the ``reach``
 #: extra planes of hw-columns cost little (copies (planes + reach) / planes).

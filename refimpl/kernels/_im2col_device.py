@@ -5,9 +5,8 @@ The math is ``_im2col``'s (read its docstring first): columns, one GEMM for ``y`
 every array operation costs a kernel launch plus tens of microseconds of Python and CuPy
 overhead, whatever its size, and there is no cache to fit a tile into.  ``_im2col``'s CPU
 schedule (cache-sized tiles, kd*kh*kw strided copies per tile plus the zeroing of their
-padding borders, worker threads) therefore spends its time launching: measured on an H100,
-a 4 -> 32 channel conv at 64^3 took 4.6 ms forward and 60 ms backward, cuDNN 0.3 and 1.0.
-Here:
+padding borders, worker threads) therefore spends its time launching: on a GPU it ran one to
+two orders of magnitude behind cuDNN (docs/benchmarks.md, "Kernel choices").  Here:
 
 * the input is zero-padded once (``_padded``: only as far as the outputs read), so the
   taps need no borders;

@@ -29,8 +29,8 @@ GEMM columns (1.12 for ``Ho = Wo = 17``, ``k = 3``, ``s = 2``).  Then, per tile:
     y_grid (F, L) = W (F, T*C) @ col (T*C, L);       y = y_grid at the valid positions
 
 The weight gradient takes the same columns: ``dW^T (T*C, F) += col @ dy_grid^T`` with ``dy``
-copied into the grid layout (zero at the dropped positions).  Measured (2 threads, float32,
-the issue-9 row below): 10.2-10.8 -> 8.4 ms, against im2col's strided gathers.
+copied into the grid layout (zero at the dropped positions): faster than im2col's strided
+gathers (docs/benchmarks.md, "Kernel choices").
 
 **Input gradient.**  Input ``i = j*s + r - p`` is position ``j`` of phase ``r``, and
 
@@ -46,9 +46,9 @@ adds (col2im's), and positions of a phase no tap reads (``s > k`` along an axis)
 
 Cost: one strided pass over ``x`` (the phases) instead of ``T`` strided gathers, and one
 strided write of ``dx`` instead of ``T`` strided adds; the GEMMs are im2col's (plus the grid's
-dropped positions).  Exact: the same products, summed in another order.  Measured (2 threads,
-float32, N=2, 32->32, 33^3, k3 s2 p1, ms): forward 20.5-21 -> 17.7-18.4 (one-plane tiles: the
-GEMM's columns stay in cache), input gradient 28-30 -> 15-18.
+dropped positions).  Exact: the same products, summed in another order.  Faster than im2col
+in both passes (one-plane tiles: the GEMM's columns stay in cache), the input gradient most
+(measured: docs/benchmarks.md, "Kernel choices").
 
 Memory: the work is cut into tasks of whole output planes of one sample (a "slab": its phase
 grids, built once) and column tiles of ``nd`` planes within a slab; per worker thread one
@@ -91,7 +91,7 @@ def fill_grid(dst, src, starts, steps):
 
     Where a border is to be zero, a C-contiguous ``dst`` is zeroed whole first: one long
     memset costs less than zeroing the border row by row (a one-element strided write per
-    row along the last axis; measured, 16 phase grids of a 2 x 32 x 33^3 input: 1.9 -> 1.4 ms)."""
+    row along the last axis)."""
     nd = dst.ndim - 3
     box_dst, box_src, borders = [slice(None)] * nd, [slice(None)] * nd, []
     for ax, (st, sp, m, n) in enumerate(zip(starts, steps, dst.shape[nd:], src.shape[nd:])):

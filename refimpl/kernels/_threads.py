@@ -75,10 +75,8 @@ def blas_held_single():
     Why: a BLAS call on several threads (a small Winograd weight transform, a conv of one
     tile, a linear layer) leaves OpenBLAS's threads spinning for a while after it returns,
     and on a 2-core machine they then take a core from the next chunked pass of our
-    workers.  Measured (2-core VM, U-Net ``small`` step at 2 threads): the 32->16 and
-    16->16 convs at 32^3 right after such calls ran at 53-61 and 33-36 ms instead of 38 and
-    20, the whole step 1.70-1.73 s instead of 1.58-1.59 (CosmoFlow 0.715 -> 0.65-0.67).
-    The models' forward and backward and the conv entry points run inside this; BLAS is
+    workers: the convs right after such calls ran up to 1.6x slower, the whole step
+    several per cent (measured: docs/benchmarks.md, "Kernel choices").  The models' forward and backward and the conv entry points run inside this; BLAS is
     then never asked for threads of its own, the workers are the parallelism."""
     global _held
     if _held is not None:
@@ -155,7 +153,7 @@ def copy(dst, src, workers):
 
 
 #: Elements per block of a blockwise elementwise pass (1 MiB of float32, measured): a few passes over one block stay in
-#: the L2 cache (4 MiB per core here) instead of streaming the whole array each time.
+#: the L2 cache instead of streaming the whole array each time.
 ELEMENTWISE_BLOCK = 1 << 18
 
 

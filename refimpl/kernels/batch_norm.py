@@ -6,9 +6,9 @@ backward) and the per-channel affine passes ``y = a x + c`` and ``dx = a dy + b 
 Here the same operations run on blocks of the arrays (``channel_blocks``: one sample's
 channels ``[c0, c1)`` over voxels ``[v0, v1)``, about ``BLOCK_ELEMENTS`` elements, rows as
 long as possible), shared by the worker threads of ``_threads``: the few elementwise
-operations of a pass then read the cache, not memory, and run on every core.  Measured (2
-threads, 1 x 128 x 32^3): rows of 2048 voxels by all 128 channels took the backward's sums
-4.9 ms, rows of 32768 by 8 channels 1.9 ms; 1 MiB blocks 2x faster than 64 Ki elements.
+operations of a pass then read the cache, not memory, and run on every core.  Long rows of
+few channels beat short rows of all channels, and 1 MiB blocks beat smaller ones (measured:
+docs/benchmarks.md, "Kernel choices").
 
 Numbers: the affine passes are elementwise, so they equal the reference bit for bit; a
 per-channel sum adds the blocks' float64 row sums in block order (an order that depends
@@ -26,8 +26,8 @@ import numpy
 from ..backend import array_module
 from . import _threads
 
-#: Voxels x channels per block of a pass (1 MiB of float32: measured best here, 2x
-#: faster than 64 Ki elements, whose per-channel rows are too short).
+#: Voxels x channels per block of a pass (1 MiB of float32: measured best; blocks of 64 Ki
+#: elements make the per-channel rows too short).
 BLOCK_ELEMENTS = 1 << 18
 
 

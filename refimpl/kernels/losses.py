@@ -9,8 +9,7 @@ labels (``take_along_axis``) several times slower than one 0/1 mask per class.  
 for few classes (at most ``MASKED_PICK_CLASSES``), the same values are computed class
 plane by class plane over blocks of ``CLASS_BLOCK_VOXELS`` voxels of one sample (K
 planes of a block stay in the cache), the blocks shared by the worker threads of
-``_threads``.  Measured: the softmax of 4 x 3 x 64^3 float32 26 -> 6 ms; on the U-Net's
-logits (2 x 3 x 64^3) a softmax is 10 ms.
+``_threads`` (measured: docs/benchmarks.md, "Kernel choices").
 
 Numbers: the softmax, the gradient and the confusion counts equal the reference's (the
 max, a pick at the label and the argmax are exact; the normaliser adds the classes'

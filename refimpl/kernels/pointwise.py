@@ -12,8 +12,8 @@ the first reads the cache, and the blocks run on all cores):
 - leaky relu backward, 0 <= slope <= 1: ``dy * max(m, slope)`` with the 0/1 mask
   ``m = (x > 0)``: the factor is exactly 1 or the slope, so it equals
   ``where(x > 0, dy, dy * slope)`` bit for bit, in 4 short passes per block (``where``
-  runs 5-8x slower; the earlier ``dy * m + dy * ((1 - m) * slope)`` took 7: 390 -> 260 us
-  per 256 Ki floats here).  Other slopes: ``dy * m + dy * ((1 - m) * slope)`` (one term is
+  runs 5-8x slower; the earlier ``dy * m + dy * ((1 - m) * slope)`` took 7 passes:
+  docs/benchmarks.md, "Kernel choices").  Other slopes: ``dy * m + dy * ((1 - m) * slope)`` (one term is
   zero, the other exact or the same rounded ``dy * slope``).
 
 On a GPU (CuPy arrays) each of the four is one fused ``cupy.ElementwiseKernel`` instead:

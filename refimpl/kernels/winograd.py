@@ -159,7 +159,7 @@ def _weight_transform_adjoint(g, dut):
 # ---------------------------------------------------------------------- tiles and chunks
 
 #: Preferred bytes of the work buffers of one chunk: passes over cache-resident
-#: chunks run up to 2x faster than over big ones (measured, 4 MiB L2 per core) ...
+#: chunks run up to 2x faster than over big ones (docs/benchmarks.md, "Kernel choices") ...
 TARGET_CHUNK_BYTES = 4 * 2**20
 #: ... but at least this many tiles per chunk (the rows of the 216 GEMMs).
 MIN_CHUNK_TILES = 128
@@ -171,7 +171,7 @@ def chunks(n_batch, tiles, per_tile_bytes, budget, workers=1):
     within ``budget``): whole samples while they fit, else depth ranges of one
     sample (at least one row of tiles).  With several ``workers``, no more tiles per
     chunk than gives each worker a chunk (a deep layer of few tiles: the workers, whose
-    BLAS runs on one thread, share its GEMMs; 128->256 @8^3, N=4, forward 42 -> 29 ms)."""
+    BLAS runs on one thread, share its GEMMs)."""
     td, th, tw = tiles
     want = max(MIN_CHUNK_TILES, TARGET_CHUNK_BYTES // per_tile_bytes)
     fit = max(1, min(want, budget // per_tile_bytes))            # tiles per chunk
@@ -189,7 +189,7 @@ def overlap_waves(chunk_list):
     input tiles overlap only the next and the previous depth range of the *same* sample, so
     the chunks at even positions within their sample form one wave and those at odd
     positions the other; chunks of whole samples all run in one wave (a deep layer of few
-    tiles: 128->256 @8^3, N=4, dx 26 -> 15 ms, both workers busy instead of one)."""
+    tiles: both workers busy instead of one)."""
     position, waves = {}, ([], [])
     for ch in chunk_list:
         i = position[ch[:2]] = position.get(ch[:2], -1) + 1
@@ -319,17 +319,17 @@ def _overlap_add(dxcl, dg, chunk, tiles):
 # T, C) and ``dM`` (216, T, F) of *all* tiles formed once (the chunks in parallel): small here,
 # since they are taken only where they are no bigger than ``U``.  No block writes where another
 # does (disjoint channels), so there is no reduction over workers and no wave order.  The sums
-# are the same products in the same order per output: exact in float64, as before.  Measured
-# (2-core Zen 4 VM, 1 thread, 128->256 @8^3, N=4): the weight transform then the GEMMs 5.1 + 7.0
-# ms, by blocks of 32 filters 7.0 ms for both.
+# are the same products in the same order per output: exact in float64, as before.  A block's
+# transformed weights are still in cache when its GEMM reads them, so transform and GEMMs
+# together cost about what the GEMMs alone did (docs/benchmarks.md, "Kernel choices").
 
 #: Bytes of one channel block's transformed weights (216 x C x block): cache-sized.
 CHANNEL_BLOCK_BYTES = 4 * 2**20
 
 
 #: ... but input-gradient blocks of at least this many channels: their overlap-add into the
-#: channels-last ``dx`` runs over ``block`` contiguous elements at a time (measured, 256->512
-#: @8^3 N=4, 2 threads: blocks of 9 channels dx 54 ms, of 37 42 ms).
+#: channels-last ``dx`` runs over ``block`` contiguous elements at a time, and short runs are
+#: slow (docs/benchmarks.md, "Kernel choices").
 DX_BLOCK_CHANNELS = 32
 
 
@@ -476,7 +476,7 @@ def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     ``_im2col.input_grad_by_flipped_kernel``; a padding above 2 would need a negative one),
     only where that forward has no more tiles (of the input's extent) than the adjoint (of the
     output's): a layer fed a halo-padded block (padding 0, 18^3 in, 16^3 out) would need 5^3
-    tiles instead of 4^3, and measured 17 % slower (16->16, N=4).
+    tiles instead of 4^3, and ran slower (docs/benchmarks.md, "Kernel choices").
 
     Why: the adjoint route cuts 4^3 tiles of ``dy`` (F channels), expands them to 6^3 (``A``),
     and after the GEMM transforms 6^3 points of C channels (``B``) and adds them into ``dx``
@@ -486,12 +486,8 @@ def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     about 2F + C/2 values per tile point where the adjoint moves F + 3C: it wins for F below
     about 2.5C.  But with ``dw`` wanted too the adjoint's ``dM`` (its cut and ``A``) serves both
     gradients, and the forward route must make ``dM`` for ``dw`` alone: it then pays only up to
-    F = C (below, it wins; at F = C it is about even).  Measured (2 threads, float32, 2-core
-    Zen 4 VM), dx alone: 16->32, 32->32, 32->16, 64->32 at 32^3 20-40 % faster, 16->16 and 8->8
-    at 64^3 20-33 %, 32->64 at 32^3 6 % slower, 64->128 even; dx and dw: 64->32, 32->16 at
-    32^3 and 128->64 at 16^3 7-15 % faster; F = C (8, 16, 32, 64 channels at 16^3-64^3, 14
-    runs) 0.92-1.13x the adjoint's speed, about even (8->8 at 64^3 10-49 % faster); 16->32 and
-    32->64 20-30 % slower."""
+    F = C (below, it wins; at F = C it is about even).  Measured: docs/benchmarks.md, "Kernel
+    choices"."""
     if any(p > R_KERNEL - 1 for p in padding) or winograd_tiles(in_spatial) != winograd_tiles(out_spatial):
         return False
     return f <= c if need_dw else f <= 2 * c

@@ -16,6 +16,7 @@ registered by a file ``$REFIMPL_KINDS`` names (``load_kinds``).
     conv.py        conv3d, conv_transpose3d
     pool.py        max_pool3d, avg_pool3d
     batch_norm.py  batch_norm3d
+    norm.py        group_norm3d, instance_norm3d: planner hooks only for now (in PLAN_ONLY)
     plan_only.py   relu, leaky_relu, gather, linear, flatten_linear: kinds only the planner prices
 
 Every kind also carries the planner's hooks (``LayerKind.plan_*``: its label in the plan's
@@ -29,6 +30,7 @@ from __future__ import annotations
 from .base import LayerKind, WindowKind
 from .batch_norm import BatchNorm3dKind
 from .conv import Conv3dKind, ConvTranspose3dKind
+from .norm import KINDS as _NORM_KINDS
 from .options import Option, Statistic
 from .plan_only import KINDS as _PLAN_ONLY_KINDS
 from .pool import AvgPool3dKind, MaxPool3dKind
@@ -148,7 +150,7 @@ def plan_kind(name: str) -> LayerKind:
 
 for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind()):
     register(kind)
-for kind in _PLAN_ONLY_KINDS:
+for kind in (*_PLAN_ONLY_KINDS, *_NORM_KINDS):
     if kind.name in REGISTRY or kind.name in PLAN_ONLY:
         raise ValueError(f"layer kind {kind.name!r}: needs a name no other kind has")
     PLAN_ONLY[kind.name] = kind

@@ -21,7 +21,7 @@ process without MPI, and the partitioned layers import mpi4py.
 """
 from __future__ import annotations
 
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..parallel.partition import conv_halo_plan, needed_input_range, window_output_extent
 from .options import spec_option
 

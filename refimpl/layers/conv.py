@@ -11,7 +11,7 @@ import math
 import numpy
 
 from .. import functional as F
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..functional.conv3d import REFERENCE
 from ..parallel.partition import (conv_halo_plan, transposed_conv_halo_plan, transposed_needed_input_range,
                                  transposed_output_extent, window_output_extent)

@@ -28,6 +28,7 @@ from ..nn.conv import Conv3d, ConvTranspose3d
 from ..nn.init import check_rng
 from ..nn.linear import FlattenLinear, Linear
 from ..nn.module import Module
+from ..nn.norm import GroupNorm3d, InstanceNorm3d
 from ..nn.pooling import MaxPool3d
 
 
@@ -60,6 +61,20 @@ class Layers:
         return spatial.SpatialBatchNorm3d(channels, eps, momentum, grid=self.grid, global_stats=True,
                                           dtype=self.dtype)
 
+    def norm(self, kind, channels, num_groups=None, eps=1e-5, momentum=0.1):
+        """A conv block's normalisation: ``kind`` "batch" (``batch_norm``), "group" (``num_groups``
+        groups) or "instance".  Group and instance norm are per sample: their statistics are
+        reduced over the spatial group only (data parallelism needs none), grid-invariant too."""
+        if kind == "batch":
+            return self.batch_norm(channels, eps, momentum)
+        groups = channels if kind == "instance" else num_groups
+        if self.grid is None:
+            return InstanceNorm3d(channels, eps, dtype=self.dtype) if kind == "instance" else \
+                GroupNorm3d(groups, channels, eps, dtype=self.dtype)
+        if kind == "instance":
+            return spatial.SpatialInstanceNorm3d(channels, eps, grid=self.grid, dtype=self.dtype)
+        return spatial.SpatialGroupNorm3d(groups, channels, eps, grid=self.grid, dtype=self.dtype)
+
     def flatten_linear(self, in_channels, in_features, out_features):
         if self.grid is None:
             return FlattenLinear(in_channels, in_features, out_features, rng=self.rng, dtype=self.dtype)
@@ -88,6 +103,18 @@ class Layers:
             return self.batch_norm(channels, eps, momentum)
         from ..nn.model_parallel import ModelParallelBatchNorm3d
         return ModelParallelBatchNorm3d(channels, eps, momentum, grid=self.grid, dtype=self.dtype)
+
+    def model_norm(self, kind, channels, num_groups=None, eps=1e-5, momentum=0.1):
+        """``norm`` of a channel-split activation: batch norm's statistics of the global batch; group
+        and instance norm per sample, every model rank's slice whole groups (else a ValueError)."""
+        if kind == "batch":
+            return self.model_batch_norm(channels, eps, momentum)
+        if self.grid is None:
+            return self.norm(kind, channels, num_groups, eps, momentum)
+        from ..nn.model_parallel import ModelParallelGroupNorm3d, ModelParallelInstanceNorm3d
+        if kind == "instance":
+            return ModelParallelInstanceNorm3d(channels, eps, grid=self.grid, dtype=self.dtype)
+        return ModelParallelGroupNorm3d(num_groups, channels, eps, grid=self.grid, dtype=self.dtype)
 
     def gather(self, channels):
         """Channel-split -> replicated (an identity without a grid, so names stay the same)."""

@@ -22,7 +22,11 @@ On a process grid every layer holds the rank's spatial block.  The skip and the
 upsampled tensor are balanced blocks of the same global extent on the same grid,
 so they coincide and concatenate locally.  Batch norm statistics cover the whole
 global batch (``global_stats=True``: reduced over every rank of the grid), which
-makes the model grid-invariant.  Backward splits the concatenated gradient and
+makes the model grid-invariant.  With config "norm" = "group" or "instance" the conv blocks
+normalise each sample by groups of channels (``num_groups`` per layer, clipped to its width) or
+by channel instead: statistics per sample, reduced over the spatial ranks only (a sample's
+blocks), grid-invariant as well; module names stay (``enc0.1`` is the norm layer whatever it is).
+Backward splits the concatenated gradient and
 adds the skip part to the gradient of the encoder output.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import array_module, asarray
-from ..kernels._threads import blas_held_single
+from ..kernels import blas_held_single
 from ..functional.losses import (
     cross_entropy_backward, cross_entropy_local_sums, dice_score_finish, dice_score_local_sums,
     mean_finish, soft_dice_backward, soft_dice_finish, soft_dice_local_sums, SoftmaxParts)
@@ -41,6 +45,16 @@ from .base import (
     merge_config)
 
 LOSSES = ("ce", "dice", "ce+dice")
+NORMS = ("batch", "group", "instance")
+#: the registry kind (refimpl/layers) of each "norm" in ``describe()``
+NORM_KINDS = {"batch": "batch_norm3d", "group": "group_norm3d", "instance": "instance_norm3d"}
+
+
+def norm_groups(config, width: int) -> int:
+    """Statistics groups per sample of a normalisation layer of ``width`` channels (0: batch norm)."""
+    return {"batch": 0, "group": min(config["num_groups"], width), "instance": width}[config["norm"]]
+
+
 DEFAULTS = {
     "input_shape": (1, 128, 128, 128),   # (C, D, H, W)
     "num_classes": 3,
@@ -49,8 +63,14 @@ DEFAULTS = {
     "loss": "ce",                        # "ce" | "dice" | "ce+dice"
     "class_weights": None,               # cross-entropy weight per class, or None
     "dice_eps": 1e-5,
-    "bn_eps": 1e-5,
-    "bn_momentum": 0.1,
+    "bn_eps": 1e-5,                      # the eps of every normalisation layer (whichever "norm")
+    "bn_momentum": 0.1,                  # batch norm's running statistics (group/instance keep none)
+    # the conv blocks' normalisation: "batch" (statistics of the global batch), "group" (per sample
+    # and group of channels) or "instance" (per sample and channel); docs/training.md
+    "norm": "batch",
+    # group norm's groups per layer, clipped to the layer's width (a level narrower than it has one
+    # channel per group); every width must then be divisible by it
+    "num_groups": 8,
     # the model axis Pm (grids of 5 entries): "filter" / "channel" split the bottleneck block
     # (its first conv filter-parallel, the second filter- or channel-parallel, batch norm on the
     # channel slices) and gather its output before the first upsampling; "none": every model
@@ -77,6 +97,14 @@ def check_config(config: dict, where: str = "config") -> dict:
     check_number(config, "bn_eps", lambda e: e > 0, "> 0", where)
     check_number(config, "bn_momentum", lambda m: 0.0 <= m <= 1.0, "in [0, 1]", where)
     check_choice(config, "model_parallel", ("none", "filter", "channel"), where)
+    check_choice(config, "norm", NORMS, where)
+    num_groups = check_positive_int(config, "num_groups", where=where)
+    if config["norm"] == "group":
+        for width in (config["base_width"] * 2 ** i for i in range(levels + 1)):
+            if width % min(num_groups, width):
+                raise ValueError(f"{where}['num_groups'] = {num_groups} must divide every conv block's width "
+                                 f"(base_width * 2^level, clipped to at most the width): {width} is not "
+                                 f"divisible by {num_groups}")
     config["input_shape"] = check_input_shape(config, 2 ** levels, f"{levels} levels each halve it",
                                               where)
     return config
@@ -97,12 +125,15 @@ class UNet3D(Model):
         self.input_shape = config["input_shape"]
         make = Layers(grid, numpy.random.default_rng(seed), dtype)
 
-        def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d -> ReLU] x 2
+        norm, eps, momentum = config["norm"], config["bn_eps"], config["bn_momentum"]
+
+        def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d (or the "norm") -> ReLU] x 2
+            groups = norm_groups(config, c_out)
             return Sequential(
                 make.conv(c_in, c_out, 3, padding=1, bias=False),
-                make.batch_norm(c_out, config["bn_eps"], config["bn_momentum"]), ReLU(),
+                make.norm(norm, c_out, groups, eps, momentum), ReLU(),
                 make.conv(c_out, c_out, 3, padding=1, bias=False),
-                make.batch_norm(c_out, config["bn_eps"], config["bn_momentum"]), ReLU())
+                make.norm(norm, c_out, groups, eps, momentum), ReLU())
 
         self.widths = [base * 2 ** i for i in range(self.levels + 1)]
         self.enc, self.pool, self.up, self.dec = [], [], [None] * self.levels, [None] * self.levels
@@ -115,12 +146,13 @@ class UNet3D(Model):
         if mode == "none":
             self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
         else:                        # the widest, smallest activations: split over the model axis
-            w, eps, momentum = self.widths[-1], config["bn_eps"], config["bn_momentum"]
+            w = self.widths[-1]
+            groups = norm_groups(config, w)
             self.bottleneck = self.add_module("bottleneck", Sequential(
                 make.model_conv(c_in, w, 3, 1, mode, first=True, bias=False),    # (n, w/Pm, ...)
-                make.model_batch_norm(w, eps, momentum), ReLU(),
+                make.model_norm(norm, w, groups, eps, momentum), ReLU(),
                 make.model_conv(w, w, 3, 1, mode, first=False, bias=False),
-                make.model_batch_norm(w, eps, momentum), ReLU(),
+                make.model_norm(norm, w, groups, eps, momentum), ReLU(),
                 make.gather(w)))                                                 # (n, w, ...)
         self.first_conv = self.enc[0][0]
         self.needs_input_grad = False
@@ -140,6 +172,7 @@ class UNet3D(Model):
         levels, base, classes = cfg["levels"], cfg["base_width"], cfg["num_classes"]
         c, dhw = cfg["input_shape"][0], tuple(cfg["input_shape"][1:])
         mode = cfg["model_parallel"]
+        norm_kind = NORM_KINDS[cfg["norm"]]
         out = []
 
         def block(prefix, c_in, c_out, dhw, first_grad, split=("none", "none")):
@@ -149,8 +182,9 @@ class UNet3D(Model):
                                   (1, 1, 1), weights=c_out * ci * 27, split=sp, split_in=split_in,
                                   input_grad=first_grad or j > 0))
                 bn_split = sp != "none"
-                out.append(_layer(f"{prefix}.{3 * j + 1}", "batch_norm3d", c_out, c_out, dhw, dhw,
-                                  weights=2 * c_out, split_in=bn_split, split="channel" if bn_split else "none"))
+                out.append(_layer(f"{prefix}.{3 * j + 1}", norm_kind, c_out, c_out, dhw, dhw,
+                                  weights=2 * c_out, split_in=bn_split, split="channel" if bn_split else "none",
+                                  norm_groups=norm_groups(cfg, c_out)))
                 out.append(_layer(f"{prefix}.{3 * j + 2}", "relu", c_out, c_out, dhw, dhw, split_in=bn_split))
 
         widths = [base * 2 ** i for i in range(levels + 1)]
@@ -252,4 +286,4 @@ class UNet3D(Model):
         return loss, dout, {"dice": dice}
 
 
-__all__ = ["UNet3D", "DEFAULTS", "LOSSES", "check_config"]
+__all__ = ["UNet3D", "DEFAULTS", "LOSSES", "NORMS", "check_config", "norm_groups"]

@@ -12,6 +12,7 @@ from .conv import Conv3d, ConvTranspose3d
 from .dropout import Dropout
 from .linear import Flatten, FlattenLinear, Linear
 from .module import Module, Sequential
+from .norm import GroupNorm3d, InstanceNorm3d
 from .parameter import Parameter
 from .pooling import AvgPool3d, MaxPool3d
 

@@ -8,7 +8,7 @@ gradient bookkeeping in ``backward``.
 from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
-from ..functional._args import compact_padding, padding_sides, transposed_out_shape, triple, window_out_shape
+from ..functional.args import compact_padding, padding_sides, transposed_out_shape, triple, window_out_shape
 from ..functional.conv3d import conv3d, conv3d_backward, conv3d_weight_grad
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from .init import check_rng, uniform_fan_in
@@ -24,7 +24,7 @@ def _check_channels(in_channels, out_channels):
 def _set_window(layer, in_channels, out_channels, kernel_size, stride, padding, dilation, any_padding=True):
     """Channels and window hyper-parameters, validated (ValueError naming the argument).
 
-    ``any_padding`` (Conv3d): ``padding`` in any form of ``functional._args.padding_sides``
+    ``any_padding`` (Conv3d): ``padding`` in any form of ``functional.args.padding_sides``
     (int, 3-tuple, per-side 6-tuple, 'valid', 'same'), kept as ``(pd, ph, pw)`` when symmetric,
     else as the 6-tuple ``(d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)``; else (ConvTranspose3d, as
     PyTorch) an int or a 3-tuple."""

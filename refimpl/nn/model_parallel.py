@@ -31,17 +31,20 @@ over the ranks that share ``m``); the slices never meet.
 Batch norm, pooling, activations and dropout act per channel: on channel-split
 activations they need no change but the channel slice of batch norm's parameters
 and statistics (``ModelParallelBatchNorm3d``; its sums are reduced over
-``grid.batch_comm``, the ranks holding the same channels).
+``grid.batch_comm``, the ranks holding the same channels).  Group and instance norm
+(``ModelParallelGroupNorm3d``, ``ModelParallelInstanceNorm3d``) keep their per-sample sums on
+the spatial group: a split that cuts a channel group is refused (``check_whole_groups``).
 """
 from __future__ import annotations
 
 from ..backend import array_module
-from ..failstop import phase
+from ..progress import phase
 from ..parallel.channels import allgather_channels, channel_range, reduce_scatter_channels
 from ..parallel.collectives import allreduce
 from .linear import Linear
 from .module import Module
 from .spatial import SpatialBatchNorm3d, SpatialConv3d, SpatialConvTranspose3d, SpatialFlattenLinear
+from .spatial import SpatialGroupNorm3d, SpatialInstanceNorm3d
 
 MODES = ("none", "filter", "channel")
 
@@ -242,6 +245,56 @@ class ModelParallelBatchNorm3d(SpatialBatchNorm3d):
         self.num_features = stop - start
 
 
+def check_whole_groups(channels: int, num_groups: int, grid, what: str) -> None:
+    """Every model rank's channel slice must hold whole groups (ValueError, the same on every
+    rank, before any message): a group cut by the split would need its sums reduced over the
+    model axis too, which refimpl does not do."""
+    check_model_split(channels, grid, what)
+    per_group = channels // num_groups
+    cut = [m for m in range(grid.model_dims)
+           if any(edge % per_group for edge in channel_range(channels, grid.model_dims, m))]
+    if cut:
+        slices = [channel_range(channels, grid.model_dims, m) for m in range(grid.model_dims)]
+        raise ValueError(f"{what} of {channels} channels in {num_groups} groups of {per_group}: the model "
+                         f"split over Pm={grid.model_dims} ranks (channel slices {slices}) cuts a group; "
+                         f"choose Pm so that every slice holds whole groups (e.g. Pm dividing "
+                         f"{num_groups}), or keep this layer unsplit")
+
+
+class _ModelParallelGroups:
+    """Group norm of a channel-split activation: this rank's channels hold whole groups
+    (``check_whole_groups``), so its statistics are complete once reduced over the spatial
+    group (the ranks holding the same samples and channels): nothing crosses the model axis.
+    weight and bias keep this rank's channel slice."""
+
+    def _keep_groups(self, grid, what):
+        check_whole_groups(self.num_channels, self.num_groups, grid, what)
+        self.total_channels = self.num_channels
+        start, stop = channel_range(self.num_channels, grid.model_dims, grid.model_coord)
+        for param in (self.weight, self.bias):
+            keep_slice(param, 0, start, stop)
+        self.num_groups = (stop - start) // (self.num_channels // self.num_groups)
+        self.num_channels = stop - start
+
+
+class ModelParallelGroupNorm3d(_ModelParallelGroups, SpatialGroupNorm3d):
+    """Group norm of a channel-split activation (every model rank's slice whole groups, else
+    a ValueError): per-sample statistics reduced over the spatial group only."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, *, grid, **kwargs):
+        super().__init__(num_groups, num_channels, eps, grid=grid, **kwargs)
+        self._keep_groups(grid, "a model-parallel group norm")
+
+
+class ModelParallelInstanceNorm3d(_ModelParallelGroups, SpatialInstanceNorm3d):
+    """Instance norm of a channel-split activation: every channel its own group, so any split
+    keeps groups whole; statistics reduced over the spatial group only."""
+
+    def __init__(self, num_features, eps=1e-5, *, grid, **kwargs):
+        super().__init__(num_features, eps, grid=grid, **kwargs)
+        self._keep_groups(grid, "a model-parallel instance norm")
+
+
 # ---------------------------------------------------------------- Gholami's 1.5-D dense layers
 
 class RowParallelLinear(Linear):
@@ -358,4 +411,4 @@ class GatherFeatures(Module):
 
 
 __all__ = ["MODES", "keep_slice", "whole_of", "slice_of", "buffer_shards", "check_model_split", "FilterParallelConv3d", "ChannelParallelConv3d",
-           "FilterParallelConvTranspose3d", "ChannelParallelConvTranspose3d", "ModelParallelBatchNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]
+           "FilterParallelConvTranspose3d", "ChannelParallelConvTranspose3d", "ModelParallelBatchNorm3d", "ModelParallelGroupNorm3d", "ModelParallelInstanceNorm3d", "RowParallelLinear", "RowParallelFlattenLinear", "GatherFeatures"]

@@ -13,7 +13,7 @@ order of ``parameters()``, which gradient bucketing relies on.
 from __future__ import annotations
 
 from ..backend import array_module, to_host
-from ..failstop import phase
+from ..progress import phase
 from .parameter import Parameter
 
 

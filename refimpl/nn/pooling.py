@@ -8,7 +8,7 @@ has already extended with halos (and -inf / zero padding at the domain edge).
 """
 from __future__ import annotations
 
-from ..functional._args import compact_padding, padding_sides, triple, window_out_shape
+from ..functional.args import compact_padding, padding_sides, triple, window_out_shape
 from ..functional.pooling import avg_pool3d, avg_pool3d_backward, check_avg_options, max_pool3d, max_pool3d_backward
 from .module import Module
 

@@ -22,22 +22,27 @@ no message).  Parameter gradients are the local contributions: the gradient
 synchroniser sums them over the spatial group (``refimpl.parallel.grad_sync``).
 Ranks whose output block is empty still call every collective and accumulate
 zero gradients, so hooks and reductions line up on every rank.
+
+Statistics layers (batch, group and instance norm) need no halo: they are pointwise but
+for their sums, which ``SpatialStatistics`` allreduces (packed in one message) over the
+ranks holding the rest of the values they cover.
 """
 from __future__ import annotations
 
 from ..backend import array_module
 from ..functional.conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from ..functional.linear import linear, linear_backward
-from ..failstop import phase
+from ..progress import phase
 from ..parallel.collectives import allreduce
 from ..parallel.objects import allreduce_sum
 from ..parallel.halo import HaloExchange
-from ..functional._args import padding_sides
+from ..functional.args import padding_sides
 from ..parallel.partition import conv_halo_plan, transposed_conv_halo_plan
 from .batch_norm import BatchNorm3d
 from .conv import Conv3d, ConvTranspose3d
 from .dropout import Dropout
 from .linear import FlattenLinear
+from .norm import GroupNorm3d, InstanceNorm3d
 from .pooling import AvgPool3d, MaxPool3d
 
 NO_PADDING = (0, 0, 0)
@@ -255,7 +260,47 @@ class SpatialConvTranspose3d(_Halo, ConvTranspose3d):
         return self._adjoint_exchange(dx_ext)
 
 
-class SpatialBatchNorm3d(BatchNorm3d):
+class SpatialStatistics:
+    """What every statistics layer shares on a grid: its sums are those of the unpartitioned tensor.
+
+    A statistics layer (batch, group, instance norm) computes sums on its block and hands them
+    to ``global_count`` (the number of values they cover, an int) and ``global_sums`` (arrays
+    of one shape, float64: per channel, per (sample, group), ...); here both are summed over
+    ``stats_comm``, the ranks that hold the other parts of the same values.  The sums travel
+    packed, ``(len(sums),) + shape`` in one message, and are unpacked in the same order.
+    Every rank calls both in forward and ``global_sums`` in backward, empty blocks included
+    (their sums are zeros), so the collectives line up.  ``stats_phase`` names the step in
+    progress reports.
+
+    A new statistics layer is its one-process layer, whose forward and backward pass their sums
+    through ``self.global_count`` / ``self.global_sums`` (identities there, as in ``BatchNorm3d``
+    and ``GroupNorm3d``), and ``class SpatialX(SpatialStatistics, X)``; ``stats_comm`` (default
+    ``grid.spatial_comm``) names who shares its values.
+    """
+
+    stats_phase = "statistics allreduce of {layer}"
+
+    def __init__(self, *args, grid, stats_comm=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grid = grid
+        self.stats_comm = grid.spatial_comm if stats_comm is None else stats_comm
+
+    def setup(self, global_in_shape):
+        return tuple(global_in_shape)
+
+    def global_count(self, count):
+        phase(self.stats_phase, self)
+        return allreduce_sum(self.stats_comm, int(count))
+
+    def global_sums(self, *sums):
+        xp = array_module(*sums)
+        packed = xp.ascontiguousarray(xp.stack(sums))   # (len(sums), ...): one message for all
+        phase(self.stats_phase, self)
+        allreduce(packed, self.stats_comm)
+        return tuple(packed[i] for i in range(len(sums)))
+
+
+class SpatialBatchNorm3d(SpatialStatistics, BatchNorm3d):
     """Batch norm whose statistics are those of the whole (unpartitioned) tensor.
 
     The per-channel sums and the element count are allreduced over the spatial
@@ -264,24 +309,33 @@ class SpatialBatchNorm3d(BatchNorm3d):
     variance normalises; the unbiased one updates the running variance.
     """
 
+    stats_phase = "batch-norm statistics allreduce of {layer}"
+
     def __init__(self, *args, grid, global_stats=False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.grid, self.global_stats = grid, bool(global_stats)
-        self.stats_comm = grid.batch_comm if global_stats else grid.spatial_comm
+        super().__init__(*args, grid=grid, stats_comm=grid.batch_comm if global_stats else grid.spatial_comm,
+                         **kwargs)
+        self.global_stats = bool(global_stats)
 
-    def setup(self, global_in_shape):
-        return tuple(global_in_shape)
 
-    def global_count(self, count):
-        phase("batch-norm statistics allreduce of {layer}", self)
-        return allreduce_sum(self.stats_comm, int(count))
+class SpatialGroupNorm3d(SpatialStatistics, GroupNorm3d):
+    """Group norm whose statistics are those of each whole (unpartitioned) sample.
 
-    def global_sums(self, *sums):
-        xp = array_module(*sums)
-        packed = xp.ascontiguousarray(xp.stack(sums))   # (len(sums), C): one message for all
-        phase("batch-norm statistics allreduce of {layer}", self)
-        allreduce(packed, self.stats_comm)
-        return tuple(packed[i] for i in range(len(sums)))
+    The per-(sample, group) sums and the value count are allreduced over the spatial group
+    (``grid.spatial_comm``: the ranks holding the other blocks of the same samples) in
+    forward (mean, variance) and backward (sum gamma dy, sum gamma dy xhat); sample groups
+    (data parallelism) hold other samples and reduce nothing.  weight and bias are whole on
+    every rank, their gradients this block's contributions: the gradient synchroniser sums
+    them over the spatial group (as batch norm's, not ``spatial_replicated``).
+    """
+
+    stats_phase = "group-norm statistics allreduce of {layer}"
+
+
+class SpatialInstanceNorm3d(SpatialStatistics, InstanceNorm3d):
+    """Instance norm (group norm, one group per channel) with statistics of each whole sample:
+    the (sample, channel) sums allreduced over the spatial group, as ``SpatialGroupNorm3d``."""
+
+    stats_phase = "instance-norm statistics allreduce of {layer}"
 
 
 class SpatialDropout(Dropout):

@@ -85,15 +85,13 @@ def spec_json(spec: CaseSpec) -> dict:
 
 def write_case(spec: CaseSpec, directory: str) -> str:
     """Generate and write one case file (atomically); returns its path."""
-    import h5py
-
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
     path = os.path.join(directory, spec.file_name)
     content = {dtype: expect.expectations(spec, dtype) for dtype in spec.dtypes}
     layouts = expect.rank_layouts(spec)
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "refimpl_version": __version__,
                              "digest": digest(spec), "case": json.dumps(spec_json(spec)),
                              "output_shape": list(expect.output_shape(spec)),
@@ -498,12 +496,11 @@ def write_results(path: str, case: Case, global_: dict | None = None, ranks: dic
     ``ranks`` = {dtype: {rank: {name: array}}} (atomically; what ``run-torch`` uses).  A rank's
     value may be ``(array, offset)``: the block is then written with its ``offset``
     attribute (a block of another split than the case's)."""
-    import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs["case_digest"] = case.digest
             for dtype, arrays in (global_ or {}).items():
                 for name, array in arrays.items():

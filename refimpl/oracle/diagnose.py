@@ -266,15 +266,6 @@ def _ghost_gradients_by_sender(case, dtype, lo):
     return out
 
 
-def _ghost_gradients(case, dtype, lo):
-    """(own, received): rank lo's own partial dx on its block, and the ghost gradients its
-    peers send it in the adjoint exchange (both shaped like lo's dx block)."""
-    by = _ghost_gradients_by_sender(case, dtype, lo)
-    shape = tuple(s.stop - s.start for s in lo.index("x"))
-    own = by.pop(lo.rank, numpy.zeros(shape))
-    return own, sum(by.values(), numpy.zeros(shape))
-
-
 def halo_adjoint(case, dtype, lo, got, want, bad, atol) -> str | None:
     """dx - want equals (plus or minus) the ghost gradients lo receives from all its peers,
     or from exactly one of them (each sender tested alone), or lies on received cells only."""

@@ -206,12 +206,11 @@ def offset_by_shape_in(axes, r, domain, shape, offset) -> list:
 
 def write_results(path: str, case, glob: dict, ranks: dict) -> None:
     """The results file: the case's digest, rank shards with ``offset``, parameters once."""
-    import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs["case_digest"] = case.digest
             h5.attrs["about"] = "refimpl oracle run-dtensor: PyTorch DTensor's own layout (docs/peers.md)"
             for dtype, arrays in glob.items():
@@ -284,7 +283,7 @@ def tensor_status(entry: dict) -> dict:
 
 
 def write_summary(out_dir: str, entries: list, nproc) -> str:
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write
     path = os.path.join(out_dir, SUMMARY)
     flat = [{"case": e["case"], **{k: r[k] for k in ("dtype", "tensor", "status", "error")}}
             for e in entries for r in e.get("tensors", [])]
@@ -329,7 +328,7 @@ def run_trace(trace, out_path: str, timeout_s: float = 300.0) -> list:
     import h5py
     import numpy
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
     if trace.spec.model_dims > 1 or trace.spec.model_parallel != "none":
         raise ValueError(f"run-dtensor --trace {trace.path}: the DTensor CosmoFlow shards the batch and the "
                          f"volume (grids Pn,Pd,Ph,Pw); this trace splits channels over a model axis "
@@ -368,7 +367,7 @@ def run_trace(trace, out_path: str, timeout_s: float = 300.0) -> list:
         shutil.rmtree(parts, ignore_errors=True)
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs["trace_digest"] = trace.digest
             h5.attrs["about"] = "refimpl oracle run-dtensor --trace: PyTorch DTensor's own layout (docs/peers.md)"
             for (dtype, r, name), (array, offset, _, _) in sorted(arrays.items()):

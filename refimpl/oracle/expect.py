@@ -78,16 +78,6 @@ class RankLayout:
                 "owned": [v for r in self.owned for v in r], "outputs": [v for r in self.outputs for v in r],
                 "needed": [v for r in self.needed for v in r]}
 
-    @classmethod
-    def from_attrs(cls, rank, attrs) -> "RankLayout":
-        def pairs(v):
-            v = [int(i) for i in v]
-            return tuple((v[i], v[i + 1]) for i in range(0, len(v), 2))
-        return cls(rank, tuple(int(c) for c in attrs["coords"]), tuple(int(v) for v in attrs["samples"]),
-                   tuple(int(v) for v in attrs["in_channels"]), tuple(int(v) for v in attrs["out_channels"]),
-                   tuple(int(v) for v in attrs["compute_channels"]), pairs(attrs["owned"]),
-                   pairs(attrs["outputs"]), pairs(attrs["needed"]))
-
 
 def grid5(grid) -> tuple:
     return tuple(grid) + (1,) * (5 - len(grid))

@@ -84,17 +84,28 @@ def torch_cosmoflow(config: dict, dropout_masks=None):
 
 def torch_unet3d(config: dict):
     """refimpl.models.UNet3D in torch.nn, with its module names: ``enc{i}`` / ``dec{i}``
-    ([Conv3d k3 pad 1 no bias, BatchNorm3d, ReLU] x 2), ``pool{i}``, ``bottleneck``, ``up{i}``
-    (ConvTranspose3d k2 s2) and ``out`` (Conv3d k1)."""
+    ([Conv3d k3 pad 1 no bias, norm, ReLU] x 2), ``pool{i}``, ``bottleneck``, ``up{i}``
+    (ConvTranspose3d k2 s2) and ``out`` (Conv3d k1); the norm is the config's ``norm``:
+    BatchNorm3d, GroupNorm (``num_groups`` clipped to the width) or InstanceNorm3d (affine)."""
     import torch
     from torch import nn
+
+    from ..models.unet3d import norm_groups
     eps, momentum = float(config.get("bn_eps", 1e-5)), float(config.get("bn_momentum", 0.1))
+
+    def norm(c):
+        kind = config.get("norm", "batch")
+        if kind == "group":
+            return nn.GroupNorm(norm_groups(config, c), c, eps)
+        if kind == "instance":
+            return nn.InstanceNorm3d(c, eps, affine=True)
+        return nn.BatchNorm3d(c, eps, momentum)
 
     def conv_block(c_in, c_out, gather=False):
         return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1, bias=False),
-                             nn.BatchNorm3d(c_out, eps, momentum), nn.ReLU(),
+                             norm(c_out), nn.ReLU(),
                              nn.Conv3d(c_out, c_out, 3, padding=1, bias=False),
-                             nn.BatchNorm3d(c_out, eps, momentum), nn.ReLU(),
+                             norm(c_out), nn.ReLU(),
                              *([nn.Identity()] if gather else []))       # bottleneck.6: the split's gather
 
     levels = config["levels"]

@@ -64,6 +64,9 @@ MAX_STEPS = 100
 MAX_TRACE_BYTES = 8 * 2 ** 30       # a trace past this is a mistake of --input (the file holds every activation)
 WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
 MODEL_MODES = ("none", "filter", "channel")
+#: layers whose output depends on statistics over many voxels: a partitioned one must reduce them
+STATISTICS_KINDS = ("batch_norm3d", "group_norm3d", "instance_norm3d")
+NORMS = ("batch", "group", "instance")
 
 
 # ---------------------------------------------------------------- what a trace is of
@@ -81,6 +84,7 @@ class TraceSpec:
     optimizer: str = "sgd"
     model_parallel: str = "none"     # the model's split over the model axis Pm (docs/model_parallel.md)
     model_parallel_blocks: int = 1   # CosmoFlow: how many of its last conv blocks are split
+    norm: str = "batch"              # the U-Net's normalisation: batch | group | instance
 
     @property
     def ranks(self) -> int:
@@ -96,10 +100,12 @@ class TraceSpec:
 
     def config(self) -> dict:
         """The model's full config: the preset's, at the trace's input, split as the trace says."""
-        return model_config(self.model, self.preset, self.input, self.model_parallel, self.model_parallel_blocks)
+        return model_config(self.model, self.preset, self.input, self.model_parallel, self.model_parallel_blocks,
+                            self.norm)
 
 
-def model_config(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None) -> dict:
+def model_config(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None,
+                 norm=None) -> dict:
     """The full config of ``preset`` of ``model``, its input (C, D, H, W) replaced by
     ``input_shape[1:]`` when given and its model-axis split by ``model_parallel`` (and, for
     CosmoFlow, ``model_parallel_blocks``); ValueError naming the model, preset or key."""
@@ -111,6 +117,8 @@ def model_config(model: str, preset: str, input_shape=None, model_parallel=None,
         config["model_parallel"] = model_parallel
     if model_parallel_blocks is not None and model == "cosmoflow":
         config["model_parallel_blocks"] = model_parallel_blocks
+    if norm is not None and model == "unet3d":
+        config["norm"] = norm
     return CHECK_CONFIG[model](config, where=f"{model} preset {preset!r}")
 
 
@@ -129,10 +137,14 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
     if spec.model != "cosmoflow" and blocks != 1:
         raise ValueError(f"--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only), "
                          f"got {blocks} for {spec.model}")
+    if spec.norm not in NORMS:
+        raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {spec.norm!r}")
+    if spec.model != "unet3d" and spec.norm != "batch":
+        raise ValueError(f"--norm is the U-Net's (CosmoFlow has no normalisation layers), got {spec.norm!r}")
     grid = tuple(spec.grid)
     if len(grid) not in (4, 5) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in grid):
         raise ValueError(f"--grid must be 4 or 5 positive integers Pn,Pd,Ph,Pw[,Pm], got {spec.grid!r}")
-    config = model_config(spec.model, spec.preset, spec.input, spec.model_parallel, blocks)
+    config = model_config(spec.model, spec.preset, spec.input, spec.model_parallel, blocks, spec.norm)
     pm = grid[4] if len(grid) == 5 else 1
     if spec.model_parallel != "none":
         narrowest = min((e["c_out"], e["name"]) for e in split_layers(spec.model, config))
@@ -159,7 +171,7 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
                          f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
                          f"are for training, a trace checks the same layers at any size the model allows)")
     return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,
-                     spec.optimizer, spec.model_parallel, blocks)
+                     spec.optimizer, spec.model_parallel, blocks, spec.norm)
 
 
 def split_layers(model: str, config: dict) -> list[dict]:
@@ -208,13 +220,13 @@ class Layer:
 
 
 def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64",
-                    model_parallel=None, model_parallel_blocks=None):
+                    model_parallel=None, model_parallel_blocks=None, norm=None):
     """refimpl's unpartitioned model (grid None) ``name`` of ``preset``, in ``dtype``, every
     layer computing its input gradient (the trace records dx of the first layer too).  A
     model-parallel config builds the same layers and weights (drawn whole), its ``gather``
     layers empty (identities), so the trace's layer names are the split model's."""
     from ..models import build_model
-    config = model_config(name, preset, input_shape, model_parallel, model_parallel_blocks)
+    config = model_config(name, preset, input_shape, model_parallel, model_parallel_blocks, norm)
     model = build_model(name, config, grid=None, seed=seed, dtype=dtype)
     model.needs_input_grad = True
     return model
@@ -223,7 +235,7 @@ def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dty
 def build_reference(spec: TraceSpec, dtype="float64"):
     """The reference model of a trace (its weights depend on the seed only)."""
     return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype, spec.model_parallel,
-                           spec.model_parallel_blocks)
+                           spec.model_parallel_blocks, spec.norm)
 
 
 def model_layers(name: str, model) -> list[Layer]:
@@ -254,18 +266,19 @@ def model_layers(name: str, model) -> list[Layer]:
     return out
 
 
-def layer_table(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None) -> list[dict]:
+def layer_table(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None,
+                norm=None) -> list[dict]:
     """``trace layers``: name, kind, inputs and global output shape of every layer, from the
     model's ``describe()`` where it lists the layer, else the shape of the layer before it
     (activations and dropout keep their input's shape), and whether the model axis splits
     its output.  The model is built unpartitioned in float32 for its module names (the
     presets build in a second or less)."""
     from ..models import MODELS
-    config = model_config(model, preset, input_shape, model_parallel, model_parallel_blocks)
+    config = model_config(model, preset, input_shape, model_parallel, model_parallel_blocks, norm)
     n = (input_shape or default_input(model, preset))[0]
     described = {e["name"]: e for e in MODELS[model].describe(config)}
     built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32",
-                            model_parallel=model_parallel, model_parallel_blocks=model_parallel_blocks)
+                            model_parallel=model_parallel, model_parallel_blocks=model_parallel_blocks, norm=norm)
     rows, shape = [], (n,) + tuple(config["input_shape"])
     for layer in model_layers(model, built):
         entry = described.get(layer.name)
@@ -338,7 +351,7 @@ def offset_of(slices) -> list:
 @contextlib.contextmanager
 def reference_math():
     """Every op computes with refimpl/functional's math, never a fast kernel (the oracle's rule)."""
-    from ..functional._route import reference_only
+    from ..functional import reference_only
     from ..functional.conv3d import ENV_ALGORITHM
     saved = os.environ.get(ENV_ALGORITHM)
     os.environ[ENV_ALGORITHM] = "reference"
@@ -500,15 +513,14 @@ def layer_json(layers, content) -> list[dict]:
 
 def write_trace(spec: TraceSpec, path: str) -> dict:
     """Compute the trace of ``spec`` and write it to ``path`` atomically; returns a summary."""
-    import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
     spec, layers, content = compute(spec)
     meta = {**spec.as_json(), "layers": layer_json(layers, content)}
     entries = {e["name"]: e for e in meta["layers"]}
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "refimpl_version": __version__,
                              "digest": digest(spec), "trace": json.dumps(meta),
                              "about": "refimpl oracle trace: see docs/oracle.md, Model traces "
@@ -579,7 +591,7 @@ def load_trace(path: str) -> Trace:
             meta = json.loads(attrs["trace"])
             spec = check_spec(TraceSpec(meta["model"], meta["preset"], tuple(meta["input"]), tuple(meta["grid"]),
                                         meta["steps"], tuple(meta["dtypes"]), meta["seed"], meta["optimizer"],
-                                        meta["model_parallel"], meta["model_parallel_blocks"]))
+                                        meta["model_parallel"], meta["model_parallel_blocks"], meta["norm"]))
         except (KeyError, TypeError, ValueError) as err:
             raise UnusableInput(f"{what} {path}: its 'trace' attribute is not a valid trace spec ({err})") from None
         if attrs.get("digest") != digest(spec):

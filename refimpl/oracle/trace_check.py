@@ -52,6 +52,9 @@ def reduction_terms(entry: dict, tensor: str, module) -> tuple[int, str]:
         return vol[0] * int(numpy.prod(vol[2:])), "N·(volume) terms per weight"
     if kind == "batch_norm3d":
         return x[0] * int(numpy.prod(x[2:])), "N·D·H·W (per-channel statistics)"
+    if kind in ("group_norm3d", "instance_norm3d"):
+        groups = x[1] if kind == "instance_norm3d" else module.num_groups
+        return x[1] // groups * int(numpy.prod(x[2:])), "(C/G)·D·H·W (per-sample, per-group statistics)"
     if kind in ("linear", "flatten_linear"):
         if tensor == "y":
             return int(numpy.prod(x[1:])), "input features per output"

@@ -55,7 +55,7 @@ def name_factor(c: float, grid) -> str:
 
 def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
     """What a known mistake in the failing ranks' blocks of y rebuilds, in words, or None."""
-    if entry["kind"] not in T.WINDOW_KINDS + ("batch_norm3d",) or len(entry["y_shape"]) != 5:
+    if entry["kind"] not in T.WINDOW_KINDS + T.STATISTICS_KINDS or len(entry["y_shape"]) != 5:
         return None
     scale = float(numpy.max(numpy.abs(want))) or 1.0
     got = {r: (a, o) for r, a, o in blocks if r is not None}
@@ -71,7 +71,7 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
             return float(numpy.max(numpy.abs(array - y_bug))) <= 4 * tol * scale if array.size else False
 
         in_sl = T.layer_slices(entry, "dx", grid, r)
-        if entry["kind"] == "batch_norm3d":       # statistics of its own block: every channel, then its share
+        if entry["kind"] in T.STATISTICS_KINDS:   # statistics of its own block: every channel, then its share
             spatial = T.rank_slices(tuple(x.shape), grid, r)
             if same(ref.forward64(entry["name"], x[spatial], mask)[:, out_sl[1]]):
                 matched[r] = ("bn",)
@@ -95,9 +95,11 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
         return None
     kinds = {m[0] for m in matched.values()}
     if kinds == {"bn"}:
-        group = "the data group" if all(p == 1 for p in grid[1:4]) else "the spatial group" if grid[0] == 1 \
-            else "the spatial and data groups"
-        return (f"batch-norm statistics of each failing rank's own block (rank{'s' * (len(matched) != 1)} {', '.join(map(str, matched))}): "
+        per_sample = entry["kind"] != "batch_norm3d"     # group / instance norm: statistics of each sample
+        group = "the spatial group" if per_sample or grid[0] == 1 else "the data group" \
+            if all(p == 1 for p in grid[1:4]) else "the spatial and data groups"
+        what = entry["kind"].replace("_norm3d", "-norm")
+        return (f"{what} statistics of each failing rank's own block (rank{'s' * (len(matched) != 1)} {', '.join(map(str, matched))}): "
                 f"not reduced over {group}")
     def only_own_block(r):
         """Rank r's block of y computed from its own input block alone (zeros beyond every face)."""

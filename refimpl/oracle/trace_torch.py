@@ -25,8 +25,8 @@ autograd, so their backward is the buggy forward's::
                           flows on backward
     stride-phase:LAYER:R  rank R's strided windows of LAYER restart at its own input block's first
                           cell instead of the global stride grid
-    bn-local-stats:LAYER  batch norm LAYER normalises each rank's block by that block's own
-                          statistics (not reduced)
+    local-stats:LAYER     the statistics layer LAYER (batch, group or instance norm) normalises each
+                          rank's block by that block's own statistics (not reduced over the ranks)
     dw-unsummed:LAYER:R   rank R reports its own contribution to LAYER's dw/db only (no allreduce there)
     dw-count:LAYER        LAYER's dw/db divided by the number of ranks P (averaged over the whole grid
                           instead of summed over the spatial shards), and the update uses them
@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from .trace import OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, layer_slices, param_slices, rank_slices
+from .trace import OPTIMIZERS, STATISTICS_KINDS, WINDOW_KINDS, Trace, internal_faces, layer_slices, param_slices, rank_slices
 
 PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "stride-phase": "layer:rank",
-          "bn-local-stats": "layer",
+          "local-stats": "layer",
           "dw-unsummed": "layer:rank", "dw-count": "layer", "loss-count": "", "update-skip": "layer:rank"}
 
 
@@ -83,8 +83,9 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows read past a rank's "
                              f"block on grid {list(spec.grid)}; {plant.layer} is {entry['kind']}"
                              + ("" if entry["kind"] not in WINDOW_KINDS else " with no halo there"))
-        if kind == "bn-local-stats" and entry["kind"] != "batch_norm3d":
-            raise ValueError(f"--plant {text}: {plant.layer} is {entry['kind']}, not batch_norm3d")
+        if kind == "local-stats" and entry["kind"] not in STATISTICS_KINDS:
+            raise ValueError(f"--plant {text}: {plant.layer} is {entry['kind']}, not a statistics layer "
+                             f"({', '.join(STATISTICS_KINDS)})")
         if kind in ("dw-unsummed", "dw-count", "update-skip") and not entry["params"]:
             raise ValueError(f"--plant {text}: {plant.layer} ({entry['kind']}) has no parameters")
         if kind == "dw-unsummed" and len(entry["y_shape"]) != 5:
@@ -224,7 +225,7 @@ def _run_dtype(trace: Trace, dtype: str, plant):
         def hook(module, args, out):
             if state["busy"]:
                 return None
-            if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "bn-local-stats",
+            if plant is not None and plant.layer == name and plant.kind in ("halo", "inner-padding", "local-stats",
                                                                             "stride-phase"):
                 out = _planted_forward(plant, spec.grid, module, args[0], out, fresh, trace.layer(name), face, pads)
             if plant is not None and plant.layer == name and state.get("stale") is not None:
@@ -316,7 +317,7 @@ def _planted_forward(plant, grid, module, x, out, fresh, entry, face=None, pads=
     ranks = [plant.rank] if plant.kind in ("halo", "stride-phase") else range(int(numpy.prod(grid)))
     for r in ranks:
         in_sl, out_sl = layer_slices(entry, "dx", grid, r), layer_slices(entry, "y", grid, r)
-        if plant.kind == "bn-local-stats":         # its spatial block's statistics, of every channel it holds
+        if plant.kind == "local-stats":         # its spatial block's statistics, of every channel it holds
             out[out_sl] = fresh(module, x[rank_slices(tuple(x.shape), grid, r)])[:, out_sl[1]]
             continue
         if plant.kind == "stride-phase":             # windows from its own block's first cell on
@@ -389,12 +390,11 @@ def _own_contribution(module, rec, grid, rank, fresh, entry):
 
 def write_results(path: str, trace: Trace, results: dict) -> None:
     """The results file of ``results`` (run_trace's), in the documented layout, atomically."""
-    import h5py
 
-    from ..failstop import atomic_write
+    from ..atomic import atomic_write, hdf5_file
 
     def write(f):
-        with h5py.File(f, "w") as h5:
+        with hdf5_file(f) as (h5, _):
             h5.attrs["trace_digest"] = trace.digest
             for dtype, steps in results.items():
                 for s, step in enumerate(steps):

@@ -55,6 +55,15 @@ def check_dims(dims) -> tuple[int, ...]:
     return tuple(int(p) for p in dims)
 
 
+def world_mismatch(grid_text: str, product: int, world_size: int) -> str:
+    """What to say when ``--grid`` does not hold the ranks the launcher started (a ValueError's text)."""
+    if world_size == 1:
+        return (f"--grid {grid_text} holds {product} ranks but this process is 1 rank (not started by "
+                f"mpiexec, or with -n 1): run it as 'mpiexec -n {product} --oversubscribe refimpl ...'")
+    return (f"--grid {grid_text} holds {product} ranks but mpiexec started {world_size}; run "
+            f"'mpiexec -n {product} ...' or change --grid")
+
+
 def format_grid(dims) -> str:
     """'2,1,1,1' (or '1,2,1,1,4'): the text form ``parse_grid`` reads, as long as given."""
     return ",".join(str(p) for p in check_dims(dims))
@@ -119,10 +128,6 @@ class ProcessGrid:
     @property
     def spatial_rank(self) -> int:
         return grid_rank(self.spatial_coords, self.spatial_dims)
-
-    def rank_of(self, coords) -> int:
-        """Row-major world rank of grid ``coords`` (n, d, h, w[, m])."""
-        return grid_rank(coords, self.dims)
 
     def local_block(self, global_shape_dhw) -> tuple[slice, slice, slice]:
         """Slices of this rank's balanced block of a (D, H, W) volume."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..functional._args import padding_sides, sides, transposed_out_size, triple, window_out_size
+from ..functional.args import padding_sides, sides, transposed_out_size, triple, window_out_size
 
 Range = tuple[int, int]  # half-open [start, stop)
 
@@ -101,7 +101,7 @@ def _check_window(k, s, p, d) -> None:
 def window_output_extent(n: int, k: int, s: int, p, d: int, ceil_mode: bool = False) -> int:
     """Output extent of a conv/pool window: floor((n + lo + hi - d(k-1) - 1)/s) + 1, ``p`` an int
     (lo = hi = p) or a ``(lo, hi)`` pair; ``ceil_mode``: PyTorch's pooling rule
-    (``functional._args.window_out_size``)."""
+    (``functional.args.window_out_size``)."""
     _check_window(k, s, p, d)
     out = window_out_size(n, k, s, sides(p), d, ceil_mode)
     if out < 1:
@@ -298,7 +298,7 @@ def halo_plan(global_in_shape, grid_dims, needed_ranges_fn: Callable[[int, int],
 def conv_halo_plan(global_in_shape, grid_dims, kernel, stride=1, padding=0, dilation=1,
                    ceil_mode=False) -> HaloPlan:
     """Halo plan of a conv/pool window: OUTPUT split in balanced blocks, inputs derived.
-    ``padding``: any form of ``functional._args.padding_sides`` (int, 3-tuple, per-side
+    ``padding``: any form of ``functional.args.padding_sides`` (int, 3-tuple, per-side
     6-tuple, 'valid', 'same'); ``ceil_mode``: pooling's."""
     shape = triple(global_in_shape, "global_in_shape")
     dims = triple(grid_dims, "grid_dims", minimum=1)

@@ -17,7 +17,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from refimpl.check import LayerCheck, check_layer
-from refimpl.functional._args import transposed_out_size, window_out_size
+from refimpl.functional.args import transposed_out_size, window_out_size
 from refimpl.parallel.channels import TRAFFIC, allgather_channels, channel_range, moved_bytes, reduce_scatter_channels
 from refimpl.parallel.grid import ProcessGrid, all_grids
 from refimpl.parallel.partition import grid_coords

@@ -253,3 +253,62 @@ def test_kernel_2_same_cosmoflow_is_grid_invariant(comm, all_ranks_agree, dims):
     all_ranks_agree(errors[where] <= TOLERANCE["float64"],
                     f"tiny-same on grid {dims}: max rel err {errors[where]:.3g} at {where}")
     grid.free()
+
+
+# ---------------------------------------------------------------- group and instance norm
+#: the U-Net with --norm group / instance: statistics per sample, reduced over the spatial ranks
+#: only; (1, 8, 1, 1) leaves half the ranks an empty block at the 4^3 bottleneck
+NORM_GRIDS = {1: [(1, 1, 1, 1)], 2: [(2, 1, 1, 1), (1, 2, 1, 1)], 3: [(1, 3, 1, 1)], 4: [(1, 1, 2, 2)],
+              6: [(2, 1, 3, 1)], 8: [(1, 8, 1, 1)]}
+NORM_MODEL_GRIDS = {2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)], 4: [(1, 2, 1, 1, 2)], 6: [(1, 1, 2, 1, 3)],
+                    8: [(1, 2, 1, 1, 4)]}
+
+
+@functools.lru_cache(maxsize=None)
+def norm_reference(norm, batch, mode="none"):
+    return train_config("unet3d", {**CONFIGS["unet3d"], "norm": norm, "model_parallel": mode}, None, batch)
+
+
+@pytest.mark.parametrize("norm", ["group", "instance"])
+@pytest.mark.parametrize("dims", NORM_GRIDS.get(SIZE, []), ids=lambda d: "x".join(map(str, d)))
+def test_unet_norm_is_grid_invariant(comm, all_ranks_agree, dims, norm):
+    """--norm group / instance (float64, 3 SGD steps): the losses equal the unpartitioned run's to
+    1e-12, every parameter to 1e-10 (tests/mpi/test_group_norm_mpi.py: without the allreduce they differ)."""
+    grid = ProcessGrid(comm, dims)
+    batch = global_batch(dims[0])
+    model, history = train_config("unet3d", {**CONFIGS["unet3d"], "norm": norm}, grid, batch)
+    ref_model, ref_history = norm_reference(norm, batch)
+    kind = {"group": "GroupNorm3d", "instance": "InstanceNorm3d"}[norm]
+    built = {type(m).__name__ for _, m in model.named_modules()}
+    losses = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history, ref_history))
+    params = max(rel_err(model.state_dict()[k], v) for k, v in ref_model.state_dict().items())
+    all_ranks_agree(f"Spatial{kind}" in built and "SpatialBatchNorm3d" not in built, f"built {sorted(built)}")
+    all_ranks_agree(losses <= 1e-12 and params <= 1e-10,
+                    f"{norm} norm on grid {dims}: losses {losses:.3g}, parameters {params:.3g}")
+    grid.free()
+
+
+@pytest.mark.parametrize("norm", ["group", "instance"])
+@pytest.mark.parametrize("dims", NORM_MODEL_GRIDS.get(SIZE, []), ids=lambda d: "x".join(map(str, d)))
+def test_unet_norm_with_a_model_parallel_bottleneck(comm, all_ranks_agree, dims, norm):
+    """The bottleneck split over Pm (filter mode): instance norm and a group norm whose groups
+    (8 groups of 2 of the 16 channels) stay whole on every model rank train as unpartitioned;
+    Pm = 3 would cut a group: a ValueError on every rank when the model is built."""
+    from refimpl.nn.model_parallel import whole_of
+    grid = ProcessGrid(comm, dims)
+    batch = global_batch(dims[0])
+    config = {**CONFIGS["unet3d"], "norm": norm, "model_parallel": "filter"}
+    if norm == "group" and dims[4] == 3:
+        with pytest.raises(ValueError, match="cuts a group"):
+            train_config("unet3d", config, grid, batch)
+        grid.free()
+        return
+    model, history = train_config("unet3d", config, grid, batch)
+    ref_model, ref_history = norm_reference(norm, batch, "filter")
+    ref_state = ref_model.state_dict()
+    params = max(rel_err(whole_of(p.data, p.shard, grid.model_comm), ref_state[k])
+                 for k, p in model.named_parameters())
+    losses = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(history, ref_history))
+    all_ranks_agree(losses <= 1e-12 and params <= 1e-10,
+                    f"{norm} norm, bottleneck over Pm, grid {dims}: losses {losses:.3g}, parameters {params:.3g}")
+    grid.free()

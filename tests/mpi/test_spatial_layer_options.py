@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from refimpl.check import LayerCheck, check_layer
-from refimpl.functional._args import padding_sides, window_out_size
+from refimpl.functional.args import padding_sides, window_out_size
 
 from test_spatial_layers import grids_for
 

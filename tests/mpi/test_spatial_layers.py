@@ -14,7 +14,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from refimpl.check import LayerCheck, check_layer
-from refimpl.functional._args import transposed_out_size, window_out_size
+from refimpl.functional.args import transposed_out_size, window_out_size
 
 
 def grids_for(size):

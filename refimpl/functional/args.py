@@ -1,4 +1,5 @@
-"""Argument normalisation and validation shared by every functional op.
+"""Argument normalisation and validation shared by every functional op, and by the code outside
+functional/ that takes the same arguments (layers, models, the partition, the data readers).
 
 Errors are ValueError with the argument's name in the message, raised before
 any computation (and, in the distributed layers, before any message).
