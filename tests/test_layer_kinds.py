@@ -251,3 +251,52 @@ def test_no_option_or_statistic_is_listed_outside_the_kinds():
             if re.search(r"[\"']({})[\"']".format("|".join(map(re.escape, names))), code):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------- group norm and instance norm
+
+NORM_SUITE = {"case": [
+    {"name": "groupnorm_spatial", "layer": "group_norm3d", "input": [2, 4, 5, 4, 3], "num_groups": 2,
+     "grids": [[1, 2, 1, 1], [2, 1, 2, 1], [1, 1, 3, 1]]},
+    {"name": "instancenorm_empty_block", "layer": "instance_norm3d", "input": [2, 3, 5, 2, 3],
+     "grids": [[1, 1, 3, 1]]},
+    {"name": "groupnorm_channel_parallel", "layer": "group_norm3d", "input": [2, 4, 4, 3, 3], "num_groups": 2,
+     "model_parallel": "channel", "grids": [[1, 2, 1, 1, 2]]}]}
+
+
+def test_group_and_instance_norm_cases_pass_and_their_statistics_plant_is_diagnosed(tmp_path):
+    """Case files of group / instance norm hold every rank's per-(sample, group) sums; PyTorch
+    passes them on spatial, data, empty-block and channel-split grids; with the statistics left
+    unreduced (local-stats) y fails, diagnosed as not reduced over the spatial group."""
+    pytest.importorskip("torch")
+    from refimpl.oracle import compare, load_results, torch_adapter, write_results
+    from refimpl.oracle.compare import root_cause
+    (tmp_path / "cases").mkdir()
+    for spec in parse_suite(NORM_SUITE, "norm"):
+        case = load_case(write_case(spec, str(tmp_path / "cases")))
+        n_r, g_r = case.ranks["float64"][0]["sum_partial"][0].shape
+        assert g_r == (spec.options.get("num_groups", spec.input[1]) // (spec.grid[4] if len(spec.grid) == 5 else 1))
+        for plant in (None, "local-stats"):
+            glob, ranks = torch_adapter.run_case(case, torch_adapter.parse_plant(plant, case), "gathered")
+            path = str(tmp_path / str(plant) / case.name)
+            write_results(path, case, glob, ranks)
+            report = compare(case, load_results(path, case))
+            assert report.ok == (plant is None), (case.name, plant)
+            if plant:
+                cause = root_cause(report)
+                assert cause.tensor == "y" and "not reduced over the spatial group" in cause.diagnosis, cause
+
+
+def test_group_norm_options_and_splits_are_checked():
+    assert parse("group_norm3d", "--input", "2,6,4,4,4", "--grid", "1,1,1,1", "--num-groups", "3").options == \
+        {"num_groups": 3}
+    assert parse("instance_norm3d", *BASE).options == {}
+    for argv, message in ((("group_norm3d", *BASE, "--num-groups", "2"), "--num-groups 2 must divide the channels (3)"),
+                          (("group_norm3d", *BASE, "--num-groups", "0"), "--num-groups must be a positive integer"),
+                          (("instance_norm3d", *BASE, "--num-groups", "3"), "--num-groups applies to group_norm3d only"),
+                          (("conv3d", *BASE, "--num-groups", "3"), "--num-groups applies to group_norm3d only")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse(*argv)
+    with pytest.raises(ValueError, match="cut a group"):
+        LayerCheck(layer="group_norm3d", input=(2, 6, 4, 4, 4), grid=(1, 1, 1, 1, 2), model_parallel="channel",
+                   num_groups=3)

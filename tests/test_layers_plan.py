@@ -139,7 +139,7 @@ def test_group_and_instance_norm_are_priced():
     group, instance, batch = _norm_layer("group_norm3d", 4), _norm_layer("instance_norm3d", 16), \
         _norm_layer("batch_norm3d")
     assert (group.kind, instance.kind, group.norm_groups) == ("group_norm", "instance_norm", 4)
-    assert layers.plan_kind("group_norm3d").name not in layers.REGISTRY     # planner hooks only, for now
+    assert layers.plan_kind("group_norm3d") is layers.REGISTRY["group_norm3d"]   # check-layer's kind, priced
     spatial = [rank_costs([lay], (1, 2, 1, 1, 1), (0, 0, 0, 0, 0), 2, 4, Machine())[0]
                for lay in (group, instance, batch)]
     assert spatial[0].allreduce_bytes == 2 * 16 * 2 * 4 and spatial[1].allreduce_bytes == 2 * 16 * 2 * 16

@@ -16,7 +16,7 @@ registered by a file ``$REFIMPL_KINDS`` names (``load_kinds``).
     conv.py        conv3d, conv_transpose3d
     pool.py        max_pool3d, avg_pool3d
     batch_norm.py  batch_norm3d
-    norm.py        group_norm3d, instance_norm3d: planner hooks only for now (in PLAN_ONLY)
+    norm.py        group_norm3d, instance_norm3d (option num_groups; per-(sample, group) statistics)
     plan_only.py   relu, leaky_relu, gather, linear, flatten_linear: kinds only the planner prices
 
 Every kind also carries the planner's hooks (``LayerKind.plan_*``: its label in the plan's
@@ -148,9 +148,9 @@ def plan_kind(name: str) -> LayerKind:
     return kind
 
 
-for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind()):
+for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind(), *_NORM_KINDS):
     register(kind)
-for kind in (*_PLAN_ONLY_KINDS, *_NORM_KINDS):
+for kind in _PLAN_ONLY_KINDS:
     if kind.name in REGISTRY or kind.name in PLAN_ONLY:
         raise ValueError(f"layer kind {kind.name!r}: needs a name no other kind has")
     PLAN_ONLY[kind.name] = kind
