@@ -98,6 +98,22 @@ def test_batch_norm_equals_unpartitioned(comm, all_ranks_agree, data):
     run_case(comm, all_ranks_agree, case)
 
 
+@given(st.data())
+def test_group_and_instance_norm_equal_unpartitioned(comm, all_ranks_agree, data):
+    """Statistics per (sample, group) reduced over the spatial ranks: uneven and empty blocks,
+    sample splits (nothing to reduce), G from 1 (layer norm) to C (instance norm)."""
+    layer = data.draw(st.sampled_from(["group_norm3d", "instance_norm3d"]))
+    grid = data.draw(st.sampled_from(grids_for(comm.size)))
+    extent = tuple(data.draw(st.sampled_from([1, 2, 3, 5, 7])) for _ in range(3))
+    c = data.draw(st.integers(1, 6))
+    groups = data.draw(st.sampled_from([g for g in range(1, c + 1) if c % g == 0]))
+    options = {"num_groups": groups} if layer == "group_norm3d" else {}
+    check = LayerCheck(layer=layer, input=(data.draw(st.integers(grid[0], grid[0] + 1)), c) + extent, grid=grid,
+                       options=options)     # float64 (float32: dgamma cancels, as batch norm's)
+    report = comm.bcast(check_layer(check, comm), root=0)
+    all_ranks_agree(report["ok"], f"{check}: {report['max_rel_err']}")
+
+
 def test_halo_wider_than_neighbour_block(comm, all_ranks_agree):
     """Kernel 7 with dilation 2 on 1-voxel blocks: the halo reaches several owners away."""
     grid = (1, comm.size, 1, 1)
