@@ -260,8 +260,8 @@ def test_kernel_2_same_cosmoflow_is_grid_invariant(comm, all_ranks_agree, dims):
 #: only; (1, 8, 1, 1) leaves half the ranks an empty block at the 4^3 bottleneck
 NORM_GRIDS = {1: [(1, 1, 1, 1)], 2: [(2, 1, 1, 1), (1, 2, 1, 1)], 3: [(1, 3, 1, 1)], 4: [(1, 1, 2, 2)],
               6: [(2, 1, 3, 1)], 8: [(1, 8, 1, 1)]}
-NORM_MODEL_GRIDS = {2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)], 4: [(1, 2, 1, 1, 2)], 6: [(1, 1, 2, 1, 3)],
-                    8: [(1, 2, 1, 1, 4)]}
+NORM_MODEL_GRIDS = {1: [(1, 1, 1, 1, 1)], 2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)], 4: [(1, 2, 1, 1, 2)],
+                    6: [(1, 1, 2, 1, 3)], 8: [(1, 2, 1, 1, 4)]}
 
 
 @functools.lru_cache(maxsize=None)
