@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy
 
 from .. import functional as F
-from ..parallel.channels import channel_range
+from ..parallel.partition import channel_range
 from .base import LayerKind
 from .options import Option, Statistic
 
