@@ -64,8 +64,13 @@ MAX_STEPS = 100
 MAX_TRACE_BYTES = 8 * 2 ** 30       # a trace past this is a mistake of --input (the file holds every activation)
 WINDOW_KINDS = ("conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d")   # layers whose windows need halos
 MODEL_MODES = ("none", "filter", "channel")
-#: layers whose output depends on statistics over many voxels: a partitioned one must reduce them
-STATISTICS_KINDS = ("batch_norm3d", "group_norm3d", "instance_norm3d")
+
+
+def statistics_kinds() -> tuple:
+    """The registered layer kinds that declare statistics (refimpl/layers: ``LayerKind.statistics``):
+    their output depends on sums over many voxels, which a partitioned layer must reduce."""
+    from .. import layers
+    return tuple(name for name, kind in layers.REGISTRY.items() if kind.statistics)
 NORMS = ("batch", "group", "instance")
 
 

@@ -55,7 +55,7 @@ def name_factor(c: float, grid) -> str:
 
 def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
     """What a known mistake in the failing ranks' blocks of y rebuilds, in words, or None."""
-    if entry["kind"] not in T.WINDOW_KINDS + T.STATISTICS_KINDS or len(entry["y_shape"]) != 5:
+    if entry["kind"] not in T.WINDOW_KINDS + T.statistics_kinds() or len(entry["y_shape"]) != 5:
         return None
     scale = float(numpy.max(numpy.abs(want))) or 1.0
     got = {r: (a, o) for r, a, o in blocks if r is not None}
@@ -71,7 +71,7 @@ def diagnose_forward(ref, entry, x, mask, want, blocks, bad, tol, grid):
             return float(numpy.max(numpy.abs(array - y_bug))) <= 4 * tol * scale if array.size else False
 
         in_sl = T.layer_slices(entry, "dx", grid, r)
-        if entry["kind"] in T.STATISTICS_KINDS:   # statistics of its own block: every channel, then its share
+        if entry["kind"] in T.statistics_kinds():   # statistics of its own block: every channel, then its share
             spatial = T.rank_slices(tuple(x.shape), grid, r)
             if same(ref.forward64(entry["name"], x[spatial], mask)[:, out_sl[1]]):
                 matched[r] = ("bn",)

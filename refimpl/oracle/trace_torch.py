@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import numpy
 
-from .trace import OPTIMIZERS, STATISTICS_KINDS, WINDOW_KINDS, Trace, internal_faces, layer_slices, param_slices, rank_slices
+from .trace import (OPTIMIZERS, WINDOW_KINDS, Trace, internal_faces, layer_slices, param_slices, rank_slices,
+                    statistics_kinds)
 
 PLANTS = {"halo": "layer:rank", "inner-padding": "layer", "adjoint-halo": "layer:rank", "stride-phase": "layer:rank",
           "local-stats": "layer",
@@ -83,9 +84,9 @@ def parse_plant(text: str | None, trace: Trace) -> Plant | None:
             raise ValueError(f"--plant {text}: {kind} needs a window layer whose windows read past a rank's "
                              f"block on grid {list(spec.grid)}; {plant.layer} is {entry['kind']}"
                              + ("" if entry["kind"] not in WINDOW_KINDS else " with no halo there"))
-        if kind == "local-stats" and entry["kind"] not in STATISTICS_KINDS:
+        if kind == "local-stats" and entry["kind"] not in statistics_kinds():
             raise ValueError(f"--plant {text}: {plant.layer} is {entry['kind']}, not a statistics layer "
-                             f"({', '.join(STATISTICS_KINDS)})")
+                             f"({', '.join(statistics_kinds())})")
         if kind in ("dw-unsummed", "dw-count", "update-skip") and not entry["params"]:
             raise ValueError(f"--plant {text}: {plant.layer} ({entry['kind']}) has no parameters")
         if kind == "dw-unsummed" and len(entry["y_shape"]) != 5:
