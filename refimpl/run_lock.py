@@ -99,6 +99,17 @@ def describe_holder(holder: dict) -> str:
             f"{holder.get('command', '?')}")
 
 
+def lock_state(path) -> tuple[dict, str | None] | None:
+    """(holder, why it is gone or None while it may still run) of the lock file ``path``; None
+    when there is no lock there (or it was released meanwhile)."""
+    holder = holder_of(path)
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+    return holder, stale_reason(holder, age)
+
+
 def live_lock_above(directory) -> tuple[str, dict] | None:
     """(lock path, holder) of a live job's lock in a directory *above* ``directory`` (its
     ``OUT`` holds ``directory``: e.g. ``OUT/data`` of a running ``refimpl train``), or None.
@@ -107,14 +118,9 @@ def live_lock_above(directory) -> tuple[str, dict] | None:
     parent = os.path.dirname(path)
     while parent != path:
         lock = os.path.join(parent, NAME)
-        holder = holder_of(lock) if os.path.isfile(lock) else {}
-        if "pid" in holder:                  # a refimpl job's lock (another tool's .lock says nothing)
-            try:
-                age = time.time() - os.stat(lock).st_mtime
-            except FileNotFoundError:
-                age = None
-            if age is not None and stale_reason(holder, age) is None:
-                return lock, holder
+        state = lock_state(lock) if os.path.isfile(lock) else None
+        if state is not None and "pid" in state[0] and state[1] is None:   # a live refimpl job's lock
+            return lock, state[0]                                          # (another tool's .lock says nothing)
         path, parent = parent, os.path.dirname(parent)
     return None
 
@@ -157,12 +163,10 @@ class RunLock:
         for _ in range(3):                   # a racing breaker may win in between: look again
             if self._create():
                 return self._held()
-            holder = holder_of(self.path)
-            try:
-                age = time.time() - os.stat(self.path).st_mtime
-            except FileNotFoundError:
+            state = lock_state(self.path)
+            if state is None:
                 continue                     # released meanwhile: try again
-            reason = stale_reason(holder, age)
+            holder, reason = state
             if reason is None:
                 raise LockHeld(f"{self.flag} {self.directory} is in use by another job ({describe_holder(holder)}); "
                                f"wait for it to end or choose another {self.flag} (lock: {self.path})")

@@ -118,6 +118,24 @@ def check_float(name: str, x) -> None:
         raise ValueError(f"{name} must be a floating-point array, got {x.dtype}")
 
 
+def check_channel_vector(v, name: str, channels: int) -> None:
+    """``v`` None or a (C,) vector of ``channels`` entries (a per-channel scale or shift)."""
+    if v is None:
+        return
+    check_ndim(v, 1, name, "C")
+    if v.shape[0] != channels:
+        raise ValueError(f"{name} has {v.shape[0]} channels but x has {channels}")
+
+
+def check_real(name: str, value, minimum=None) -> None:
+    """``value`` a real number (Python or NumPy scalar) >= ``minimum``, else a ValueError naming it."""
+    real = isinstance(value, (int, float)) or getattr(value, "ndim", None) == 0
+    if not real or isinstance(value, bool):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    if minimum is not None and not value >= minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
 def window_out_size(n: int, k: int, s: int, p, d: int, ceil_mode: bool = False) -> int:
     """Output extent of a window op: floor((n + lo + hi - d(k-1) - 1)/s) + 1 (``p`` an int:
     lo = hi = p, or a ``(lo, hi)`` pair).
@@ -148,5 +166,6 @@ def transposed_out_shape(spatial, k, s, p, d, op) -> tuple[int, ...]:
 
 
 __all__ = ["triple", "padding_sides", "compact_padding", "sides", "PADDING_FORMS", "check_ndim", "check_float",
+           "check_channel_vector", "check_real",
            "check_same_dtype",
            "window_out_size", "transposed_out_size", "window_out_shape", "transposed_out_shape"]

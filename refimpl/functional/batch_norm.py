@@ -65,7 +65,7 @@ from typing import NamedTuple
 from ..backend import array_module, check_same_dtype
 from ..kernels import batch_norm as fast
 from ._route import kernel_for
-from .args import check_float, check_ndim
+from .args import check_channel_vector, check_float, check_ndim, check_real
 
 
 
@@ -93,23 +93,6 @@ def _col(v, dtype):
     return v.astype(dtype).reshape(-1, 1)
 
 
-def _check_channel_vector(v, name, channels):
-    if v is None:
-        return
-    check_ndim(v, 1, name, "C")
-    if v.shape[0] != channels:
-        raise ValueError(f"{name} has {v.shape[0]} channels but x has {channels}")
-
-
-def _check_real(name, value, minimum=None):
-    """``value`` a real number (Python or NumPy scalar) >= ``minimum``, else a ValueError naming it."""
-    real = isinstance(value, (int, float)) or getattr(value, "ndim", None) == 0
-    if not real or isinstance(value, bool):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    if minimum is not None and not value >= minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-
-
 def batch_norm_local_sums(x, shift=None):
     """(count, S1, S2): count = N*D*H*W (int), S1 = sum(x - shift), S2 = sum((x - shift)^2).
 
@@ -118,7 +101,7 @@ def batch_norm_local_sums(x, shift=None):
     """
     check_ndim(x, 5, "x", "N, C, D, H, W")
     check_float("x", x)
-    _check_channel_vector(shift, "shift", x.shape[1])
+    check_channel_vector(shift, "shift", x.shape[1])
     count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
     kernel = kernel_for(fast, x)
     if kernel is not None:
@@ -152,7 +135,7 @@ def batch_norm_forward(x, mean, inv_std, gamma=None, beta=None):
     check_ndim(x, 5, "x", "N, C, D, H, W")
     check_float("x", x)
     for name, v in (("mean", mean), ("inv_std", inv_std), ("gamma", gamma), ("beta", beta)):
-        _check_channel_vector(v, name, x.shape[1])
+        check_channel_vector(v, name, x.shape[1])
     check_same_dtype(x=x, gamma=gamma, beta=beta)
     xp = array_module(x)
     dt = x.dtype
@@ -223,9 +206,9 @@ def batch_norm3d(x, gamma=None, beta=None, running_mean=None, running_var=None,
     """
     check_ndim(x, 5, "x", "N, C, D, H, W")
     for name, v in (("running_mean", running_mean), ("running_var", running_var)):
-        _check_channel_vector(v, name, x.shape[1])
-    _check_real("momentum", momentum)
-    _check_real("eps", eps, minimum=0)
+        check_channel_vector(v, name, x.shape[1])
+    check_real("momentum", momentum)
+    check_real("eps", eps, minimum=0)
     if training and (x.shape[1] < 1 or x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] < 2):
         raise ValueError(f"training batch norm needs a channel and more than one value per channel "
                          f"(C >= 1, N*D*H*W >= 2), got x of shape {x.shape}")

@@ -54,7 +54,7 @@ import numbers
 from typing import NamedTuple
 
 from ..backend import array_module, check_same_dtype
-from .args import check_float, check_ndim
+from .args import check_channel_vector, check_float, check_ndim, check_real
 from .batch_norm import batch_norm_stats
 
 
@@ -106,14 +106,6 @@ def _check_x(x, num_groups):
     check_num_groups(num_groups, x.shape[1])
 
 
-def _check_channel_vector(v, name, channels):
-    if v is None:
-        return
-    check_ndim(v, 1, name, "C")
-    if v.shape[0] != channels:
-        raise ValueError(f"{name} has {v.shape[0]} channels but x has {channels}")
-
-
 def _check_group_array(v, name, n, g):
     if v is None:
         return
@@ -150,7 +142,7 @@ def group_norm_forward(x, num_groups, mean, inv_std, gamma=None, beta=None):
     for name, v in (("mean", mean), ("inv_std", inv_std)):
         _check_group_array(v, name, n, num_groups)
     for name, v in (("gamma", gamma), ("beta", beta)):
-        _check_channel_vector(v, name, c)
+        check_channel_vector(v, name, c)
     check_same_dtype(x=x, gamma=gamma, beta=beta)
     dt = x.dtype
     mean, inv_std = mean.astype(dt), inv_std.astype(dt)
@@ -218,7 +210,7 @@ def group_norm3d(x, num_groups, weight=None, bias=None, eps=1e-5):
     """One-process group norm -> (y, cache): statistics per (sample, group of C/G channels)
     over (C/G, D, H, W), biased variance, as ``torch.nn.functional.group_norm``."""
     _check_x(x, num_groups)
-    _check_eps(eps)
+    check_real("eps", eps, minimum=0)
     num_groups = int(num_groups)
     count, s1, s2 = group_norm_local_sums(x, num_groups)
     if count < 1:
@@ -248,12 +240,6 @@ def instance_norm3d(x, weight=None, bias=None, eps=1e-5):
 def instance_norm3d_backward(dy, cache):
     """(dx, dweight, dbias) for ``instance_norm3d``'s cache."""
     return group_norm3d_backward(dy, cache)
-
-
-def _check_eps(eps):
-    real = isinstance(eps, (int, float)) or getattr(eps, "ndim", None) == 0
-    if not real or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps must be a real number >= 0, got {eps!r}")
 
 
 __all__ = ["GroupNormCache", "check_num_groups", "group_norm_local_sums", "group_norm_stats",

@@ -296,6 +296,22 @@ def plan_window_cost(layer, rank, cost, plan):
     return v_in, v_out, v_need, c_halo
 
 
+class ChannelAffineKind(LayerKind):
+    """A layer whose parameters are a scale and a shift per channel (the normalisations: batch,
+    group and instance norm): their shapes, the oracle's draw and check-layer's initialisation."""
+
+    def parameter_shapes(self, spec):
+        return (spec.input[1],), (spec.input[1],)
+
+    def draw_parameters(self, rng, spec):
+        c = spec.input[1]
+        return {"w": rng.uniform(0.5, 1.5, c), "b": rng.standard_normal(c)}
+
+    def check_init(self, rng, shape):
+        """A random scale and shift: the layer's own (1, 0) would hide a wrong gamma or beta."""
+        return rng.uniform(0.5, 1.5, shape)
+
+
 class WindowKind(LayerKind):
     """A window op (conv, pooling): outputs partitioned in blocks, each reading a window of
     the input through a halo; the padding holds ``pad_value``."""

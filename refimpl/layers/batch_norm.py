@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 
 from .. import functional as F
-from .base import LayerKind
+from .base import ChannelAffineKind
 from .options import Statistic
 
 EPS = 1e-5
@@ -23,7 +23,7 @@ def per_channel(spec, layout=None) -> tuple:
     return (spec.input[1],) if layout is None else (layout.in_channels[1] - layout.in_channels[0],)
 
 
-class BatchNorm3dKind(LayerKind):
+class BatchNorm3dKind(ChannelAffineKind):
     name = "batch_norm3d"
     statistics = (Statistic("sum_partial", "per-channel sum of x over the rank's block", per_channel),
                   Statistic("sumsq_partial", "per-channel sum of x*x over the rank's block", per_channel))
@@ -37,17 +37,6 @@ class BatchNorm3dKind(LayerKind):
         n, _, d, h, w = spec.input
         if n * d * h * w < 2:
             raise ValueError(f"{self.name} needs more than one value per channel (N*D*H*W >= 2)")
-
-    def parameter_shapes(self, spec):
-        return (spec.input[1],), (spec.input[1],)
-
-    def draw_parameters(self, rng, spec):
-        c = spec.input[1]
-        return {"w": rng.uniform(0.5, 1.5, c), "b": rng.standard_normal(c)}
-
-    def check_init(self, rng, shape):
-        """A random scale and shift: the layer's own (1, 0) would hide a wrong gamma or beta."""
-        return rng.uniform(0.5, 1.5, shape)
 
     def forward(self, spec, x, w, b):
         return F.batch_norm3d(x, w, b, training=True)

@@ -22,7 +22,7 @@ import numpy
 
 from .. import functional as F
 from ..parallel.partition import channel_range
-from .base import LayerKind
+from .base import ChannelAffineKind
 from .options import Option, Statistic
 
 EPS = 1e-5
@@ -54,7 +54,7 @@ STATISTICS = (Statistic("sum_partial", "per-(sample, group) sum of x over the ra
                         per_sample_group, backward=True))
 
 
-class _PerSampleNorm(LayerKind):
+class _PerSampleNorm(ChannelAffineKind):
     """A normalisation whose statistics are per (sample, group): pointwise but for its sums."""
 
     model_modes = ("none", "channel")    # channel-split activations: each rank's slice whole groups
@@ -78,17 +78,6 @@ class _PerSampleNorm(LayerKind):
             if any(edge % per for s in slices for edge in s):
                 raise ValueError(f"--grid puts Pm={spec.grid[4]} model ranks on {c} channels in groups of {per}: "
                                  f"the channel slices {slices} cut a group (choose Pm dividing {g})")
-
-    def parameter_shapes(self, spec):
-        return (spec.input[1],), (spec.input[1],)
-
-    def draw_parameters(self, rng, spec):
-        c = spec.input[1]
-        return {"w": rng.uniform(0.5, 1.5, c), "b": rng.standard_normal(c)}
-
-    def check_init(self, rng, shape):
-        """A random scale and shift: the layer's own (1, 0) would hide a wrong gamma or beta."""
-        return rng.uniform(0.5, 1.5, shape)
 
     def forward(self, spec, x, w, b):
         return F.group_norm3d(x, self.groups(spec), w, b, EPS)
