@@ -83,8 +83,11 @@ class Machine:
     Compute time per layer kind (``rank_costs``): a conv is ``flops / rate`` with the rate
     measured for its shape (``conv_gflops``: a narrow conv runs at a fraction of a wide
     one's rate, and Winograd's effective rate exceeds the GEMM's), ``gflops`` for a shape
-    not measured; a dense layer ``flops / gemm_gflops``; batch norm, activations and
-    pooling are memory-bound: elements / their rate (forward + backward).  A halo exchange also copies: the block into the work array and back
+    not measured; a dense layer ``flops / gemm_gflops``; a memory-bound kind (normalisations,
+    activations, pooling) elements / its rate (forward + backward): ``element_rates`` holds
+    the rates measured per kind, a kind not measured costs its declared default
+    (``LayerKind.plan_element_rate``): the machine holds no kind's rate by name, so a new
+    kind is priced and calibrated by its own declaration.  A halo exchange also copies: the block into the work array and back
     (``mem_bandwidth``) and every piece packed into / out of its message buffer at the
     pack bandwidth of its axis (a D face is one contiguous run per sample and channel, a
     W face one element per row: ``pack_bandwidth_w`` is the slowest)."""
@@ -102,15 +105,24 @@ class Machine:
     pack_bandwidth_d: float = 10e9        # bytes/s packing a halo piece cut across depth
     pack_bandwidth_h: float = 8e9         # ... across height
     pack_bandwidth_w: float = 2e9         # ... across width (strided: one element per row)
-    bn_rate: float = 1e9                  # elements/s, batch norm forward + backward
-    act_rate: float = 2e9                 # elements/s, activation forward + backward
-    pool_rate: float = 1e9                # input elements/s, pooling forward + backward
+    element_rates: tuple = ()             # ((kind name, elements/s), ...) measured, forward + backward
 
     def summary(self) -> str:
         """The constants in one line (``conv_gflops`` as its count of measured shapes)."""
         parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                 for k, v in self.__dict__.items() if k != "conv_gflops" and v is not None]
+                 for k, v in self.__dict__.items() if k not in ("conv_gflops", "element_rates") and v is not None]
+        parts += [f"{name}={rate:.4g}/s" for name, rate in self.element_rates]
         return "Machine(" + ", ".join(parts) + f", conv_gflops: {len(self.conv_gflops)} measured)"
+
+    def element_rate(self, kind) -> float:
+        """Elements/s of one forward + backward of layer kind ``kind`` (``refimpl.layers.LayerKind``):
+        as measured (``element_rates``), else the kind's declared ``plan_element_rate``."""
+        measured = dict(self.element_rates).get(kind.name)
+        if measured is not None:
+            return measured
+        if kind.plan_element_rate is None:
+            raise ValueError(f"layer kind {kind.name} declares no plan_element_rate")
+        return kind.plan_element_rate
 
     def conv_rate(self, layer, voxels) -> float:
         """GFLOP/s of ``layer`` when one call convolves ``voxels`` input voxels (samples x
@@ -196,16 +208,44 @@ def _parse_conv_key(key):
             int(m.group(6)) * int(m.group(7)) * int(m.group(8)))
 
 
+def _element_rate_kinds() -> dict:
+    """name -> kind of every registered kind that declares a ``plan_element_rate``."""
+    from .layers import PLAN_ONLY, REGISTRY
+    return {k.name: k for k in (*REGISTRY.values(), *PLAN_ONLY.values()) if k.plan_element_rate is not None}
+
+
+def _load_element_rates(path, value) -> tuple:
+    """A machine file's ``[element_rates]`` table (kind name = elements/s) as ``Machine.element_rates``."""
+    known = _element_rate_kinds()
+    if not isinstance(value, dict):
+        raise ValueError(f"--machine {path}: element_rates must be a table of kind name = elements/s, got {value!r}")
+    for name, rate in value.items():
+        if name not in known:
+            raise ValueError(f"--machine {path}: [element_rates] {name!r} is not a layer kind with an element rate "
+                             f"(known: {', '.join(known)}; a kind from REFIMPL_KINDS needs it set as when calibrating)")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"--machine {path}: [element_rates] {name!r} must be a positive number, got {rate!r}")
+    return tuple((name, float(rate)) for name, rate in value.items())
+
+
 def load_machine(path: str) -> Machine:
     """A machine TOML file (keys of ``Machine``; mem_per_rank may be '16GiB'); ValueError naming
     the file and key."""
     from .config import load_toml
     table = load_toml(path, "--machine")
     unknown = sorted(set(table) - MACHINE_KEYS)
+    moved = [key for key in unknown if key.endswith("_rate")]
+    if moved:
+        raise ValueError(f"--machine {path}: {', '.join(moved)}: a kind's rate is no longer a machine key; the "
+                         f"[element_rates] table holds one per kind name ({', '.join(_element_rate_kinds())}): run "
+                         "`refimpl plan --calibrate --save-machine FILE` again, or rename the keys")
     if unknown:
         raise ValueError(f"--machine {path}: unknown key(s) {unknown}; known: {sorted(MACHINE_KEYS)}")
     values = {}
     for key, value in table.items():
+        if key == "element_rates":
+            values[key] = _load_element_rates(path, value)
+            continue
         if key == "conv_gflops":
             if not isinstance(value, dict):
                 raise ValueError(f"--machine {path}: conv_gflops must be a table of "
@@ -252,8 +292,16 @@ class Layer:
     split: str = "none"     # model axis: none | filter | filter-replicated | channel | row | row-split
     split_in: bool = False  # its input is channel-split over the model group
     input_grad: bool = True
-    norm_groups: int = 0    # statistics groups per sample (group / instance norm); 0: none
     op: str = ""            # the registry kind (conv3d, max_pool3d, ...); '' : the first one labelled ``kind``
+    options: tuple = ()     # ((name, value), ...): the kind's declared options (group norm's num_groups) given
+
+    def option(self, name):
+        """The value of the kind's option ``name`` (refimpl/layers/options.py), its declared
+        default where the ``describe()`` entry gave none."""
+        given = dict(self.options)
+        if name in given:
+            return given[name]
+        return {o.name: o for o in layer_kind(self).options}[name].default
 
 
 def _kind_named(name):
@@ -270,7 +318,15 @@ def layer_of(entry: dict) -> Layer:
     """The planner's record of one entry of a model's ``describe()``."""
     fields = dict(entry)
     op = fields.pop("kind")
-    return Layer(kind=_kind_named(op).plan_label, op=op, **fields)
+    kind = _kind_named(op)
+    options = {name: fields.pop(name) for name in kind.option_names() if name in fields}
+    unknown = sorted(set(fields) - set(Layer.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"describe() entry {fields.get('name')!r}: {unknown} are neither planner fields nor options "
+                         f"of kind {op} ({', '.join(kind.option_names()) or 'it has none'})")
+    by_name = {o.name: o for o in kind.options}
+    checked = tuple((name, by_name[name].check(value)) for name, value in options.items())
+    return Layer(kind=kind.plan_label, op=op, options=checked, **fields)
 
 
 def model_layers(model: str, config) -> list[Layer]:
@@ -684,13 +740,19 @@ def save_machine(machine: Machine) -> str:
     """The machine as a TOML file ``load_machine`` reads back."""
     lines = ["# refimpl plan machine constants (refimpl plan --calibrate; docs/planner.md)"]
     for key, value in machine.__dict__.items():
-        if value is not None and key != "conv_gflops":
+        if value is not None and key not in ("conv_gflops", "element_rates"):
             lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+    if machine.element_rates:
+        lines += ["", "[element_rates]    # measured per layer kind (elements/s of forward + backward)"]
+        lines += [f"{name} = {rate!r}" for name, rate in machine.element_rates]
     if machine.conv_gflops:
         lines += ["", "[conv_gflops]      # measured per conv shape (GFLOP/s of forward + backward)"]
         lines += [f'"{shape}" = {rate!r}' for shape, rate in machine.conv_gflops]
     return "\n".join(lines) + "\n"
 
+
+#: The float32 input (N, C, D, H, W) on which ``calibrate`` measures every kind's element rate.
+CALIBRATION_BLOCK = (2, 16, 32, 32, 32)
 
 #: Most FLOPs of one calibration run of a conv shape (forward + backward): its extent is
 #: cut down (to at most 32, at least 4) until it fits, so calibration takes seconds.
@@ -741,8 +803,10 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
       the machine's own entries are kept unless measured again (so calibrating for one
       model, then another, accumulates both); ``gflops``: their median (the rate of a shape
       never measured);
-    - ``gemm_gflops``: a 512^3 float32 matmul; ``bn_rate``, ``act_rate``, ``pool_rate``:
-      batch norm, LeakyReLU and 2^3 max pooling forward + backward on (2, 16, 32^3);
+    - ``gemm_gflops``: a 512^3 float32 matmul; ``element_rates``: every registered kind that
+      declares a ``plan_element_rate`` (normalisations, activations, pooling) times its own
+      forward + backward on the (2, 16, 32^3) block ``CALIBRATION_BLOCK``
+      (``LayerKind.plan_measure_rate``);
     - ``mem_bandwidth``: a 32 MiB copy; ``pack_bandwidth_d/h/w``: one-voxel faces of a
       (2, 16, 34^3) block copied into contiguous buffers, as the halo exchange packs them;
     - with ``comm`` of 2 or more ranks (under mpiexec), alpha and beta from a ping-pong
@@ -757,8 +821,6 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
 
     import numpy
 
-    from .functional import (batch_norm3d, batch_norm3d_backward, leaky_relu, leaky_relu_backward, max_pool3d,
-                             max_pool3d_backward)
     say = report or (lambda line: None)
     rng = numpy.random.default_rng(0)
 
@@ -782,31 +844,22 @@ def calibrate(machine: Machine = Machine(), repeats: int = 3, layers=(), report=
     gflops = statistics.median(rates.values()) if rates else machine.gflops
     a, b = normal(512, 512), normal(512, 512)
     gemm = 2 * 512 ** 3 / timed("GEMM", lambda: a @ b) / 1e9
-    x = normal(2, 16, 32, 32, 32)
-    dy = normal(*x.shape)
-
-    def bn():
-        y, cache = batch_norm3d(x, numpy.ones(16, numpy.float32), numpy.zeros(16, numpy.float32))
-        batch_norm3d_backward(dy, cache)
-    bn_rate = x.size / timed("batch norm", bn)
-    act_rate = x.size / timed("activation", lambda: (leaky_relu(x), leaky_relu_backward(dy, x)))
-    dyp = normal(2, 16, 16, 16, 16)
-
-    def pool():
-        _, masks = max_pool3d(x, 2, return_masks=True)
-        max_pool3d_backward(dyp, x, 2, masks=masks)
-    pool_rate = x.size / timed("pooling", pool)
+    x = normal(*CALIBRATION_BLOCK)
+    element_rates = dict(machine.element_rates)
+    for name, kind in _element_rate_kinds().items():
+        element_rates[name] = kind.plan_measure_rate(x, rng, lambda fn, what=name: timed(what, fn))
     big, dst = normal(8 * 2 ** 20), numpy.empty(8 * 2 ** 20, numpy.float32)
     mem_bandwidth = big.nbytes / timed("copy", lambda: numpy.copyto(dst, big))
     block = normal(2, 16, 34, 34, 34)
     faces = [block[:, :, 1:2], block[:, :, :, 1:2], block[:, :, :, :, 1:2]]
     packs = [face.nbytes / timed(f"halo packing across {axis}", lambda f=face: numpy.ascontiguousarray(f),
                                  repeats * 10) for axis, face in zip("DHW", faces)]
-    say(f"GEMM {gemm:.1f} GFLOP/s; batch norm {bn_rate / 1e9:.3f}, activation {act_rate / 1e9:.3f}, "
-        f"pooling {pool_rate / 1e9:.3f} G elements/s; copy {mem_bandwidth / 1e9:.2f} GB/s; "
+    say(f"GEMM {gemm:.1f} GFLOP/s; G elements/s: "
+        + ", ".join(f"{name} {rate / 1e9:.3f}" for name, rate in element_rates.items())
+        + f"; copy {mem_bandwidth / 1e9:.2f} GB/s; "
         f"halo faces packed at {', '.join(f'{p / 1e9:.2f}' for p in packs)} GB/s (d, h, w)")
     values = dict(machine.__dict__, gflops=gflops, conv_gflops=tuple(rates.items()), gemm_gflops=gemm,
-                  bn_rate=bn_rate, act_rate=act_rate, pool_rate=pool_rate, mem_bandwidth=mem_bandwidth,
+                  element_rates=tuple(element_rates.items()), mem_bandwidth=mem_bandwidth,
                   pack_bandwidth_d=packs[0], pack_bandwidth_h=packs[1], pack_bandwidth_w=packs[2])
     if comm is not None and comm.Get_size() > 1:
         from .parallel.collectives import ping_pong

@@ -101,6 +101,57 @@ class _ScaleKind(LayerKind):
         return cost.flops / 1e9
 
 
+class _SquareKind(LayerKind):
+    """A planner-only memory-bound kind of a test: it declares its element rate and measures it."""
+    name = "test_square"
+    plan_label = "square"
+    plan_element_rate = 3e9
+
+    def plan_measure_rate(self, x, rng, timed):
+        return x.size / timed(lambda: x * x)
+
+    def plan_cost(self, layer, rank, cost):
+        return rank.n_r * rank.f_local(layer) * rank.block_voxels(layer) / rank.machine.element_rate(self)
+
+
+def test_a_kind_declares_its_price_and_calibration(monkeypatch, tmp_path):
+    """A kind's element rate: its declared default until calibrated, then the rate its own
+    micro-benchmark measured (``Machine.element_rates`` by the kind's name); the machine file
+    keeps it; plan.py and Machine name no kind."""
+    from refimpl.plan import calibrate, load_machine, save_machine
+    monkeypatch.setitem(layers.PLAN_ONLY, _SquareKind.name, _SquareKind())
+    lay = layer_of({"name": "q", "kind": "test_square", "c_in": 2, "c_out": 2, "in_dhw": (4, 4, 4),
+                    "out_dhw": (4, 4, 4)})
+    (cost,) = rank_costs([lay], (1,) * 5, (0,) * 5, 1, 4, Machine())
+    assert cost.compute_s == 2 * 4 ** 3 / 3e9
+    lines = []
+    machine = calibrate(Machine(), repeats=1, report=lines.append)
+    measured = dict(machine.element_rates)["test_square"]
+    assert measured > 0 and measured != 3e9 and "test_square" in lines[-1]
+    (cost,) = rank_costs([lay], (1,) * 5, (0,) * 5, 1, 4, machine)
+    assert cost.compute_s == 2 * 4 ** 3 / measured
+    path = tmp_path / "m.toml"
+    path.write_text(save_machine(machine))
+    assert load_machine(str(path)) == machine
+    assert not [f for f in Machine.__dataclass_fields__ if f.endswith("_rate")]
+
+
+def test_describe_entries_carry_the_kinds_own_options():
+    """A ``describe()`` entry's extra keys are the kind's declared options, checked by them;
+    any other key is refused naming the kind's options."""
+    pool = layer_of({"name": "p", "kind": "max_pool3d", "c_in": 2, "c_out": 2, "in_dhw": (5, 5, 5),
+                     "out_dhw": (3, 3, 3), "kernel": (2, 2, 2), "stride": (2, 2, 2), "ceil_mode": True})
+    assert pool.option("ceil_mode") is True and _norm_layer("group_norm3d").option("num_groups") == 1
+    assert layers.plan_kind("max_pool3d").plan_halo(pool, (2, 1, 1)).outputs((1, 0, 0))[0] == (2, 3)
+    with pytest.raises(ValueError, match=r"\['num_groups'\] are neither planner fields nor options of kind "
+                                         r"max_pool3d \(ceil_mode\)"):
+        layer_of({"name": "p", "kind": "max_pool3d", "c_in": 2, "c_out": 2, "in_dhw": (4,) * 3, "out_dhw": (2,) * 3,
+                  "num_groups": 2})
+    with pytest.raises(ValueError, match="--num-groups must be a positive integer, got 0"):
+        layer_of({"name": "n", "kind": "group_norm3d", "c_in": 4, "c_out": 4, "in_dhw": (4,) * 3, "out_dhw": (4,) * 3,
+                  "num_groups": 0})
+
+
 def test_a_new_kind_is_priced_by_its_hook_alone(monkeypatch):
     """Registering a kind with a plan_cost hook is all the planner needs (no edit of plan.py)."""
     monkeypatch.setitem(layers.PLAN_ONLY, _ScaleKind.name, _ScaleKind())
@@ -130,15 +181,15 @@ def test_predictions_are_those_of_the_name_dispatching_planner(model, mode, dims
 
 def _norm_layer(kind, groups=0):
     return layer_of({"name": "n", "kind": kind, "c_in": 16, "c_out": 16, "in_dhw": (8, 8, 8), "out_dhw": (8, 8, 8),
-                     "weights": 32, **({"norm_groups": groups} if groups else {})})
+                     "weights": 32, **({"num_groups": groups} if groups else {})})
 
 
 def test_group_and_instance_norm_are_priced():
     """Batch norm's rate; per-sample sums allreduced over the spatial group only: (2, N_r, G_r)
     float64 each way, nothing on a grid that splits only the samples."""
-    group, instance, batch = _norm_layer("group_norm3d", 4), _norm_layer("instance_norm3d", 16), \
+    group, instance, batch = _norm_layer("group_norm3d", 4), _norm_layer("instance_norm3d"), \
         _norm_layer("batch_norm3d")
-    assert (group.kind, instance.kind, group.norm_groups) == ("group_norm", "instance_norm", 4)
+    assert (group.kind, instance.kind, group.option("num_groups")) == ("group_norm", "instance_norm", 4)
     assert layers.plan_kind("group_norm3d") is layers.REGISTRY["group_norm3d"]   # check-layer's kind, priced
     spatial = [rank_costs([lay], (1, 2, 1, 1, 1), (0, 0, 0, 0, 0), 2, 4, Machine())[0]
                for lay in (group, instance, batch)]

@@ -120,12 +120,19 @@ def test_machine_files_round_trip(tmp_path):
     with pytest.raises(ValueError, match="alpha must be a positive number"):
         load_machine(str(path))
     rates = (("conv 4->16 k3x3x3 s1x1x1 no-dx @32x32x32", 40.0), ("conv_transpose 8->4 k2x2x2 s2x2x2 @8x8x8", 9.5))
-    machine = Machine(conv_gflops=rates, pack_bandwidth_w=1e9)
+    machine = Machine(conv_gflops=rates, pack_bandwidth_w=1e9,
+                      element_rates=(("batch_norm3d", 2.5e8), ("leaky_relu", 6e8)))
     path.write_text(save_machine(machine))
     assert load_machine(str(path)) == machine
     for table, match in (('conv_gflops = 3\n', "conv_gflops must be a table"),
                          ('[conv_gflops]\n"conv 4->16 k3 s1" = 1.0\n', "is not like"),
-                         ('[conv_gflops]\n"conv 4->16 k3x3x3 s1x1x1 @8x8x8" = 0\n', "must be a positive number")):
+                         ('[conv_gflops]\n"conv 4->16 k3x3x3 s1x1x1 @8x8x8" = 0\n', "must be a positive number"),
+                         ('bn_rate = 1e9\nact_rate = 2e9\n', r"act_rate, bn_rate: a kind's rate is no longer a "
+                                                              r"machine key; the \[element_rates\] table .*batch_norm3d"),
+                         ('[element_rates]\nbatchnorm = 1e9\n', "'batchnorm' is not a layer kind with an element "
+                                                                "rate .*leaky_relu"),
+                         ('[element_rates]\nconv3d = 1e9\n', "'conv3d' is not a layer kind with an element rate"),
+                         ('[element_rates]\nrelu = -2\n', r"\[element_rates\] 'relu' must be a positive number")):
         path.write_text(table)
         with pytest.raises(ValueError, match=match):
             load_machine(str(path))
@@ -273,8 +280,13 @@ def test_calibrate_under_mpiexec(tmp_path):
     assert len(machine.conv_gflops) == 2 * len(shapes)
     assert {key.split(" @")[0] for key, _ in machine.conv_gflops} == shapes
     assert all(proc.stdout.count(key + ":") == 1 for key, _ in machine.conv_gflops)
-    for name in ("gemm_gflops", "bn_rate", "act_rate", "pool_rate", "mem_bandwidth", "pack_bandwidth_w"):
+    for name in ("gemm_gflops", "mem_bandwidth", "pack_bandwidth_w"):
         assert getattr(machine, name) != getattr(Machine(), name), name     # measured, not the default
+    # every kind that declares an element rate measured by its own micro-benchmark, none other
+    from refimpl.layers import PLAN_ONLY, REGISTRY
+    declared = {k.name for k in (*REGISTRY.values(), *PLAN_ONLY.values()) if k.plan_element_rate is not None}
+    assert {"batch_norm3d", "group_norm3d", "instance_norm3d", "max_pool3d", "relu", "leaky_relu"} <= declared
+    assert dict(machine.element_rates).keys() == declared and all(r > 0 for _, r in machine.element_rates)
 
 
 def test_bench_plan_smoke(tmp_path):

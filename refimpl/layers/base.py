@@ -225,6 +225,11 @@ class LayerKind:
     plan_channelwise = True
     #: ``refimpl plan --calibrate`` measures this kind's rate per shape (``Machine.conv_gflops``)
     plan_calibrated = False
+    #: a memory-bound kind's price: elements/s of one forward + backward the planner assumes
+    #: until ``refimpl plan --calibrate`` measures it with ``plan_measure_rate`` (then the
+    #: machine file's ``[element_rates]`` entry of the kind's name: ``Machine.element_rate``);
+    #: None: not priced per element (convs per shape, dense layers at the GEMM rate)
+    plan_element_rate: float | None = None
 
     def plan_halo(self, layer, spatial_dims):
         """The halo plan the layer executes on a (Pd, Ph, Pw) grid (None: no halo)."""
@@ -271,6 +276,12 @@ class LayerKind:
         """(D, H, W) of the output for the input extent ``in_dhw`` (calibration inputs)."""
         return tuple(in_dhw)
 
+    def plan_measure_rate(self, x, rng, timed) -> float:
+        """Elements/s of one forward + backward of this kind on the float32 calibration block
+        ``x`` (N, C, D, H, W) by refimpl's functions, ``timed(fn)`` the best seconds of ``fn()``
+        (``plan_element_rate`` kinds; ``rng`` for a gradient)."""
+        raise NotImplementedError(f"layer kind {self.name} declares a plan_element_rate but no plan_measure_rate")
+
     def plan_time(self, layer, repeats, rng, best_time) -> float:
         """Seconds of one forward + backward of ``layer`` (one sample, float32) by refimpl's
         functions, ``best_time(fn, repeats)`` timing it (``plan_calibrated`` kinds only)."""
@@ -310,6 +321,26 @@ class ChannelAffineKind(LayerKind):
     def check_init(self, rng, shape):
         """A random scale and shift: the layer's own (1, 0) would hide a wrong gamma or beta."""
         return rng.uniform(0.5, 1.5, shape)
+
+    #: memory-bound (sums, normalise; backward sums, dx): elements/s until calibrated
+    plan_element_rate = 1e9
+
+    def plan_reference(self, channels):
+        """(forward(x, weight, bias) -> (y, cache), backward(dy, cache) -> (dx, dw, db)): the
+        functional op the planner's calibration times for ``channels`` channels."""
+        raise NotImplementedError(f"layer kind {self.name} names no functional op to calibrate")
+
+    def plan_measure_rate(self, x, rng, timed):
+        """Elements/s of ``plan_reference``'s forward + backward on ``x``."""
+        c = x.shape[1]
+        w, b = rng.uniform(0.5, 1.5, c).astype(x.dtype), rng.standard_normal(c).astype(x.dtype)
+        dy = rng.standard_normal(x.shape).astype(x.dtype)
+        forward, backward = self.plan_reference(c)
+
+        def step():
+            _, cache = forward(x, w, b)
+            backward(dy, cache)
+        return x.size / timed(step)
 
 
 class WindowKind(LayerKind):

@@ -56,12 +56,15 @@ class BatchNorm3dKind(ChannelAffineKind):
         c = layer.c_out if layer.split == "none" or pm == 1 else width(layer.c_out)
         return [c, c]
 
+    def plan_reference(self, channels):
+        return F.batch_norm3d, F.batch_norm3d_backward
+
     def plan_cost(self, layer, rank, cost):
-        """Memory-bound at ``Machine.bn_rate``; the statistics of the whole batch allreduced:
+        """Memory-bound at its element rate; the statistics of the whole batch allreduced:
         forward the element count and the (2, C) float64 sums, backward the (2, C) gradient sums."""
         n_r, f_local, v_block = rank.n_r, rank.f_local(layer), rank.block_voxels(layer)
         cost.flops = 10.0 * n_r * f_local * v_block
-        compute_s = n_r * f_local * v_block / rank.machine.bn_rate
+        compute_s = n_r * f_local * v_block / rank.machine.element_rate(self)
         cost.saved_bytes = n_r * f_local * v_block * rank.itemsize
         everyone = rank.group((0, 1, 2, 3))     # statistics of the whole batch
         cost.comm_s = rank.allreduce_s(8, everyone) + 2 * rank.allreduce_s(16 * f_local, everyone)

@@ -13,8 +13,8 @@ check-layer and the oracle take them as every kind: group norm's option ``num_gr
 statistics (``sum_partial``, ``sumsq_partial`` of x; ``gsum_partial``, ``gxhat_partial`` of
 g = gamma*dy and g*xhat: what the backward allreduces), affine weight and bias per channel,
 eps 1e-5 and the biased variance, as ``torch.nn.functional.group_norm`` / ``instance_norm``.
-The planner's statistics groups per sample come with the model's ``describe()`` entry
-(``norm_groups``; the planner's ``Layer.norm_groups``).
+The planner reads group norm's groups from the model's ``describe()`` entry as the option
+(``num_groups``: ``Layer.option``); instance norm's are its channels.
 """
 from __future__ import annotations
 
@@ -193,16 +193,16 @@ class _PerSampleNorm(ChannelAffineKind):
 
     def plan_groups(self, layer) -> int:
         """Statistics groups per sample of the whole layer."""
-        return layer.norm_groups or layer.c_out
+        raise NotImplementedError
 
     def plan_cost(self, layer, rank, cost):
-        """Memory-bound at batch norm's ``Machine.bn_rate`` (the same passes: sums, normalise;
-        backward sums, dx); over the spatial group the value count (8 bytes) and the
-        (2, N_r, G_r) float64 sums allreduced forward, the (2, N_r, G_r) gradient sums backward,
-        G_r the groups of the rank's channels."""
+        """Memory-bound at its element rate (batch norm's passes: sums, normalise; backward
+        sums, dx); over the spatial group the value count (8 bytes) and the (2, N_r, G_r)
+        float64 sums allreduced forward, the (2, N_r, G_r) gradient sums backward, G_r the
+        groups of the rank's channels."""
         n_r, f_local, v_block = rank.n_r, rank.f_local(layer), rank.block_voxels(layer)
         cost.flops = 10.0 * n_r * f_local * v_block
-        compute_s = n_r * f_local * v_block / rank.machine.bn_rate
+        compute_s = n_r * f_local * v_block / rank.machine.element_rate(self)
         cost.saved_bytes = n_r * f_local * v_block * rank.itemsize
         groups = max(1, self.plan_groups(layer) * f_local // layer.c_out)
         sums_bytes = 16 * n_r * groups
@@ -233,6 +233,14 @@ class GroupNorm3dKind(_PerSampleNorm):
     def torch_forward(self, spec, tf, x, w, b):
         return tf.group_norm(x, self.groups(spec), w, b, EPS)
 
+    def plan_groups(self, layer):
+        return layer.option("num_groups")
+
+    def plan_reference(self, channels):
+        """Group norm in groups of 4 channels (the U-Net's default of 8 groups at 32 channels)."""
+        groups = max(1, channels // 4)
+        return (lambda x, w, b: F.group_norm3d(x, groups, w, b, EPS)), F.group_norm3d_backward
+
 
 class InstanceNorm3dKind(_PerSampleNorm):
     name = "instance_norm3d"
@@ -262,6 +270,9 @@ class InstanceNorm3dKind(_PerSampleNorm):
 
     def plan_groups(self, layer):
         return layer.c_out
+
+    def plan_reference(self, channels):
+        return (lambda x, w, b: F.instance_norm3d(x, w, b, EPS)), F.instance_norm3d_backward
 
 
 KINDS = (GroupNorm3dKind(), InstanceNorm3dKind())

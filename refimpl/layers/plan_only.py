@@ -17,12 +17,24 @@ class _Activation(LayerKind):
     """A pointwise activation: memory-bound, its input kept for backward."""
 
     plan_label = "act"
+    #: elements/s of forward + backward until calibrated
+    plan_element_rate = 2e9
+
+    def plan_measure_rate(self, x, rng, timed):
+        """Elements/s of the functional forward and backward (``reference``) on ``x``."""
+        forward, backward = self.reference()
+        dy = rng.standard_normal(x.shape).astype(x.dtype)
+        return x.size / timed(lambda: (forward(x), backward(dy, x)))
+
+    def reference(self):
+        """(forward(x), backward(dy, x)): the functional op (refimpl/functional/activations.py)."""
+        raise NotImplementedError
 
     def plan_cost(self, layer, rank, cost):
-        """Elements at ``Machine.act_rate`` (forward + backward)."""
+        """Elements at its element rate (forward + backward)."""
         n_r, f_local, v_block = rank.n_r, rank.f_local(layer), rank.block_voxels(layer)
         cost.flops = 2.0 * n_r * f_local * v_block
-        compute_s = n_r * f_local * v_block / rank.machine.act_rate
+        compute_s = n_r * f_local * v_block / rank.machine.element_rate(self)
         cost.saved_bytes = n_r * f_local * v_block * rank.itemsize
         return compute_s
 
@@ -30,9 +42,17 @@ class _Activation(LayerKind):
 class ReLUKind(_Activation):
     name = "relu"
 
+    def reference(self):
+        from ..functional import relu, relu_backward
+        return relu, relu_backward
+
 
 class LeakyReLUKind(_Activation):
     name = "leaky_relu"
+
+    def reference(self):
+        from ..functional import leaky_relu, leaky_relu_backward
+        return leaky_relu, leaky_relu_backward
 
 
 class GatherKind(LayerKind):

@@ -43,15 +43,27 @@ class _Pool(WindowKind):
 
     def plan_halo(self, layer, spatial_dims):
         return conv_halo_plan(layer.in_dhw, spatial_dims, layer.kernel, layer.stride, layer.padding, 1,
-                              getattr(layer, "ceil_mode", False))
+                              layer.option("ceil_mode"))
+
+    #: memory-bound: input elements/s of forward + backward until calibrated
+    plan_element_rate = 1e9
+
+    def plan_measure_rate(self, x, rng, timed):
+        """Input elements/s of a 2^3 window, stride 2, forward + backward (``plan_step``)."""
+        dy = rng.standard_normal((*x.shape[:2], *(n // 2 for n in x.shape[2:]))).astype(x.dtype)
+        return x.size / timed(lambda: self.plan_step(x, dy))
+
+    def plan_step(self, x, dy):
+        """One forward + backward of a 2^3 window of stride 2 by the functional op training runs."""
+        raise NotImplementedError
 
     def plan_cost(self, layer, rank, cost):
-        """Memory-bound: the rank's work-array elements at ``Machine.pool_rate``; its halo."""
+        """Memory-bound: the rank's work-array elements at its element rate; its halo."""
         n_r, itemsize = rank.n_r, rank.itemsize
         v_in, v_out, v_need, c_halo = plan_window_cost(layer, rank, cost, rank.halo_plan(layer))
         f_local = rank.f_local(layer)
         cost.flops = 2.0 * n_r * f_local * v_out * math.prod(layer.kernel)
-        compute_s = n_r * f_local * v_need / rank.machine.pool_rate
+        compute_s = n_r * f_local * v_need / rank.machine.element_rate(self)
         cost.saved_bytes = n_r * c_halo * v_need * itemsize
         cost.transient_bytes = n_r * (c_halo * v_need + f_local * v_out) * itemsize
         return compute_s
@@ -77,6 +89,11 @@ class MaxPool3dKind(_Pool):
     def backward(self, spec, dy, x):
         return F.max_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, spec.dilation,
                                      spec_option(spec, "ceil_mode")), None, None
+
+    def plan_step(self, x, dy):
+        """With the first-maximum masks, as ``nn.MaxPool3d`` trains."""
+        _, masks = F.max_pool3d(x, 2, return_masks=True)
+        F.max_pool3d_backward(dy, x, 2, masks=masks)
 
     def reduction_length(self, spec, tensor, out_shape):
         return (1, "a maximum: exact") if tensor == "y" else (self.overlap(spec), "overlapping windows per input")
@@ -118,6 +135,10 @@ class AvgPool3dKind(_Pool):
 
     def backward(self, spec, dy, x):
         return F.avg_pool3d_backward(dy, x, spec.kernel, spec.stride, spec.padding, *self.pool_options(spec)), None, None
+
+    def plan_step(self, x, dy):
+        F.avg_pool3d(x, 2)
+        F.avg_pool3d_backward(dy, x, 2)
 
     def reduction_length(self, spec, tensor, out_shape):
         if tensor == "y":

@@ -210,16 +210,13 @@ class CosmoFlow(Model):
 
 
 def _layer(name, kind, c_in, c_out, in_dhw, out_dhw, kernel=(1, 1, 1), stride=(1, 1, 1), padding=(0, 0, 0),
-           *, weights=0, split="none", split_in=False, input_grad=True, norm_groups=0) -> dict:
+           *, weights=0, split="none", split_in=False, input_grad=True, **options) -> dict:
     """One entry of ``describe()``: a layer of the registry kind ``kind`` (refimpl/layers);
-    ``norm_groups``: the statistics groups per sample of a group or instance norm (else 0)."""
-    entry = {"name": name, "kind": kind, "c_in": c_in, "c_out": c_out, "in_dhw": tuple(in_dhw),
-             "out_dhw": tuple(out_dhw), "kernel": tuple(kernel), "stride": tuple(stride),
-             "padding": tuple(padding), "weights": weights, "split": split, "split_in": split_in,
-             "input_grad": input_grad}
-    if norm_groups:
-        entry["norm_groups"] = norm_groups
-    return entry
+    ``options``: values of the kind's declared options (group norm's ``num_groups``)."""
+    return {"name": name, "kind": kind, "c_in": c_in, "c_out": c_out, "in_dhw": tuple(in_dhw),
+            "out_dhw": tuple(out_dhw), "kernel": tuple(kernel), "stride": tuple(stride),
+            "padding": tuple(padding), "weights": weights, "split": split, "split_in": split_in,
+            "input_grad": input_grad, **options}
 
 
 __all__ = ["CosmoFlow", "DEFAULTS", "check_config"]

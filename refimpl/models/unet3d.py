@@ -184,7 +184,7 @@ class UNet3D(Model):
                 bn_split = sp != "none"
                 out.append(_layer(f"{prefix}.{3 * j + 1}", norm_kind, c_out, c_out, dhw, dhw,
                                   weights=2 * c_out, split_in=bn_split, split="channel" if bn_split else "none",
-                                  norm_groups=norm_groups(cfg, c_out)))
+                                  **({"num_groups": norm_groups(cfg, c_out)} if cfg["norm"] == "group" else {})))
                 out.append(_layer(f"{prefix}.{3 * j + 2}", "relu", c_out, c_out, dhw, dhw, split_in=bn_split))
 
         widths = [base * 2 ** i for i in range(levels + 1)]
