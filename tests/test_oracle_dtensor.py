@@ -120,14 +120,16 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 
 def test_hard_table_covers_the_hard_suite():
-    """docs/peers.md's hard table has one row per case file of the shipped suite, each with
-    a verdict per tensor of its layer (the run behind it takes ~15 minutes: the page shows
-    the command; this checks the table did not drift from the suite)."""
+    """docs/peers.md's hard table has a row only for case files of the shipped suite, each
+    with a verdict per tensor of its layer (the run behind it takes ~15 minutes: the page shows
+    the command; this checks the table did not drift from the suite).  A case added since the
+    run has no row yet: the site names it under the table (scripts/mkdocs_hooks.py
+    ``hard_table_note``, tests/test_site.py), so a new case needs no DTensor run."""
     from refimpl import layers
     from refimpl.oracle import load_suite
     table = page_table("<!-- table: hard -->")
     specs = {s.file_name: s for s in load_suite("hard")}
-    assert set(table) == set(specs)
+    assert set(table) <= set(specs), f"rows for cases the suite no longer has: {sorted(set(table) - set(specs))}"
     for name, verdict in table.items():
         params = layers.lookup(specs[name].layer).parameter_shapes(specs[name])
         assert set(verdict) == ({"y", "dx", "dw", "db"} if params else {"y", "dx"}), name
