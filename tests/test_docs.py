@@ -386,7 +386,7 @@ def test_mkdocs_build_strict(tmp_path):
     """The whole site, strict: broken links, anchors, docstrings and tutorials all fail it."""
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocs_jupyter", "jupytext", "nbclient"):
         pytest.importorskip(module, reason="pip install -e '.[docs]'")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
                           cwd=ROOT, env=dict(ENV, NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True,
                           timeout=600)

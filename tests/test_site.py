@@ -136,7 +136,7 @@ def site(tmp_path_factory):
         pytest.importorskip(module, reason="pip install -e '.[docs]'")
     pytest.importorskip("mpi4py", reason="the tutorials run under mpiexec: pip install -e '.[mpi]'")
     out = tmp_path_factory.mktemp("site") / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
