@@ -6,6 +6,8 @@ held to bit equality where the blocks cannot change the order of a sum, and to 1
 (float64) where per-channel sums add block partials.  The reference itself is checked
 against PyTorch by tests/test_pooling.py, test_batch_norm.py and test_pointwise_losses.py.
 """
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -189,6 +191,51 @@ def test_pointwise_route_equals_reference(monkeypatch, shape, dtype, slope):
                 act.relu(xs), act.relu_backward(dys, xs), act.leaky_relu(xs, slope),
                 act.leaky_relu_backward(dys, xs, slope)), attr="ELEMENTWISE_BLOCK")
             assert_same(ref, fast)
+
+
+@pytest.mark.parametrize("slope", [0.3, 0.0, 1.5, -0.2])
+def test_leaky_relu_backward_written_over_dy(monkeypatch, slope):
+    """``out=dy``: dx written over the gradient equals the reference's new array, bit for bit,
+    on both routes (blocks smaller than the array, 2 threads: each block reads its dy before
+    writing it); ``out`` of another shape, dtype or layout is refused naming it."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 9, 8, 7)).astype(np.float32)
+    x.reshape(-1)[::13] = 0.0
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    with reference_only():
+        want = act.leaky_relu_backward(dy, x, slope)
+    monkeypatch.setenv("REFIMPL_THREADS", "2")
+    monkeypatch.setattr(_threads, "ELEMENTWISE_BLOCK", 97)
+    for route in (contextlib.nullcontext, reference_only):
+        g = dy.copy()
+        with route():
+            got = act.leaky_relu_backward(g, x, slope, out=g)
+        assert got is g and np.array_equal(g, want)
+    for out in (np.empty((2, 3, 9, 8, 6), np.float32), np.empty(x.shape), dy.copy()[..., ::-1],
+                np.broadcast_to(np.float32(0), x.shape)):
+        with pytest.raises(ValueError, match="out must be a writeable C-contiguous array of dy's shape"):
+            act.leaky_relu_backward(dy, x, slope, out=out)
+
+
+def test_leaky_relu_layer_reuses_dy_only_when_asked():
+    """nn.LeakyReLU(reuse_grad=True) returns dx in dy's memory (CosmoFlow's features build
+    it so); the default leaves dy as it was; both equal the reference."""
+    from refimpl.models import build_model
+    from refimpl.nn import LeakyReLU
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 4, 4, 4))
+    dy = rng.standard_normal(x.shape)
+    want = act.leaky_relu_backward(dy, x, 0.3)
+    for reuse in (False, True):
+        layer, g = LeakyReLU(0.3, reuse_grad=reuse), dy.copy()
+        layer.forward(x)
+        dx = layer.backward(g)
+        assert np.array_equal(dx, want) and (dx is g) == reuse and np.array_equal(g, want if reuse else dy)
+    layer = LeakyReLU(0.3, reuse_grad=True)
+    layer.forward(x)
+    assert np.array_equal(layer.backward(dy[..., ::-1]), act.leaky_relu_backward(dy[..., ::-1], x, 0.3))
+    model = build_model("cosmoflow", "tiny")
+    assert [m.reuse_grad for _, m in model.named_modules() if isinstance(m, LeakyReLU)] == [True] * 2 + [False] * 2
 
 
 def test_pointwise_dispatch_rule(monkeypatch):

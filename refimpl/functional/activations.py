@@ -41,6 +41,15 @@ def _check_grad(dy, x, name="x"):
     check_same_dtype(**{name: x, "dy": dy})
 
 
+def _check_out(out, dy):
+    """``out`` a writeable C-contiguous array of ``dy``'s shape and dtype, else a ValueError."""
+    ok = (hasattr(out, "shape") and tuple(out.shape) == tuple(dy.shape) and out.dtype == dy.dtype
+          and out.flags.c_contiguous and getattr(out.flags, "writeable", True))
+    if not ok:
+        raise ValueError(f"out must be a writeable C-contiguous array of dy's shape {tuple(dy.shape)} and dtype "
+                         f"{dy.dtype}, got {_shape(out)}")
+
+
 def _check_slope(negative_slope):
     """negative_slope a real number (a Python or NumPy scalar), else a ValueError naming it."""
     real = isinstance(negative_slope, (int, float)) or getattr(negative_slope, "ndim", None) == 0
@@ -79,16 +88,26 @@ def leaky_relu(x, negative_slope=0.01):
     return xp.where(x > 0, x, x * negative_slope)
 
 
-def leaky_relu_backward(dy, x, negative_slope=0.01):
-    """dy where x > 0, else negative_slope * dy (leaky_relu'(0) = negative_slope)."""
+def leaky_relu_backward(dy, x, negative_slope=0.01, *, out=None):
+    """dy where x > 0, else negative_slope * dy (leaky_relu'(0) = negative_slope).
+
+    ``out``: a C-contiguous array of dy's shape and dtype that receives dx and is returned;
+    it may be ``dy`` itself (dx written over the gradient, which saves a pass through memory
+    of a new array: ``nn.LeakyReLU(reuse_grad=True)``)."""
     _check_input(x)
     _check_grad(dy, x)
     _check_slope(negative_slope)
+    if out is not None:
+        _check_out(out, dy)
     kernel = kernel_for(fast, dy, x)
     if kernel is not None:
-        return kernel.leaky_relu_backward(dy, x, negative_slope)
+        return kernel.leaky_relu_backward(dy, x, negative_slope, out)
     xp = array_module(x, dy)
-    return xp.where(x > 0, dy, dy * negative_slope)
+    dx = xp.where(x > 0, dy, dy * negative_slope)
+    if out is None:
+        return dx
+    out[...] = dx
+    return out
 
 
 def tanh(x):

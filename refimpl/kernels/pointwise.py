@@ -97,9 +97,11 @@ def leaky_relu(x, negative_slope):
     return elementwise(pass_, numpy.empty_like(x), _c(x))
 
 
-def leaky_relu_backward(dy, x, negative_slope):
+def leaky_relu_backward(dy, x, negative_slope, out=None):
+    """``out``: where dx goes (``dy`` itself included: every pass reads a block of ``dy``
+    before it writes that block); a new array when None."""
     if _on_device(dy):
-        return _device("leaky_relu_backward")(dy, x, dy.dtype.type(negative_slope))
+        return _device("leaky_relu_backward")(dy, x, dy.dtype.type(negative_slope), *(() if out is None else (out,)))
 
     def pass_(o, g, a):
         m = (a > 0).astype(g.dtype)           # 1 where x > 0
@@ -107,12 +109,12 @@ def leaky_relu_backward(dy, x, negative_slope):
             numpy.maximum(m, negative_slope, out=m)   # 1 where x > 0, slope elsewhere
             numpy.multiply(g, m, out=o)
             return
+        t = 1 - m
+        t *= negative_slope                   # 0 where x > 0, slope elsewhere
+        t *= g                                # (before o, which may be g, is written)
         numpy.multiply(g, m, out=o)
-        m -= 1
-        m *= -negative_slope                  # 0 where x > 0, slope elsewhere
-        m *= g
-        o += m
-    return elementwise(pass_, numpy.empty_like(dy), _c(dy), _c(x))
+        o += t
+    return elementwise(pass_, numpy.empty_like(dy) if out is None else out, _c(dy), _c(x))
 
 
 __all__ = ["applies", "relu", "relu_backward", "leaky_relu", "leaky_relu_backward"]

@@ -18,9 +18,16 @@ class ReLU(Module):
 
 
 class LeakyReLU(Module):
-    def __init__(self, negative_slope=0.01):
+    """``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when that is a
+    writeable C-contiguous array), so a caller must not keep ``dy``.  Why: the backward is a
+    memory-bound pass, and a new dx array costs a third more memory traffic than writing over
+    dy (docs/benchmarks.md, "Kernel choices").  The models build it so where dy is a gradient
+    no one else reads (CosmoFlow: the max pool's or the dropout's dx); the default keeps dy."""
+
+    def __init__(self, negative_slope=0.01, reuse_grad=False):
         super().__init__()
         self.negative_slope = float(negative_slope)
+        self.reuse_grad = bool(reuse_grad)
 
     def forward(self, x):
         self._save(x)
@@ -28,10 +35,11 @@ class LeakyReLU(Module):
 
     def backward(self, dy):
         (x,) = self._saved()
-        return leaky_relu_backward(dy, x, self.negative_slope)
+        reuse = self.reuse_grad and dy.flags.c_contiguous and getattr(dy.flags, "writeable", True)
+        return leaky_relu_backward(dy, x, self.negative_slope, out=dy if reuse else None)
 
     def extra_repr(self):
-        return f"negative_slope={self.negative_slope}"
+        return f"negative_slope={self.negative_slope}" + (", reuse_grad=True" if self.reuse_grad else "")
 
 
 class Tanh(Module):

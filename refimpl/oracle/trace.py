@@ -394,7 +394,7 @@ def backward(layer: Layer, x, dy, mask=None):
             return _apply_mask(dy, mask, layer.module.p), {}
         layer.module.zero_grad()
         layer.module.forward(x)
-        dx = layer.module.backward(dy)
+        dx = layer.module.backward(dy.copy())       # a layer may write dx over its dy (LeakyReLU's reuse_grad)
         grads = {t: parameter(layer, t).grad for t in layer.params}
         layer.module.zero_grad()
         return dx, grads
