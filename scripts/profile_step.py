@@ -304,12 +304,13 @@ class RefimplStep:
 class TorchStep:
     """bench_train's torch twin and the same batch: plain steps, and steps timed by hooks on every leaf."""
 
-    def __init__(self, bench_train, name, config, x, y, seed):
+    def __init__(self, bench_train, name, config, x, y, seed, layout="ncdhw"):
         import torch
         torch.manual_seed(seed)
         self.net, self.loss_fn = bench_train.torch_model(name, config)
         self.net.train()
         self.x, self.y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+        self.net, self.x = bench_train.torch_layout(self.net, self.x, layout)
         self.log, self.handles = None, []
         self.fwd_t0, self.bwd_t0 = defaultdict(list), defaultdict(list)   # per module: open calls
         self.first_bwd_t0, self.no_input_grad = None, []
@@ -488,7 +489,7 @@ def profile_model(name, config, notes, args, bench_train, use_torch) -> dict:
         ours = RefimplStep(name, config, x, y, args.seed)
     except ValueError as err:
         raise SystemExit(f"profile_step: {name}: {err}")
-    theirs = TorchStep(bench_train, name, config, x, y, args.seed) if use_torch else None
+    theirs = TorchStep(bench_train, name, config, x, y, args.seed, args.torch_layout) if use_torch else None
     if theirs is not None and theirs.params() != ours.params():
         raise SystemExit(f"profile_step: {name}: refimpl has {ours.params():,} parameters, the torch twin "
                          f"{theirs.params():,}: not the same network")
@@ -589,6 +590,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="plain and instrumented steps per side (best kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="refimpl only")
+    ap.add_argument("--torch-layout", choices=("ncdhw", "channels_last"), default="ncdhw",
+                    help="memory layout of the torch twin (bench_train.torch_layout): NCDHW, or channels_last_3d")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE (times in seconds)")
     args = ap.parse_args(argv)
     if len(set(args.models)) != len(args.models):
@@ -619,7 +622,7 @@ def main(argv=None) -> int:
     load_start = load_average()
     print(f"# profile_step: one step (forward, loss, backward; no optimiser), float32, one process; "
           f"threads {args.threads} (BLAS, torch{'' if workers is None else f'; refimpl workers {workers}'}); "
-          f"repeats {args.repeats}; numpy {numpy.__version__}; torch "
+          f"repeats {args.repeats}; torch layout {args.torch_layout}; numpy {numpy.__version__}; torch "
           f"{torch_version or ('n/a: --no-torch' if args.no_torch else 'n/a: not installed')}", flush=True)
     print(f"# refimpl {os.path.dirname(os.path.abspath(refimpl.__file__))}; allocator {allocator}; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start or [])}", flush=True)
@@ -637,7 +640,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"settings": {k: getattr(args, k) for k in ("models", "preset", "batch", "size", "threads",
-                                                                   "repeats", "seed")},
+                                                                   "repeats", "seed", "torch_layout")},
                        "refimpl": os.path.dirname(os.path.abspath(refimpl.__file__)), "allocator": allocator,
                        "refimpl_threads": workers, "numpy": numpy.__version__, "torch": torch_version,
                        "load_average": {"start": load_start, "end": load_end}, "models": reports}, fh, indent=1)
