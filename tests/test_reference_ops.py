@@ -76,6 +76,30 @@ def test_pooling_blocked_route_equals_reference(monkeypatch, shape, k, s, p, d, 
         assert_same(ref, fast)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("stride, dilation, out", [((2, 2, 2), (1, 1, 1), (4, 3, 5)), ((1, 2, 1), (2, 1, 2), (6, 5, 8))])
+def test_pair_max_forward_equals_the_reference_stages(dtype, stride, dilation, out):
+    """kernels.pooling.pair_max_forward (a 2 x 2 x 2 window in 3 passes a stage) returns the
+    reference's y and first-maximum masks exactly: ties, NaN (no tap holds it), -0 against +0,
+    -inf; with and without masks."""
+    from refimpl.functional.pooling import max_pool_forward
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 8, 6, 10)).astype(dtype)
+    flat = x.reshape(-1)
+    x[..., ::3] = np.round(x[..., ::3])
+    flat[::17], flat[5::19], flat[7::23], flat[9::29] = np.nan, -0.0, 0.0, -np.inf
+    pad = ((0, 0),) * 3
+    for masks in (True, False):
+        (y_ref, st_ref), (y, st) = (max_pool_forward(x, (2, 2, 2), stride, pad, dilation, out, masks),
+                                    pooling_kernel.pair_max_forward(x, stride, dilation, out, masks))
+        assert y.dtype == y_ref.dtype and np.array_equal(y, y_ref, equal_nan=True)
+        assert [n for _, n in st] == [n for _, n in st_ref]
+        for (first, _), (first_ref, _) in zip(st, st_ref):
+            assert (first is None) == (not masks)
+            assert first is None or all(np.array_equal(u, v) and u.dtype == v.dtype
+                                        for u, v in zip(first, first_ref, strict=True))
+
+
 def test_pooling_dispatch_rule(monkeypatch):
     """The rule for functional.pooling (``_route.kernel_for``): NumPy arrays of more than
     BLOCK_ELEMENTS, outside reference_only(); masks of one route are refused by the other's

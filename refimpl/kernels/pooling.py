@@ -56,11 +56,54 @@ def _per_block(fn, x, out_shape, dtype):
     return out, extra
 
 
+#: The separable stages' axes in the reference's order (W, H, D): ``pair_max_forward`` keeps it.
+STAGE_AXES = (4, 3, 2)
+
+
+def _pair_stage(x, axis, s, d, out):
+    """One separable stage of a 2-tap window along ``axis``: ``(y, [first0, first1])`` with
+    y = max(x0, x1), first0 = x0 >= x1 and first1 = x1 > x0, in three passes.
+
+    Why it equals the reference's stage (``functional.pooling._max_along``: copy x0, max in
+    x1, then first_t = (x_t == y) and no earlier tap's, eight passes): for numbers,
+    x0 == max(x0, x1) exactly when x0 >= x1 (so a tie goes to x0, the first), and x1 is the
+    first maximum exactly when x1 > x0; a NaN in either tap makes y NaN and both comparisons
+    false, as ``== NaN`` is in the reference; -0 and +0 compare equal in both."""
+    lead = (slice(None),) * axis
+    x0 = x[lead + (slice(0, s * (out - 1) + 1, s),)]
+    x1 = x[lead + (slice(d, d + s * (out - 1) + 1, s),)]
+    return numpy.maximum(x0, x1), [numpy.greater_equal(x0, x1), numpy.greater(x1, x0)]
+
+
+def pair_max_forward(x, s, d, out, with_masks):
+    """The reference's ``max_pool_forward`` for a 2 x 2 x 2 window without padding: the same
+    ``(y, stages)`` (``_pair_stage`` per axis in ``STAGE_AXES`` order)."""
+    y, stages = x, []
+    for axis in STAGE_AXES:
+        a = axis - 2
+        n_in = y.shape[axis]
+        y, first = _pair_stage(y, axis, s[a], d[a], out[a])
+        stages.append((first if with_masks else None, n_in))
+    return y, stages
+
+
+def _block_forward(forward, k, s, p, d, out):
+    """``fn(x_block, with_masks) -> (y, stages)``: ``pair_max_forward`` for a 2 x 2 x 2 window
+    without padding, else the reference's ``forward``."""
+    if tuple(k) == (2, 2, 2) and all(lo == 0 and hi == 0 for lo, hi in p):
+        return lambda xb, with_masks: pair_max_forward(xb, s, d, out, with_masks)
+    return lambda xb, with_masks: forward(xb, k, s, p, d, out, with_masks)
+
+
 def max_pool3d(forward, x, k, s, p, d, out, with_masks):
     """``(y, per-block masks or None)``: ``forward`` (the reference's ``max_pool_forward``,
-    passed in: kernels never import the reference) per block."""
+    passed in: kernels never import the reference) per block; a 2 x 2 x 2 window without
+    padding (CosmoFlow's and the U-Net's pools) by ``pair_max_forward``, the same values in
+    fewer passes."""
+    block_forward = _block_forward(forward, k, s, p, d, out)
+
     def block(_, idx):
-        return forward(x[idx], k, s, p, d, out, with_masks)
+        return block_forward(x[idx], with_masks)
     y, masks = _per_block(block, x, tuple(x.shape[:2]) + out, x.dtype)
     return y, (masks if with_masks else None)
 
@@ -73,9 +116,11 @@ def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
         raise ValueError(f"masks has {len(masks)} blocks, x has {len(index)}: pass the masks of "
                          "max_pool3d(x, ..., return_masks=True) for this very x")
 
+    block_forward = _block_forward(forward, k, s, p, d, out)
+
     def block(i, idx):
         xb = x[idx]
-        stages = forward(xb, k, s, p, d, out, True)[1] if masks is None else masks[i]
+        stages = block_forward(xb, True)[1] if masks is None else masks[i]
         return backward(dy[idx], xb.shape, k, s, p, d, stages), None
     return _per_block(block, x, x.shape, dy.dtype)[0]
 
@@ -93,5 +138,5 @@ def avg_pool3d_backward(backward, dy, x, k, s, p, divisor):
                       x, x.shape, dy.dtype)[0]
 
 
-__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
+__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
            "avg_pool3d_backward"]
