@@ -37,7 +37,7 @@ def test_torch_passes_the_whole_hard_suite(hard, tmp_path):
     specs = load_suite("hard")
     assert len(os.listdir(hard)) == len(specs) >= 30
     assert {s.layer for s in specs} == {"conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "batch_norm3d",
-                                           "group_norm3d", "instance_norm3d"}
+                                           "group_norm3d", "instance_norm3d", "layer_norm3d"}
     assert max(s.ranks for s in specs) == 8 and {s.model_parallel for s in specs} == {"none", "filter", "channel"}
     proc = cli("run-torch", str(hard), "--out", str(tmp_path / "torch"))
     assert proc.returncode == 0, proc.stderr

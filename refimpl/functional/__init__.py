@@ -3,7 +3,7 @@
 Signatures follow ``torch.nn.functional`` (weights in PyTorch layout; stride,
 padding, dilation, output_padding an int or a 3-tuple), so these functions
 serve as the unpartitioned oracle for other implementations.  Ops whose
-backward needs global reductions (batch, group and instance norm, losses) are split into local
+backward needs global reductions (batch, group, instance and layer norm, losses) are split into local
 sums + a finish step, so the distributed layers can allreduce in between.
 """
 import sys
@@ -19,6 +19,7 @@ from .dropout import dropout, dropout_backward, dropout_mask, fold_seed
 from .group_norm import (group_norm3d, group_norm3d_backward, group_norm_backward,
                          group_norm_backward_local_sums, group_norm_forward, group_norm_local_sums,
                          group_norm_stats, instance_norm3d, instance_norm3d_backward)
+from .layer_norm import layer_norm3d, layer_norm3d_backward
 from .linear import flatten, flatten_backward, linear, linear_backward
 from .losses import (cross_entropy_backward, cross_entropy_local_sums, dice_score,
                      dice_score_finish, dice_score_local_sums, log_softmax, mae_local_sums,

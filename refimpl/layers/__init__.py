@@ -30,6 +30,7 @@ from __future__ import annotations
 from .base import LayerKind, WindowKind
 from .batch_norm import BatchNorm3dKind
 from .conv import Conv3dKind, ConvTranspose3dKind
+from .layer_norm import KINDS as _LAYER_NORM_KINDS
 from .norm import KINDS as _NORM_KINDS
 from .options import Option, Statistic
 from .plan_only import KINDS as _PLAN_ONLY_KINDS
@@ -148,7 +149,7 @@ def plan_kind(name: str) -> LayerKind:
     return kind
 
 
-for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind(), *_NORM_KINDS):
+for kind in (Conv3dKind(), ConvTranspose3dKind(), MaxPool3dKind(), AvgPool3dKind(), BatchNorm3dKind(), *_NORM_KINDS, *_LAYER_NORM_KINDS):
     register(kind)
 for kind in _PLAN_ONLY_KINDS:
     if kind.name in REGISTRY or kind.name in PLAN_ONLY:

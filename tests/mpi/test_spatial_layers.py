@@ -99,10 +99,10 @@ def test_batch_norm_equals_unpartitioned(comm, all_ranks_agree, data):
 
 
 @given(st.data())
-def test_group_and_instance_norm_equal_unpartitioned(comm, all_ranks_agree, data):
+def test_group_instance_and_layer_norm_equal_unpartitioned(comm, all_ranks_agree, data):
     """Statistics per (sample, group) reduced over the spatial ranks: uneven and empty blocks,
     sample splits (nothing to reduce), G from 1 (layer norm) to C (instance norm)."""
-    layer = data.draw(st.sampled_from(["group_norm3d", "instance_norm3d"]))
+    layer = data.draw(st.sampled_from(["group_norm3d", "instance_norm3d", "layer_norm3d"]))
     grid = data.draw(st.sampled_from(grids_for(comm.size)))
     extent = tuple(data.draw(st.sampled_from([1, 2, 3, 5, 7])) for _ in range(3))
     c = data.draw(st.integers(1, 6))
@@ -110,6 +110,14 @@ def test_group_and_instance_norm_equal_unpartitioned(comm, all_ranks_agree, data
     options = {"num_groups": groups} if layer == "group_norm3d" else {}
     check = LayerCheck(layer=layer, input=(data.draw(st.integers(grid[0], grid[0] + 1)), c) + extent, grid=grid,
                        options=options)     # float64 (float32: dgamma cancels, as batch norm's)
+    report = comm.bcast(check_layer(check, comm), root=0)
+    all_ranks_agree(report["ok"], f"{check}: {report['max_rel_err']}")
+
+
+def test_layer_norm_on_a_d_split_equals_unpartitioned(comm, all_ranks_agree):
+    """Layer norm (one statistic per sample over C, D, H, W) with D split over every rank,
+    5 cells unevenly (empty blocks beyond 5 ranks): the per-sample sums reduced over them."""
+    check = LayerCheck(layer="layer_norm3d", input=(2, 3, 5, 4, 3), grid=(1, comm.size, 1, 1))
     report = comm.bcast(check_layer(check, comm), root=0)
     all_ranks_agree(report["ok"], f"{check}: {report['max_rel_err']}")
 
