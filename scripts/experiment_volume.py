@@ -25,11 +25,13 @@ but the volume changes (docs/experiments.md gives the design and the results):
   data allow a simple estimator at that size.
 
 Each training run is a single-process ``refimpl train`` (1 BLAS thread);
-``--jobs`` of them run at once (the runs are independent: on 2 cores two runs
-side by side beat one data-parallel run on 2 ranks).  Everything lands in
-``--out`` (data, configs, runs); data already there with the same settings are
-reused.  ``--quick`` is a smaller version of the same design (minutes); the
-defaults are the full run.
+``--jobs`` of them run at once: the runs are independent, so side by side they
+keep the cores busy with no message and no rank waiting for another.  Everything
+lands in ``--out`` (data, configs, runs; one invocation per ``--out``); data
+already there with the same settings are reused.  ``--quick`` is a smaller
+version of the same design (about 4 minutes of 2 idle cores); the defaults are
+the full run (about 43 minutes of 2 idle cores, and about 20 GB of data under
+``--out``).
 
     python scripts/experiment_volume.py --quick --out runs/volume_quick --json volume_quick.json
     python scripts/experiment_volume.py --out runs/volume --json volume.json --plot volume.png
@@ -40,11 +42,12 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+from refimpl.data.cosmo import PARAM_NAMES
 
 #: settings of the full run and of --quick (a flag given explicitly beats both)
 FULL = {"sizes": "8,16,24,32,48", "samples": 2048, "val_samples": 512,
@@ -63,7 +66,7 @@ def parse_args(argv=None):
     size = ap.add_argument_group("what is compared")
     size.add_argument("--quick", action="store_true",
                       help=f"the quick version: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUICK.items())} "
-                           "(about 5 minutes on 2 idle cores); without it the full run: "
+                           "(about 4 minutes on 2 idle cores); without it the full run (about 43 minutes): "
                            f"{', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in FULL.items())}")
     size.add_argument("--sizes", help="sample extents S, comma-separated; each a multiple of 2^--blocks")
     size.add_argument("--samples", type=int, help="training samples at every size")
@@ -91,7 +94,13 @@ def parse_args(argv=None):
     out.add_argument("--out", default="runs/volume", help="data, configs and runs go here (default runs/volume)")
     out.add_argument("--json", metavar="FILE", help="write every number to FILE")
     out.add_argument("--plot", metavar="PNG", help="draw validation MAE vs volume (log-log) to PNG")
+    out.add_argument("--report", metavar="FILE.json", help="run nothing: print the tables of a --json this script "
+                                                            "wrote (and draw --plot from it)")
     args = ap.parse_args(argv)
+    if args.report:
+        if not os.path.isfile(args.report):
+            ap.error(f"--report {args.report}: no such file")
+        return args
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -167,13 +176,15 @@ def steps(args) -> int:
 
 
 def write_config(path, args, size: int, seed: int) -> None:
-    """The run's TOML: single process, Adam, lr x0.1 after --decay-at of the steps; checkpoint at the end."""
+    """The run's TOML: single process, Adam, lr x0.1 after --decay-at of the steps; refimpl train's own
+    validation half-way and at the end (a curve to see whether the run still improves; each costs a
+    third of an epoch of the validation split); the checkpoint at the end, which ``evaluate`` scores."""
     total, per_epoch = steps(args), args.samples // args.batch
     decay = max(1, round(args.decay_at * total))
     lines = ['model = "cosmoflow"', 'grid = "1,1,1,1"', f"global_batch = {args.batch}", f"epochs = {args.epochs}",
              'optimizer = "adam"', f"lr = {args.lr!r}", f"seed = {seed}",
              *(['schedule = "step"', f'decay = "{decay}:0.1"'] if decay < total else []),
-             f"validate_every = {per_epoch * max(1, args.epochs // 3)}", f"checkpoint_every = {total}",
+             f"validate_every = {per_epoch * -(-args.epochs // 2)}", f"checkpoint_every = {total}",
              "[model_config]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in model_config(args, size).items()]
     with open(path, "w") as fh:
@@ -381,12 +392,24 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def per_target_table(rows) -> str:
+    """Validation MAE per target (mean over the runs): network / floor."""
+    lines = ["| size | " + " | ".join(PARAM_NAMES) + " |", "|---" * (1 + len(PARAM_NAMES)) + "|"]
+    for r in rows:
+        net = [f"{v:.3f}" for v in r["network"]["val_mae_per_target"]] if "network" in r else ["—"] * len(PARAM_NAMES)
+        lines.append(f"| {r['size']}³ | " + " | ".join(f"{n} / {f:.3f}" for n, f in
+                                                      zip(net, r["floor"]["val_mae_per_target"])) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows, path: str, title: str) -> None:
-    """Validation MAE vs voxels per sample, log-log: each run a dot, the mean a line, ± 1 std a bar."""
+    """Validation MAE vs voxels per sample, log-log: each run a faint dot, the mean a line with
+    +- 1 standard deviation, and the constant predictor (what learning nothing scores) dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for who, label, color, marker in (("network", "network (global average pool)", "C0", "o"),
                                       ("floor", "floor (ridge on binned spectra)", "C1", "s")):
         have = [r for r in rows if who in r]
@@ -399,18 +422,46 @@ def plot(rows, path: str, title: str) -> None:
         ax.errorbar(v, [r[who]["val_mae"]["mean"] for r in have], yerr=[r[who]["val_mae"]["std"] for r in have],
                     color=color, marker=marker, capsize=3, label=f"{label}, slope {slope(rows, who):+.2f}"
                     if len(have) > 1 else label)
+    ax.plot([r["voxels"] for r in rows], [r["constant_mae"]["mean"] for r in rows], "k--", lw=1,
+            label="constant predictor (learned nothing)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks([r["voxels"] for r in rows], [f"{r['size']}³" for r in rows])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(FixedLocator([0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5]))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("sample volume (voxels, log scale)")
     ax.set_ylabel("validation MAE (unit-scaled targets, log scale)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def title(settings: dict) -> str:
+    return (f"CosmoFlow, one network at every size{' (--quick)' if settings['quick'] else ''}: "
+            f"{settings['samples']} training samples,\n{len(settings['data_seeds'])} data seeds x "
+            f"{len(settings['train_seeds'])} training seeds, {settings['epochs']} epochs; "
+            "dots: runs, bars: ± 1 std")
+
+
+def report(path: str, png: str | None) -> int:
+    """--report: the tables (and --plot) from a JSON this script wrote, without running anything."""
+    with open(path) as fh:
+        result = json.load(fh)
+    rows = result["sizes"]
+    print(table(rows))
+    print(per_target_table(rows))
+    for who, s in result["slopes"].items():
+        if s is not None:
+            print(f"# {who}: validation MAE ~ volume^{s:+.3f}")
+    if png:
+        plot(rows, png, title(result["settings"]))
+        print(f"wrote {png}")
+    return 0
 
 
 # ---------------------------------------------------------------- main
@@ -431,9 +482,16 @@ def lock_out(out: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report(args.report, args.plot)
     for sub in ("data", "configs", "runs"):
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
-    lock = lock_out(args.out)          # noqa: F841 -- held until the process ends
+    with lock_out(args.out):                 # closing the file releases the lock
+        return experiment(args)
+
+
+def experiment(args) -> int:
+    """Data, then the training runs and the floors side by side, then the table, plot and JSON."""
     started, load = time.perf_counter(), os.getloadavg()
     n_runs = 0 if args.floor_only else len(args.sizes) * len(args.data_seeds) * len(args.train_seeds)
     print(f"# experiment_volume{' --quick' if args.quick else ''}: sizes {args.sizes}, {args.samples} train / "
@@ -451,25 +509,28 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - started:.0f} s in)", flush=True)
 
     pairs = [(size, seed) for size in args.sizes for seed in args.data_seeds]
-    run_all(args, [("make_data", args, size, seed) for size, seed in pairs], say)
     floor_tasks = [("floor_task", args, size, seed) for size, seed in pairs]
     train_tasks = [] if args.floor_only else [("train_task", args, size, seed, t) for size, seed in pairs
                                               for t in args.train_seeds]
-    done = run_all(args, train_tasks + floor_tasks, say)
+    try:
+        run_all(args, [("make_data", args, size, seed) for size, seed in pairs], say)
+        done = run_all(args, train_tasks + floor_tasks, say)
+    except RuntimeError as err:              # a datagen or train that failed: its command and output
+        print(f"experiment_volume: {err}", file=sys.stderr)
+        return 1
     nets, floors = done[:len(train_tasks)], done[len(train_tasks):]
     rows = summarise(args, floors, nets)
     seconds = time.perf_counter() - started
     end_load = os.getloadavg()
     print(table(rows))
+    print(per_target_table(rows))
     for who in ("network", "floor"):
         s = slope(rows, who)
         if s is not None:
             print(f"# {who}: validation MAE ~ volume^{s:+.3f}")
     print(f"# {seconds:.0f} s; load average at the end {' '.join(f'{v:.2f}' for v in end_load)}")
     if args.plot:
-        plot(rows, args.plot, f"CosmoFlow, same network at every size{' (--quick)' if args.quick else ''}: "
-                              f"{args.samples} training samples, {len(args.data_seeds)} data x "
-                              f"{len(args.train_seeds)} training seeds")
+        plot(rows, args.plot, title(vars(args)))
         print(f"wrote {args.plot}")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
@@ -477,6 +538,7 @@ def main(argv=None) -> int:
             json.dump({"settings": settings, "seconds": seconds,
                        "load_average": {"start": list(load), "end": list(end_load)},
                        "slopes": {who: slope(rows, who) for who in ("network", "floor")},
+                       "targets": list(PARAM_NAMES),
                        "sizes": rows, "runs": nets, "floors": floors}, fh, indent=1)
         print(f"wrote {args.json}")
     return 0

@@ -55,6 +55,7 @@ def test_help_explains_the_design():
     (["--decay-at", "0"], "--decay-at must be a fraction in (0, 1]"),
     (["--folds", "1"], "--folds must be in [2, --samples"),
     (["--sizes", "8", "--bins", "40"], "without a Fourier mode"),
+    (["--report", "/nonexistent/volume.json"], "--report /nonexistent/volume.json: no such file"),
 ])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -125,12 +126,14 @@ def test_summary_table_slope_and_plot(tmp_path):
     assert math.isclose(ev.slope(rows, "network"), -0.25) and math.isclose(ev.slope(rows, "floor"), -0.25)
     text = ev.table(rows)
     assert text.count("\n") == 4 and "| 16³ | 512 |" in text and "±" in text
+    per = ev.per_target_table(rows)
+    assert "log10_damping_k" in per and f"| 8³ | {0.4:.3f} / {0.2:.3f} |" in per
     png = tmp_path / "v.png"
     ev.plot(rows, str(png), "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     only_floor = ev.summarise(args, floors, [])
     assert "network" not in only_floor[0] and ev.slope(only_floor, "network") is None
-    assert "| — | — |" in ev.table(only_floor)
+    assert "| — | — |" in ev.table(only_floor) and "| — / 0.200 |" in ev.per_target_table(only_floor)
 
 
 def test_tiny_run_end_to_end(tmp_path):
@@ -159,6 +162,12 @@ def test_tiny_run_end_to_end(tmp_path):
         final = [r for r in rows if r["split"] == "val"][-1]
         assert math.isclose(run["val_mae"], final["mae"], rel_tol=1e-5), (run["val_mae"], final["mae"])
     assert "| 16³ | 32 |" in proc.stdout and "validation MAE ~ volume^" in proc.stdout
+    # --report: the same tables from the JSON, and the plot redrawn, without running anything
+    redrawn = tmp_path / "again.png"
+    shown = subprocess.run([sys.executable, str(SCRIPT), "--report", str(report), "--plot", str(redrawn)],
+                           capture_output=True, text=True, env=ENV, timeout=60)
+    assert shown.returncode == 0 and redrawn.is_file(), shown.stderr
+    assert ev.table(result["sizes"]) in proc.stdout and ev.table(result["sizes"]) in shown.stdout
     # a second run reuses the data and refuses nothing
     again = subprocess.run(
         [sys.executable, str(SCRIPT), "--sizes", "8", "--samples", "32", "--val-samples", "16", "--data-seeds",
