@@ -152,6 +152,8 @@ def check_args(args) -> None:
         raise ValueError(f"--decay-at must be a fraction in (0, 1], got {args.decay_at}")
     if not 2 <= args.folds <= args.samples:
         raise ValueError(f"--folds must be in [2, --samples = {args.samples}], got {args.folds}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} exists and is not a directory")
     from refimpl.data.spectral_floor import SpectrumBins
     for s in args.sizes:                       # every shell must hold a mode at every size
         SpectrumBins((s, s, s), args.bins)
@@ -172,6 +174,7 @@ def parameter_count(args, size: int) -> int:
 
 
 def steps(args) -> int:
+    """Optimizer steps of every run: the same at every size (the budget does not grow with the volume)."""
     return args.epochs * (args.samples // args.batch)
 
 

@@ -56,6 +56,7 @@ def test_help_explains_the_design():
     (["--folds", "1"], "--folds must be in [2, --samples"),
     (["--sizes", "8", "--bins", "40"], "without a Fourier mode"),
     (["--report", "/nonexistent/volume.json"], "--report /nonexistent/volume.json: no such file"),
+    (["--out", "/dev/null"], "--out /dev/null exists and is not a directory"),
 ])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
