@@ -21,12 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the nn class names each registry kind is built as (unpartitioned: build_model without a grid)
 BUILT_AS = {"conv3d": ("Conv3d",), "conv_transpose3d": ("ConvTranspose3d",), "max_pool3d": ("MaxPool3d",),
+            "avg_pool3d": ("AvgPool3d",),
             "batch_norm3d": ("BatchNorm3d",), "relu": ("ReLU",), "leaky_relu": ("LeakyReLU",),
             "linear": ("Linear",), "flatten_linear": ("FlattenLinear",), "gather": ("Sequential",),
             "group_norm3d": ("GroupNorm3d",), "instance_norm3d": ("InstanceNorm3d",)}
 
 CONFIGS = [("cosmoflow", "tiny"), ("cosmoflow", "small"), ("unet3d", "tiny"),
            ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="channel", model_parallel_blocks=2)),
+           ("cosmoflow", dict(PRESETS["cosmoflow"]["tiny"], global_pool="avg", input_shape=(4, 24, 16, 8))),
+           ("cosmoflow", dict(PRESETS["cosmoflow"]["tiny"], global_pool="avg", model_parallel="filter")),
            ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="filter")),
            ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="group")),
            ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="instance", model_parallel="filter"))]
@@ -61,8 +64,8 @@ def test_planned_layers_carry_their_registry_kind(model, config):
 def test_every_described_kind_has_planner_hooks():
     kinds = {entry["kind"] for model in MODELS for preset in PRESETS[model]
              for mode in ("none", "filter") for norm in ("batch", "group", "instance")
-             for entry in MODELS[model].describe(
-                 dict(PRESETS[model][preset], model_parallel=mode, **({"norm": norm} if model == "unet3d" else {})))}
+             for extra in ([{"norm": norm}] if model == "unet3d" else [{}, {"global_pool": "avg"}])
+             for entry in MODELS[model].describe(dict(PRESETS[model][preset], model_parallel=mode, **extra))}
     assert kinds == set(BUILT_AS)
     for name in kinds:
         kind = layers.plan_kind(name)

@@ -82,6 +82,8 @@ def test_same_seed_same_weights_other_seed_other_weights():
     ("unet3d", {"norm": "layer"}, "'norm'"),
     ("unet3d", {"norm": "group", "num_groups": 3}, "'num_groups'"),
     ("unet3d", {"num_groups": 0}, "'num_groups'"),
+    ("cosmoflow", {"global_pool": "max"}, r"\['global_pool'\] must be one of none, avg"),
+    ("cosmoflow", {"global_pool": True}, "'global_pool'"),
 ])
 def test_bad_config_raises_naming_it(name, config, match):
     with pytest.raises(ValueError, match=match):
@@ -137,7 +139,11 @@ def torch_cosmoflow(torch, config):
         c_out = config["conv_size"] * 2 ** i
         layers += [tnn.Conv3d(c_in, c_out, k, padding="same"), tnn.LeakyReLU(slope), tnn.MaxPool3d(2)]
         c_in = c_out
-    n_flat = c_in * int(np.prod([n // 2 ** config["n_conv_layers"] for n in config["input_shape"][1:]]))
+    final = [n // 2 ** config["n_conv_layers"] for n in config["input_shape"][1:]]
+    if config["global_pool"] == "avg":
+        layers.append(tnn.AvgPool3d(final))              # the whole extent: a global average pool
+        final = [1, 1, 1]
+    n_flat = c_in * int(np.prod(final))
 
     class FlattenLinear(tnn.Linear):
         def forward(self, x):
@@ -214,6 +220,7 @@ ORACLE_CASES = [
     ("cosmoflow", {**TINY["cosmoflow"], "dropout": 0.0}),
     ("cosmoflow", {**TINY["cosmoflow"], "dropout": 0.0, "n_conv_layers": 3, "input_shape": (2, 8, 16, 8)}),
     ("cosmoflow", {**PRESETS["cosmoflow"]["tiny-same"], "dropout": 0.0}),     # kernel 2 'same': 0 before, 1 after
+    ("cosmoflow", {**TINY["cosmoflow"], "dropout": 0.0, "global_pool": "avg", "input_shape": (2, 8, 16, 12)}),
     ("unet3d", {**TINY["unet3d"], "loss": "ce"}),
     ("unet3d", {**TINY["unet3d"], "loss": "ce+dice", "input_shape": (2, 8, 12, 16), "num_classes": 4, "class_weights": [0.5, 1.0, 2.0, 1.5]}),
     ("unet3d", {**TINY["unet3d"], "loss": "dice", "levels": 1}),
@@ -268,6 +275,30 @@ def test_single_process_model_matches_torch(name, config):
     torch_buffers = dict(tmodel.named_buffers())
     for bname, b in model.named_buffers():      # batch-norm running statistics
         assert rel_err(b, torch_buffers[bname].numpy()) <= 1e-10, bname
+
+
+def test_global_average_pool_keeps_the_network_whatever_the_input_size():
+    """global_pool "avg": the same parameters (count, names, and -- same seed -- values) at every
+    input size, and the head reads each channel's mean over the last block's extent."""
+    config = {**TINY["cosmoflow"], "dropout": 0.0, "global_pool": "avg"}
+    models = [build_model("cosmoflow", {**config, "input_shape": (4, s, s, s)}, None, seed=3, dtype=np.float64)
+              for s in (8, 16, 28)]
+    states = [m.state_dict() for m in models]
+    assert all(s.keys() == states[0].keys() for s in states)
+    assert all(np.array_equal(s[k], states[0][k]) for s in states for k in s)
+    assert models[0].head[0].weight.data.shape == (config["fc1_size"], 2 * config["conv_size"])
+    flat = build_model("cosmoflow", {**config, "global_pool": "none", "input_shape": (4, 16, 16, 16)}, None, seed=3)
+    assert sum(p.data.size for p in flat.parameters()) > sum(p.data.size for p in models[1].parameters())
+    model = models[2]                                     # 28 -> 7^3 after two blocks: an odd extent
+    x, _ = batch(model, 2, seed=4)
+    model.eval()
+    pooled = model.features.forward(x)
+    assert pooled.shape == (2, 2 * config["conv_size"], 1, 1, 1)
+    last = x
+    for layer in model.features.children()[:-1]:          # the conv blocks without the pool
+        last = layer.forward(last)
+    assert last.shape[2:] == (7, 7, 7)
+    assert np.allclose(pooled[:, :, 0, 0, 0], last.mean(axis=(2, 3, 4)), rtol=1e-12, atol=1e-12)
 
 
 def test_dice_metric_is_mean_hard_dice():

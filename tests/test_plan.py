@@ -31,6 +31,7 @@ def cli(*args):
     ("cosmoflow", "tiny"), ("cosmoflow", "small"), ("cosmoflow", "mlperf"), ("unet3d", "tiny"),
     ("unet3d", "default"),
     ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], model_parallel="channel", model_parallel_blocks=2)),
+    ("cosmoflow", dict(PRESETS["cosmoflow"]["small"], global_pool="avg", input_shape=(4, 48, 48, 48))),
     ("unet3d", dict(PRESETS["unet3d"]["small"], model_parallel="filter"))])
 def test_layer_lists_are_the_models(model, config):
     """Every planned layer with parameters is the built model's module of that name, with

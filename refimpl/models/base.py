@@ -29,7 +29,7 @@ from ..nn.init import check_rng
 from ..nn.linear import FlattenLinear, Linear
 from ..nn.module import Module
 from ..nn.norm import GroupNorm3d, InstanceNorm3d
-from ..nn.pooling import MaxPool3d
+from ..nn.pooling import AvgPool3d, MaxPool3d
 
 
 class Layers:
@@ -53,6 +53,12 @@ class Layers:
     def max_pool(self, kernel_size):
         return MaxPool3d(kernel_size) if self.grid is None else \
             spatial.SpatialMaxPool3d(kernel_size, grid=self.grid)
+
+    def avg_pool(self, kernel_size):
+        """Average pooling with stride = kernel (a whole-extent window is a global average pool;
+        on a grid its halo gathers the window from every rank that owns a piece)."""
+        return AvgPool3d(kernel_size) if self.grid is None else \
+            spatial.SpatialAvgPool3d(kernel_size, grid=self.grid)
 
     def batch_norm(self, channels, eps=1e-5, momentum=0.1):
         """Statistics over the whole global batch (every rank of the grid): grid-invariant."""

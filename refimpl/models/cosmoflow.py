@@ -10,6 +10,7 @@ L = 5, k = 2):
       'same': the output keeps the input extent; odd k pads k // 2 on each side, even k
       pads k - 1 in all, the odd cell after (k = 2: 0 before, 1 after), TensorFlow's rule
       block i                             (B, conv_size * 2^i, S / 2^(i+1), ...)
+    [global_pool "avg": AvgPool3d over the whole remaining extent -> (B, c, 1, 1, 1)]
     flatten + Dense fc1_size              (B, fc1)     <- SpatialFlattenLinear on a grid
     LeakyReLU(0.3) -> Dropout             (B, fc1)
     Dense fc2_size -> LeakyReLU -> Dropout (B, fc2)
@@ -17,6 +18,13 @@ L = 5, k = 2):
 
 Loss: mean squared error over the global batch and the 4 outputs; metric: mean
 absolute error.  ``S`` must be divisible by 2^L.
+
+``global_pool = "avg"`` (not in the MLPerf network) averages each channel of the last
+block over its whole extent before the head, so the head takes ``conv_size * 2^(L-1)``
+features whatever the input size: the network's parameters -- and what it can fit --
+no longer grow with the input, only the volume it averages over does.  That is the
+fixed-capacity family scripts/experiment_volume.py compares sample volumes with
+(docs/experiments.md); without it the flatten's weight grows like the volume.
 
 On a process grid every conv/pool layer holds the rank's spatial block and the
 flatten + first dense layer reduces its partial products over the spatial group,
@@ -38,6 +46,7 @@ from ..nn.module import Sequential
 from .base import Layers, Model, check_choice, check_input_shape, check_number, check_positive_int, merge_config
 
 MODEL_MODES = ("none", "filter", "channel")
+GLOBAL_POOLS = ("none", "avg")
 
 DEFAULTS = {
     "input_shape": (4, 128, 128, 128),   # (C, D, H, W)
@@ -56,6 +65,9 @@ DEFAULTS = {
     # the dense head (Gholami's 1.5-D layers; docs/model_parallel.md)
     "model_parallel": "none",
     "model_parallel_blocks": 1,
+    # "avg": average each channel over the last block's whole extent before the head (a global
+    # average pool), so the parameter count does not depend on input_shape; "none": flatten it all
+    "global_pool": "none",
 }
 
 
@@ -71,6 +83,7 @@ def check_config(config: dict, where: str = "config") -> dict:
     check_number(config, "leaky_slope", lambda a: True, "(the slope for x < 0)", where)
     check_number(config, "output_scale", lambda s: s > 0, "> 0", where)
     check_choice(config, "model_parallel", MODEL_MODES, where)
+    check_choice(config, "global_pool", GLOBAL_POOLS, where)
     blocks = check_positive_int(config, "model_parallel_blocks", where=where)
     if blocks > n_layers:
         raise ValueError(f"{where}['model_parallel_blocks'] = {blocks} exceeds n_conv_layers = {n_layers}")
@@ -105,10 +118,13 @@ class CosmoFlow(Model):
             c_in = c_out
         if mode != "none":
             blocks.append(make.gather(c_in))                          # channel-split -> replicated
+        final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
+        if config["global_pool"] == "avg":                            # the window is the whole extent
+            blocks.append(make.avg_pool(final))                       # (B, c_in, 1, 1, 1)
+            final = (1, 1, 1)
         self.features = self.add_module("features", Sequential(*blocks))
         self.first_conv = blocks[0]
         self.needs_input_grad = False
-        final = tuple(n // 2 ** n_layers for n in self.input_shape[1:])
         n_flat = c_in * final[0] * final[1] * final[2]
         self.dropouts = [make.dropout(config["dropout"]), make.dropout(config["dropout"])]
         if mode == "none":
@@ -162,6 +178,10 @@ class CosmoFlow(Model):
             c_in, dhw = c_out, half
         if mode != "none":
             out.append(_layer(f"features.{3 * n_layers}", "gather", c_in, c_in, dhw, dhw, split_in=True))
+        if cfg["global_pool"] == "avg":
+            out.append(_layer(f"features.{3 * n_layers + (mode != 'none')}", "avg_pool3d", c_in, c_in, dhw,
+                              (1, 1, 1), dhw, dhw))
+            dhw = (1, 1, 1)
         flat = c_in * dhw[0] * dhw[1] * dhw[2]
         fc1, fc2, n_out = cfg["fc1_size"], cfg["fc2_size"], cfg["num_outputs"]
         row = mode != "none"
@@ -219,4 +239,4 @@ def _layer(name, kind, c_in, c_out, in_dhw, out_dhw, kernel=(1, 1, 1), stride=(1
             "input_grad": input_grad, **options}
 
 
-__all__ = ["CosmoFlow", "DEFAULTS", "check_config"]
+__all__ = ["CosmoFlow", "DEFAULTS", "GLOBAL_POOLS", "check_config"]

@@ -21,8 +21,8 @@ def _split(config: dict) -> bool:
 
 
 def torch_cosmoflow(config: dict, dropout_masks=None):
-    """refimpl.models.CosmoFlow in torch.nn: ``features`` (conv 'same', LeakyReLU, max pool 2)
-    and ``head`` (flatten + dense, LeakyReLU, dropout, dense, LeakyReLU, dropout, dense, 1.2 tanh).
+    """refimpl.models.CosmoFlow in torch.nn: ``features`` (conv 'same', LeakyReLU, max pool 2; with
+    ``global_pool`` "avg" an AvgPool3d over the last block's extent) and ``head`` (flatten + dense, LeakyReLU, dropout, dense, LeakyReLU, dropout, dense, 1.2 tanh).
 
     ``config``: a full CosmoFlow config (``refimpl.models.cosmoflow.check_config``).
     ``dropout_masks``: None for torch's own dropout, or a dict {"head.2": mask, "head.5": mask}
@@ -39,6 +39,9 @@ def torch_cosmoflow(config: dict, dropout_masks=None):
     if _split(config):
         layers.append(nn.Identity())                     # features.{3L}: the gather of the split blocks
     final = [n // 2 ** config["n_conv_layers"] for n in config["input_shape"][1:]]
+    if config.get("global_pool", "none") == "avg":       # a window of the whole extent: each channel's mean
+        layers.append(nn.AvgPool3d(final))
+        final = [1, 1, 1]
     p = float(config["dropout"])
 
     class ScaledTanh(nn.Module):

@@ -312,3 +312,36 @@ def test_unet_norm_with_a_model_parallel_bottleneck(comm, all_ranks_agree, dims,
     all_ranks_agree(losses <= 1e-12 and params <= 1e-10,
                     f"{norm} norm, bottleneck over Pm, grid {dims}: losses {losses:.3g}, parameters {params:.3g}")
     grid.free()
+
+
+# ---------------------------------------------------------------- CosmoFlow's global average pool
+#: global_pool "avg" (the fixed-capacity family of scripts/experiment_volume.py): the pool's window
+#: is the last block's whole extent, (3, 4, 2) here, so on a grid its halo gathers the window from
+#: every rank that owns a piece, and the ranks that own no output voxel still join the exchange
+POOL_CONFIG = {**CONFIGS["cosmoflow"], "global_pool": "avg", "input_shape": (4, 12, 16, 8)}
+
+
+@pytest.mark.parametrize("dims", arrangements(SIZE) + MODEL_GRIDS.get(SIZE, []),
+                         ids=lambda d: "x".join(map(str, d)))
+def test_global_average_pool_training_is_grid_invariant(comm, all_ranks_agree, dims):
+    """The same parameters and losses after 3 SGD steps as the unpartitioned model (float64), on
+    every spatial arrangement and, with a model axis, with the last blocks filter-parallel."""
+    from refimpl.nn.model_parallel import whole_of
+    config = dict(POOL_CONFIG)
+    if len(dims) == 5:
+        config.update(model_parallel="filter", model_parallel_blocks=2 if dims[4] <= 4 else 1)
+    grid = ProcessGrid(comm, dims)
+    batch = global_batch(dims[0])
+    model, history = _train("cosmoflow", grid, batch, np.float64, config)
+    ref_model, ref_history = _train("cosmoflow", None, batch, np.float64, config)
+    ref_state, worst, where = ref_model.state_dict(), 0.0, ""
+    for key, p in model.named_parameters():
+        err = rel_err(whole_of(p.data, p.shard, grid.model_comm), ref_state[key])
+        if err > worst:
+            worst, where = err, key
+    for step, ((loss, _), (ref_loss, _)) in enumerate(zip(history, ref_history)):
+        err = abs(loss - ref_loss) / abs(ref_loss)
+        if err > worst:
+            worst, where = err, f"step {step} loss"
+    all_ranks_agree(worst <= 1e-10, f"global_pool avg on grid {dims}: max rel err {worst:.3g} at {where}")
+    grid.free()
