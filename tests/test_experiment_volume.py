@@ -93,6 +93,10 @@ def test_the_network_is_the_same_at_every_size(tmp_path):
     assert "decay" not in run_config.load_toml(path)
 
 
+def test_chunks_tile_the_sample():
+    assert [ev.chunk_edge(s) for s in (8, 16, 24, 32, 48, 40, 96)] == [8, 16, 24, 32, 24, 20, 32]
+
+
 def test_one_experiment_per_out(tmp_path, capsys):
     held = ev.lock_out(str(tmp_path))
     try:
