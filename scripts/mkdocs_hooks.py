@@ -418,18 +418,21 @@ def _hard_table(markdown: str) -> tuple[set, int]:
 def hard_cases_without_rows(markdown: str) -> list[str]:
     """The case files of the shipped ``hard`` suite that the page's hard table has no row for:
     cases added since the last DTensor run (it takes ~15 minutes; the page shows the command)."""
+    return _cases_without(_hard_table(markdown)[0])
+
+
+def _cases_without(rows: set) -> list[str]:
     from refimpl.oracle import load_suite
-    rows, _ = _hard_table(markdown)
     return sorted(spec.file_name for spec in load_suite("hard") if spec.file_name not in rows)
 
 
 def hard_table_note(markdown: str) -> str:
     """``markdown`` with a note after the hard table naming the suite's cases it has no row
     for, so that a new ``hard`` case needs no DTensor run to keep the page true (and CI green)."""
-    missing = hard_cases_without_rows(markdown)
+    rows, end = _hard_table(markdown)
+    missing = _cases_without(rows)
     if not missing:
         return markdown
-    _, end = _hard_table(markdown)
     note = (f"\n**Not run under DTensor yet** ({len(missing)} case file{'s' if len(missing) > 1 else ''} added to the "
             "suite since this table was made; the commands above give their rows): "
             + ", ".join(f"`{name}`" for name in missing) + ".\n")

@@ -590,7 +590,7 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="plain and instrumented steps per side (best kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="refimpl only")
-    ap.add_argument("--torch-layout", choices=("ncdhw", "channels_last"), default="ncdhw",
+    ap.add_argument("--torch-layout", choices=import_bench_train().TORCH_LAYOUTS, default="ncdhw",
                     help="memory layout of the torch twin (bench_train.torch_layout): NCDHW, or channels_last_3d")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE (times in seconds)")
     args = ap.parse_args(argv)

@@ -202,10 +202,20 @@ def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, 
     batch = global_batch(dims[0])
     model, history = train_config(name, config, grid, batch)
     ref_model, ref_history = train_config(name, config, None, batch)
-    worst, where = 0.0, ""
-    ref_state, split = ref_model.state_dict(), buffer_shards(model)
+    split = buffer_shards(model)
     mine = [(key, whole_of(p.data, p.shard, grid.model_comm)) for key, p in model.named_parameters()]
     mine += [(key, whole_of(b, split.get(key), grid.model_comm)) for key, b in model.named_buffers()]
+    worst, where = worst_error(mine, history, ref_model.state_dict(), ref_history)
+    n_split = sum(p.shard is not None for p in model.parameters())
+    all_ranks_agree(worst <= 1e-10 and (pm == 1 or n_split > 0),
+                    f"{name} {mode} on grid {dims}: max rel err {worst:.3g} at {where}; {n_split} split parameters")
+    grid.free()
+
+
+def worst_error(mine, history, ref_state, ref_history):
+    """The largest relative error, and where: over the gathered ``(key, array)`` pairs against the
+    unpartitioned model's state, and over the per-step losses against its history."""
+    worst, where = 0.0, ""
     for key, got in mine:
         err = rel_err(got, ref_state[key])
         if err > worst:
@@ -214,10 +224,7 @@ def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, 
         err = abs(loss - ref_loss) / abs(ref_loss)
         if err > worst:
             worst, where = err, f"step {step} loss"
-    n_split = sum(p.shard is not None for p in model.parameters())
-    all_ranks_agree(worst <= 1e-10 and (pm == 1 or n_split > 0),
-                    f"{name} {mode} on grid {dims}: max rel err {worst:.3g} at {where}; {n_split} split parameters")
-    grid.free()
+    return worst, where
 
 
 def train_config(name, config, grid, batch):
@@ -334,14 +341,7 @@ def test_global_average_pool_training_is_grid_invariant(comm, all_ranks_agree, d
     batch = global_batch(dims[0])
     model, history = _train("cosmoflow", grid, batch, np.float64, config)
     ref_model, ref_history = _train("cosmoflow", None, batch, np.float64, config)
-    ref_state, worst, where = ref_model.state_dict(), 0.0, ""
-    for key, p in model.named_parameters():
-        err = rel_err(whole_of(p.data, p.shard, grid.model_comm), ref_state[key])
-        if err > worst:
-            worst, where = err, key
-    for step, ((loss, _), (ref_loss, _)) in enumerate(zip(history, ref_history)):
-        err = abs(loss - ref_loss) / abs(ref_loss)
-        if err > worst:
-            worst, where = err, f"step {step} loss"
+    mine = [(key, whole_of(p.data, p.shard, grid.model_comm)) for key, p in model.named_parameters()]
+    worst, where = worst_error(mine, history, ref_model.state_dict(), ref_history)
     all_ranks_agree(worst <= 1e-10, f"global_pool avg on grid {dims}: max rel err {worst:.3g} at {where}")
     grid.free()
