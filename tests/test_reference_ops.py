@@ -241,6 +241,55 @@ def test_leaky_relu_backward_written_over_dy(monkeypatch, slope):
             act.leaky_relu_backward(dy, x, slope, out=out)
 
 
+@pytest.mark.parametrize("slope", [0.3, 0.0, 1.5, -0.2])
+def test_leaky_relu_written_over_x(monkeypatch, slope):
+    """``out=x``: y written over the input equals the reference's new array, bit for bit, on
+    both routes (blocks smaller than the array, 2 threads: each block reads its x before
+    writing it); ``out`` of another shape, dtype or layout is refused naming x."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 9, 8, 7)).astype(np.float32)
+    x.reshape(-1)[::13] = 0.0
+    with reference_only():
+        want = act.leaky_relu(x, slope)
+    monkeypatch.setenv("REFIMPL_THREADS", "2")
+    monkeypatch.setattr(_threads, "ELEMENTWISE_BLOCK", 97)
+    for route in (contextlib.nullcontext, reference_only):
+        a = x.copy()
+        with route():
+            got = act.leaky_relu(a, slope, out=a)
+        assert got is a and np.array_equal(a, want)
+    for out in (np.empty((2, 3, 9, 8, 6), np.float32), np.empty(x.shape), x.copy()[..., ::-1]):
+        with pytest.raises(ValueError, match="out must be a writeable C-contiguous array of x's shape"):
+            act.leaky_relu(x, slope, out=out)
+
+
+@pytest.mark.parametrize("slope", [0.3, 0.0, 1.5])
+def test_leaky_relu_layer_in_place(slope):
+    """nn.LeakyReLU(in_place=True) returns y in x's memory and saves y; its dx equals the
+    reference's at the original x bit for bit (y > 0 exactly where x > 0 for a slope >= 0),
+    zeros of either sign included; a strided x is left alone; a negative slope is refused;
+    CosmoFlow's feature blocks build it so."""
+    from refimpl.models import build_model
+    from refimpl.nn import LeakyReLU
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 4, 4, 4))
+    x.reshape(-1)[::9], x.reshape(-1)[1::11] = 0.0, -0.0
+    dy = rng.standard_normal(x.shape)
+    want_y, want_dx = act.leaky_relu(x, slope), act.leaky_relu_backward(dy, x, slope)
+    layer, a = LeakyReLU(slope, in_place=True), x.copy()
+    y = layer.forward(a)
+    assert y is a and np.array_equal(a, want_y)
+    assert np.array_equal(layer.backward(dy), want_dx)
+    strided = x.copy()[..., ::-1]
+    kept = strided.copy()
+    y = layer.forward(strided)
+    assert np.array_equal(strided, kept) and np.array_equal(y, act.leaky_relu(kept, slope))
+    with pytest.raises(ValueError, match="in_place=True.*negative_slope >= 0"):
+        LeakyReLU(-0.2, in_place=True)
+    model = build_model("cosmoflow", "tiny")
+    assert [m.in_place for _, m in model.named_modules() if isinstance(m, LeakyReLU)] == [True] * 2 + [False] * 2
+
+
 def test_leaky_relu_layer_reuses_dy_only_when_asked():
     """nn.LeakyReLU(reuse_grad=True) returns dx in dy's memory (CosmoFlow's features build
     it so); the default leaves dy as it was; both equal the reference."""

@@ -41,13 +41,13 @@ def _check_grad(dy, x, name="x"):
     check_same_dtype(**{name: x, "dy": dy})
 
 
-def _check_out(out, dy):
-    """``out`` a writeable C-contiguous array of ``dy``'s shape and dtype, else a ValueError."""
-    ok = (hasattr(out, "shape") and tuple(out.shape) == tuple(dy.shape) and out.dtype == dy.dtype
+def _check_out(out, like, name="dy"):
+    """``out`` a writeable C-contiguous array of ``like``'s shape and dtype, else a ValueError."""
+    ok = (hasattr(out, "shape") and tuple(out.shape) == tuple(like.shape) and out.dtype == like.dtype
           and out.flags.c_contiguous and getattr(out.flags, "writeable", True))
     if not ok:
-        raise ValueError(f"out must be a writeable C-contiguous array of dy's shape {tuple(dy.shape)} and dtype "
-                         f"{dy.dtype}, got {_shape(out)}")
+        raise ValueError(f"out must be a writeable C-contiguous array of {name}'s shape {tuple(like.shape)} and dtype "
+                         f"{like.dtype}, got {_shape(out)}")
 
 
 def _check_slope(negative_slope):
@@ -77,15 +77,25 @@ def relu_backward(dy, x):
     return dy * (x > 0)
 
 
-def leaky_relu(x, negative_slope=0.01):
-    """x where x > 0, else negative_slope * x."""
+def leaky_relu(x, negative_slope=0.01, *, out=None):
+    """x where x > 0, else negative_slope * x.
+
+    ``out``: a C-contiguous array of x's shape and dtype that receives y and is returned; it
+    may be ``x`` itself (y written over the input, which saves a new array's pass through
+    memory: ``nn.LeakyReLU(in_place=True)``)."""
     _check_input(x)
     _check_slope(negative_slope)
+    if out is not None:
+        _check_out(out, x, "x")
     kernel = kernel_for(fast, x)
     if kernel is not None:
-        return kernel.leaky_relu(x, negative_slope)
+        return kernel.leaky_relu(x, negative_slope, out)
     xp = array_module(x)
-    return xp.where(x > 0, x, x * negative_slope)
+    y = xp.where(x > 0, x, x * negative_slope)
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def leaky_relu_backward(dy, x, negative_slope=0.01, *, out=None):

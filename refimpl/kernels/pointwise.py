@@ -8,7 +8,8 @@ the first reads the cache, and the blocks run on all cores):
 - relu: ``maximum(x, 0)`` into the output;
 - relu backward: ``dy * (x > 0)`` (NumPy's ``where`` with a scalar runs 7x slower; the
   product differs from it only in the sign of zeros);
-- leaky relu, 0 <= slope <= 1: ``max(x, slope * x)``, two passes instead of three;
+- leaky relu, 0 <= slope <= 1: ``max(x, slope * x)``, two passes instead of three (in place,
+  over ``x``: the product to a block-sized temporary, then the maximum over the block);
 - leaky relu backward, 0 <= slope <= 1: ``dy * max(m, slope)`` with the 0/1 mask
   ``m = (x > 0)``: the factor is exactly 1 or the slope, so it equals
   ``where(x > 0, dy, dy * slope)`` bit for bit, in 4 short passes per block (``where``
@@ -85,16 +86,25 @@ def relu_backward(dy, x):
     return elementwise(lambda o, g, a: numpy.multiply(g, a > 0, out=o), numpy.empty_like(dy), _c(dy), _c(x))
 
 
-def leaky_relu(x, negative_slope):
+def leaky_relu(x, negative_slope, out=None):
+    """``out``: where y goes (``x`` itself included: each block's product goes to a block-sized
+    temporary first, so the block of ``x`` is read before it is written); a new array when None."""
     if _on_device(x):
-        return _device("leaky_relu")(x, x.dtype.type(negative_slope))
+        return _device("leaky_relu")(x, x.dtype.type(negative_slope), *(() if out is None else (out,)))
     if not 0.0 <= negative_slope <= 1.0:
-        return numpy.where(x > 0, x, x * negative_slope)
+        y = numpy.where(x > 0, x, x * negative_slope)
+        if out is None:
+            return y
+        out[...] = y
+        return out
 
     def pass_(o, a):
+        if numpy.may_share_memory(o, a):            # in place: read the block before writing it
+            numpy.maximum(a, a * negative_slope, out=o)
+            return
         numpy.multiply(a, negative_slope, out=o)
         numpy.maximum(o, a, out=o)
-    return elementwise(pass_, numpy.empty_like(x), _c(x))
+    return elementwise(pass_, numpy.empty_like(x) if out is None else out, _c(x))
 
 
 def leaky_relu_backward(dy, x, negative_slope, out=None):

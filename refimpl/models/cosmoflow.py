@@ -113,7 +113,8 @@ class CosmoFlow(Model):
             conv = make.conv(c_in, c_out, k, padding="same") if i < split_from else \
                 make.model_conv(c_in, c_out, k, "same", mode, first=i == split_from)
             blocks += [conv,                                          # (B, c_out, s, s, s)
-                       LeakyReLU(slope, reuse_grad=True),             # dx over the pool's dx: no one reads it
+                       LeakyReLU(slope, reuse_grad=True, in_place=slope >= 0),   # y over the conv's y, dx over
+                                                                      # the pool's dx: no one else reads either
                        make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
             c_in = c_out
         if mode != "none":

@@ -17,29 +17,50 @@ class ReLU(Module):
         return relu_backward(dy, x)
 
 
+def _writeable(a) -> bool:
+    return a.flags.c_contiguous and getattr(a.flags, "writeable", True)
+
+
 class LeakyReLU(Module):
     """``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when that is a
     writeable C-contiguous array), so a caller must not keep ``dy``.  Why: the backward is a
     memory-bound pass, and a new dx array costs a third more memory traffic than writing over
     dy (docs/benchmarks.md, "Kernel choices").  The models build it so where dy is a gradient
-    no one else reads (CosmoFlow: the max pool's or the dropout's dx); the default keeps dy."""
+    no one else reads (CosmoFlow: the max pool's or the dropout's dx); the default keeps dy.
 
-    def __init__(self, negative_slope=0.01, reuse_grad=False):
+    ``in_place=True`` (a slope >= 0 only): the forward writes y over its input ``x`` (when that
+    is a writeable C-contiguous array), so a caller must not keep ``x``, and saves y for the
+    backward.  Why it is exact: the backward reads only where x > 0, and for a slope >= 0,
+    y = x > 0 where x > 0 and y = slope * x <= 0 elsewhere, so y > 0 exactly where x > 0.  Why
+    it pays: no new array is allocated and first touched (docs/benchmarks.md, "Kernel
+    choices").  The models build it where x is an output no one else reads (CosmoFlow: the
+    conv's, which the conv's backward does not need)."""
+
+    def __init__(self, negative_slope=0.01, reuse_grad=False, in_place=False):
         super().__init__()
         self.negative_slope = float(negative_slope)
         self.reuse_grad = bool(reuse_grad)
+        self.in_place = bool(in_place)
+        if self.in_place and not self.negative_slope >= 0:
+            raise ValueError(f"LeakyReLU(in_place=True) needs negative_slope >= 0 (the backward reads the sign of "
+                             f"y for that of x), got {negative_slope!r}")
 
     def forward(self, x):
+        if self.in_place and _writeable(x):
+            y = leaky_relu(x, self.negative_slope, out=x)
+            self._save(y)                        # y > 0 exactly where x > 0 (slope >= 0)
+            return y
         self._save(x)
         return leaky_relu(x, self.negative_slope)
 
     def backward(self, dy):
-        (x,) = self._saved()
-        reuse = self.reuse_grad and dy.flags.c_contiguous and getattr(dy.flags, "writeable", True)
+        (x,) = self._saved()                     # or y, in place: the same sign pattern
+        reuse = self.reuse_grad and _writeable(dy)
         return leaky_relu_backward(dy, x, self.negative_slope, out=dy if reuse else None)
 
     def extra_repr(self):
-        return f"negative_slope={self.negative_slope}" + (", reuse_grad=True" if self.reuse_grad else "")
+        return (f"negative_slope={self.negative_slope}" + (", reuse_grad=True" if self.reuse_grad else "")
+                + (", in_place=True" if self.in_place else ""))
 
 
 class Tanh(Module):

@@ -382,7 +382,7 @@ def forward(layer: Layer, x, mask=None):
         if layer.kind == "dropout":
             return _apply_mask(x, mask, layer.module.p)
         layer.module.zero_grad()
-        y = layer.module.forward(x)
+        y = layer.module.forward(x.copy())          # a layer may write y over its x (LeakyReLU's in_place)
         layer.module._cache = None
         return y
 
@@ -393,7 +393,7 @@ def backward(layer: Layer, x, dy, mask=None):
         if layer.kind == "dropout":
             return _apply_mask(dy, mask, layer.module.p), {}
         layer.module.zero_grad()
-        layer.module.forward(x)
+        layer.module.forward(x.copy())
         dx = layer.module.backward(dy.copy())       # a layer may write dx over its dy (LeakyReLU's reuse_grad)
         grads = {t: parameter(layer, t).grad for t in layer.params}
         layer.module.zero_grad()
