@@ -438,11 +438,15 @@ def test_im2col_thread_counts_agree_and_repeat(c, monkeypatch):
     (2, 2, 3, (9, 6, 5), (3, 3, 1), (2, 1, 0), (2, 1, 1), 20_000),       # dilated depth, plane tiles
     (1, 2, 2, (6, 9, 8), (2, 3, 3), (0, 1, 1), (1, 2, 1), 3_000),        # even kd: one-row tiles
 ])
-def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
+@pytest.mark.parametrize("plane_gemms", [False, True])
+def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, plane_gemms, monkeypatch):
     """The depth-tap variant (stride 1 along depth: one buffer of hw-columns serves every
     depth tap) runs for these shapes and equals torch to 1e-10 in float64: forward, the
-    weight gradient alone, and the shared pass of conv_transpose3d's backward."""
+    weight gradient alone, and the shared pass of conv_transpose3d's backward; the forward
+    also with one GEMM per output plane wherever it applies (plane-major hw-columns)."""
+    from refimpl.kernels import routes
     monkeypatch.setattr(_im2col, "MIN_TILE_POSITIONS", 1)       # small tiles in small budgets
+    monkeypatch.setattr(routes, "MIN_PLANE_GEMM_POSITIONS", 1 if plane_gemms else 10**9)
     rng = np.random.default_rng(sum(size))
     x = rng.standard_normal((n, c) + size)
     w = rng.standard_normal((f, c) + k)

@@ -86,6 +86,8 @@ ROUTES = [   # (name, algorithm, REFIMPL_CONV_SCHEDULE, kernel, stride, padding,
              #  kernels function that must run: (module, name), to prove the route was taken)
     ("im2col, depth taps", "im2col", "host", (3, 2, 3), 1, 1, (3, 5), (9, 10, 11), None,
      ("_im2col", "_forward_depth_taps")),
+    ("im2col, depth taps, one GEMM per plane", "im2col", "host", (3, 2, 3), 1, 1, (2, 3), (5, 64, 64),
+     None, ("_im2col", "_forward_plane_gemms")),
     ("im2col, bounded tiles", "im2col", "host", (3, 2, 3), 1, 1, (3, 5), (9, 10, 11), 4096, ("_im2col", "col2im")),
     ("im2col, device schedule", "im2col", "device", (3, 2, 3), (1, 2, 1), 1, (3, 5), (9, 10, 11), None,
      ("_im2col_device", "forward")),

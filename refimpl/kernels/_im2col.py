@@ -64,7 +64,7 @@ import numpy
 from .. import settings
 from ..backend import array_module
 from . import _threads
-from .routes import flipped_kernel_pays
+from .routes import flipped_kernel_pays, plane_gemms_pay
 
 #: Default bound, in bytes, on the temporary column (+ GEMM output) buffers.
 MAX_TEMP_BYTES = 64 * 2**20
@@ -283,7 +283,7 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if phases is not None:
         return _phase_grid.forward(x, w, y, phases)
     taps = _DepthTapPlan.build(xp, x.dtype, n_b, c, f, k, stride, dilation, out_spatial, budget,
-                               workers, tile_bytes)
+                               workers, tile_bytes, forward_only=g is None)
     if taps is not None:
         return _forward_depth_taps(x, w, stride, padding, dilation, y, taps, g)
     w2 = xp.ascontiguousarray(w).reshape(f, kk)
@@ -523,6 +523,14 @@ def flipped_kernel(w):
 # and 27 rows, GEMMs that are cheap next to their columns) spends its time on.
 # Exact: only the order in which the kd partial sums are added changes.  The input
 # gradient keeps im2col's col2im (its depth taps would add into overlapping planes).
+#
+# Plane-major hw-columns (the forward alone, depth dilation 1, tiles of whole planes of one
+# sample): stored as  hw[j, (c, b, e), h, w]  (input plane j of the tile first), the rows of
+# output plane d for all kd depth taps are  (a, c, b, e) -> plane d + a, row (c, b, e):
+# offset ((d + a) * rows + r) * plane = d * rows * plane + (a * rows + r) * plane, one
+# contiguous (kd * C*kh*kw, Ho*Wo) block.  So each output plane is ONE GEMM with the weight
+# reordered to (F, kd, C, kh, kw), written straight into y's plane: no kd partial products
+# and no kd - 1 passes adding them (``routes.plane_gemms_pay`` says where that is faster).
 
 #: Bytes of hw-columns per tile of the depth-tap *forward*: small enough to stay in the cache
 #: while its kd GEMMs (F rows each: few for the narrow first convs) read it three times: with
@@ -581,7 +589,7 @@ class _DepthTapPlan:
 
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, dilation, out, budget, workers,
-              tile_bytes=None):
+              tile_bytes=None, forward_only=False):
         reach = (k[0] - 1) * dilation[0]
         if k[0] == 1 or stride[0] != 1:
             return None
@@ -590,6 +598,15 @@ class _DepthTapPlan:
         per_worker = max(1, budget // max(1, workers))
         # the bound of im2col's plan: the budget, or one output row's (K + F) * Wo tile
         allowed = max(per_worker, (rows * k[0] + f) * out[2] * itemsize)
+        plane = out[1] * out[2]
+        if forward_only and dilation[0] == 1 and plane_gemms_pay(plane):
+            # plane-major: tiles of whole planes of one sample, about TARGET_TILE_BYTES of hw-columns
+            nd = min(out[0], max(1, TARGET_TILE_BYTES // (rows * plane * itemsize) - reach))
+            if (nd + reach) * rows * plane * itemsize <= allowed:
+                tl = [(n, n + 1, d0, min(d0 + nd, out[0]), 0, out[1])
+                      for n in range(n_batch) for d0 in range(0, out[0], nd)]
+                return cls._made(xp, dtype, rows, reach, k, out, tl, nd * plane, f, workers,
+                                 (nd + reach) * rows * plane, staged=False, plane_major=True)
         positions = max(1, (tile_bytes or TARGET_TILE_BYTES) // (rows * itemsize))
         smallest = max(1, reach) * out[2]                # one row, as few planes as pay
         while True:                 # the hw-columns reach past the tile: shrink it to fit
@@ -604,13 +621,19 @@ class _DepthTapPlan:
             if positions <= smallest:
                 return None
             positions //= 2
+        return cls._made(xp, dtype, rows, reach, k, out, tl, tpos, f, workers, size, staged)
+
+    @classmethod
+    def _made(cls, xp, dtype, rows, reach, k, out, tl, tpos, f, workers, size, staged, plane_major=False):
         plan = cls()
         plan.rows, plan.reach, plan.k, plan.out, plan.tiles = rows, reach, tuple(k), tuple(out), tl
-        plan.tpos, plan.f = tpos, f
+        plan.tpos, plan.f, plan.plane_major = tpos, f, plane_major
         plan.workers = max(1, min(workers, len(tl)))
         plan.hw_bufs = [xp.empty(size, dtype=dtype) for _ in range(plan.workers)]
-        # (F, M) product and, for tiles whose block of y is no (F, M) view, (F, M) accumulator
-        plan.f_bufs = [xp.empty((1 + staged) * tpos * f, dtype=dtype) for _ in range(plan.workers)]
+        # (F, M) product and, for tiles whose block of y is no (F, M) view, (F, M) accumulator;
+        # none plane-major (its GEMMs write y's planes)
+        plan.f_bufs = [xp.empty(0 if plane_major else (1 + staged) * tpos * f, dtype=dtype)
+                       for _ in range(plan.workers)]
         return plan
 
     def product(self, worker, m):
@@ -633,9 +656,38 @@ class _DepthTapPlan:
                (1,) + tuple(dilation[1:]))
         return hw.reshape((self.rows,) + shape[4:])
 
+    def hw_planes(self, x, tile, worker, padding, stride, dilation):
+        """The one-sample tile's hw-columns plane-major, (nd + reach, C*kh*kw, Ho*Wo), filled:
+        ``im2col`` writes through a view in its (C, 1, kh, kw, 1, planes, Ho, Wo) order."""
+        n0, n1, d0, d1, h0, h1 = tile
+        planes, c = d1 - d0 + self.reach, x.shape[1]
+        buf = self.hw_bufs[worker][:planes * self.rows * (h1 - h0) * self.out[2]]
+        view = buf.reshape((planes, c, 1) + self.k[1:] + (1, h1 - h0, self.out[2])).transpose(1, 2, 3, 4, 5, 0, 6, 7)
+        im2col(x, view, (n0, n1, d0, d1 + self.reach, h0, h1), (1,) + self.k[1:],
+               (1,) + tuple(stride[1:]), padding, (1,) + tuple(dilation[1:]))
+        return buf.reshape(planes, self.rows, -1)
+
     def tap(self, hw, i, a, dl, nd):
         """Depth tap ``a`` of sample ``i`` of the tile: a (C*kh*kw, M) view of ``hw``."""
         return hw[:, i, a * dl:a * dl + nd].reshape(self.rows, -1)
+
+
+def _forward_plane_gemms(x, w, stride, padding, y, plan):
+    """``forward`` by plane-major hw-columns (see above): per output plane one GEMM
+    ``W (F, kd*C*kh*kw) @ hw[d : d + kd]`` (kd*C*kh*kw, Ho*Wo) into y's plane."""
+    xp = array_module(x, w)
+    f, kd = w.shape[0], w.shape[2]
+    w_planes = xp.ascontiguousarray(w.transpose(0, 2, 1, 3, 4)).reshape(f, kd * plan.rows)   # (F, kd, C, kh, kw)
+
+    def one(worker, tile):
+        n, _, d0, d1 = tile[:4]
+        hw = plan.hw_planes(x, tile, worker, padding, stride, (1, 1, 1))     # (planes, rows, Ho*Wo)
+        flat = hw.reshape(hw.shape[0] * plan.rows, -1)
+        for d in range(d1 - d0):
+            xp.matmul(w_planes, flat[d * plan.rows:(d + kd) * plan.rows],
+                      out=y[n, :, d0 + d].reshape(f, -1))                 # (F, Ho*Wo) view of y
+    _threads.run(one, plan.tiles, plan.workers)
+    return y
 
 
 def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
@@ -643,6 +695,8 @@ def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
     xp = array_module(x, w)
     f = w.shape[0]
     kd, dl = w.shape[2], dilation[0]
+    if g is None and plan.plane_major:
+        return _forward_plane_gemms(x, w, stride, padding, y, plan)
     wa = xp.ascontiguousarray(w.transpose(2, 0, 1, 3, 4)).reshape(kd, f, plan.rows)   # W[:, :, a]
     dwts = [None if g is None else xp.zeros((kd, plan.rows, f), dtype=x.dtype)
             for _ in range(plan.workers)]

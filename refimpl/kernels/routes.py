@@ -13,6 +13,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | im2col, host schedule           | ``_im2col``        | NumPy arrays (``_im2col.device_schedule``, ``REFIMPL_CONV_SCHEDULE``) |
 |                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
+|                           | ... one GEMM per output plane   | ``_im2col``        | a forward alone, depth dilation 1, ``plane_gemms_pay``        |
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
@@ -120,6 +121,20 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     return algorithm
 
 
+# ---------------------------------------------------------------- depth taps: one GEMM per plane
+
+#: The depth-tap forward runs one GEMM per output plane (plane-major hw-columns) from this many
+#: positions per plane on: below it the per-plane GEMMs are too short for their call overhead.
+MIN_PLANE_GEMM_POSITIONS = 4096
+
+
+def plane_gemms_pay(plane_positions):
+    """Whether the depth-tap forward's output planes of ``plane_positions`` (Ho*Wo) positions
+    are each one GEMM of kd*C*kh*kw rows (``_im2col``) rather than kd GEMMs per tile and
+    kd - 1 passes adding their products."""
+    return plane_positions >= MIN_PLANE_GEMM_POSITIONS
+
+
 # ---------------------------------------------------------------- im2col's input gradient
 
 def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
@@ -143,4 +158,4 @@ def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
 __all__ = ["ALGORITHMS", "ENV_ALGORITHM", "MIN_CHANNEL_PRODUCT_RATIO", "MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED",
            "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "winograd_applicable", "winograd_tiles",
            "winograd_products_per_output", "wide_enough", "worthwhile", "resolve_algorithm",
-           "flipped_kernel_pays"]
+           "flipped_kernel_pays", "MIN_PLANE_GEMM_POSITIONS", "plane_gemms_pay"]
