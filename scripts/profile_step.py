@@ -59,6 +59,11 @@ the rows and the totals, times in seconds.
     python scripts/profile_step.py --model cosmoflow --json profile_cosmoflow_small.json
     python scripts/profile_step.py --model unet3d --json profile_unet3d_small.json
     python scripts/profile_step.py --preset tiny --repeats 1            # a smoke run, seconds
+    python scripts/profile_step.py --model cosmoflow --gemm-floor       # + each conv's GEMM floor
+
+``--gemm-floor`` adds a table below the model's: for each conv row, numpy's GEMMs alone for
+the products an im2col route computes (``gemm_floor``), and torch's f+b over that floor, the
+best ratio such a route can reach on this machine.
 
 The refimpl profiled is the first on ``sys.path`` (the checkout this script
 lives in when none is found), so ``PYTHONPATH`` profiles another version of
@@ -457,13 +462,13 @@ def make_rows(name, ours_logs, torch_logs, torch_loss):
         check_aligned(o_rows, t_rows, name)
     else:
         t_rows, t_loss, t_other = [None] * len(o_rows), None, None
-    rows = [dict(layer=o["name"], kind=o["kind"],
+    rows = [dict(layer=o["name"], kind=o["kind"], out_shape=list(o["out_shape"]),
                  label=f"{o['name']} {o['kind']} "
                        f"{describe(o['in_shape'], o['out_shape'], weighted=o['kind'].endswith(WEIGHTED))}",
                  torch_layer=t and t["name"], ours=o, torch=t) for o, t in zip(o_rows, t_rows)]
-    rows.append(dict(layer="loss", kind="loss", label=LOSS_LABEL[name], torch_layer=torch_loss,
+    rows.append(dict(layer="loss", kind="loss", out_shape=None, label=LOSS_LABEL[name], torch_layer=torch_loss,
                      ours=dict(o_loss, bwd_s=None), torch=t_loss))   # refimpl: value and dL/dout in one call
-    rows.append(dict(layer="other", kind="other", label="other (step minus rows)", torch_layer=None,
+    rows.append(dict(layer="other", kind="other", out_shape=None, label="other (step minus rows)", torch_layer=None,
                      ours=o_other, torch=t_other))
     for r in rows:
         for side in ("ours", "torch"):
@@ -505,8 +510,77 @@ def profile_model(name, config, notes, args, bench_train, use_torch) -> dict:
                   ours_step_all_s=plain[0], torch_step_all_s=plain[1],
                   ours_step_instrumented_s=instrumented[0], torch_step_instrumented_s=instrumented[1],
                   instrumented_torch_over_ours=ratio(instrumented[1], instrumented[0]))
+    floors = gemm_floor(ours.model, rows) if args.gemm_floor else None
     return dict(model=name, preset=args.preset, config=config, batch=batch, params=ours.params(),
-                notes=notes, rows=rows, totals=totals)
+                notes=notes, rows=rows, totals=totals, gemm_floor=floors)
+
+
+# ---------------------------------------------------------------------------- GEMM floor
+
+#: Column positions per timed GEMM of the floor: cache-sized tiles as im2col's (8 MiB of columns)
+FLOOR_TILE_BYTES = 8 * 2**20
+
+
+def gemm_floor(model, rows, repeats=5) -> list:
+    """For each convolution row: the time numpy's GEMMs alone take for the products an im2col
+    route must compute (forward ``W (F, K) @ col (K, M)``, weight gradient ``col @ dy^T``, input
+    gradient ``W^T @ dy`` unless the layer needs none; K = C*kd*kh*kw, M = the output positions
+    of the batch), on cache-resident tiles of ``FLOOR_TILE_BYTES`` of columns, BLAS on the
+    script's threads, best of ``repeats``: no copy, no im2col, no col2im.  A route built on
+    numpy's GEMM cannot run the layer faster than this; torch's f+b over it is the best ratio
+    such a route can reach (Winograd computes fewer products, and pays memory-bound transforms
+    instead)."""
+    import numpy
+    modules = dict(refimpl_leaves(model))
+    out = []
+    for r in rows:
+        module = modules.get(r["layer"])
+        if r["kind"] != "Conv3d" or module is None or getattr(module, "groups", 1) != 1:
+            continue
+        f, c = module.weight.shape[:2]
+        k_rows = int(numpy.prod(module.weight.shape[1:]))
+        positions = r["out_shape"][0] * int(numpy.prod(r["out_shape"][2:]))
+        tile = max(1, min(positions, FLOOR_TILE_BYTES // (4 * k_rows)))
+        rng = numpy.random.default_rng(0)
+        w = rng.standard_normal((f, k_rows)).astype(numpy.float32)
+        col = rng.standard_normal((k_rows, tile)).astype(numpy.float32)
+        dy = rng.standard_normal((f, tile)).astype(numpy.float32)
+        wt = numpy.ascontiguousarray(w.T)
+        passes = {"fwd": lambda: numpy.matmul(w, col), "dw": lambda: numpy.matmul(col, dy.T),
+                  "dx": lambda: numpy.matmul(wt, dy)}
+        need_dx = getattr(module, "needs_input_grad", True)
+        times = {}
+        for name, fn in passes.items():
+            fn()
+            times[name] = min(_timed(fn) for _ in range(repeats)) * positions / tile
+        bwd = times["dw"] + (times["dx"] if need_dx else 0.0)
+        floor = times["fwd"] + bwd
+        flops = 2 * f * k_rows * positions * (3 if need_dx else 2)
+        out.append(dict(layer=r["layer"], label=r["label"], k_rows=k_rows, positions=positions, tile=tile,
+                        input_grad=bool(need_dx), floor_fwd_s=times["fwd"], floor_bwd_s=bwd, floor_s=floor,
+                        gemm_gflops=flops / floor / 1e9, ours_s=r["ours_s"], torch_s=r["torch_s"],
+                        ours_over_floor=floor / r["ours_s"], torch_over_floor=ratio(r["torch_s"], floor)))
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def print_floor(floors):
+    print("\nGEMM floor of the conv rows (numpy's GEMMs alone, cache-resident tiles; torch/floor: the best "
+          "torch/ours an im2col route can reach)")
+    width = max(31, max((len(f["label"]) for f in floors), default=0))
+    head = (f"{'layer':<{width}} {'K':>5} {'floor fwd':>9} {'floor bwd':>9} {'floor f+b':>9} {'GFLOP/s':>7} "
+            f"{'ours f+b':>9} {'torch f+b':>9} {'floor/ours':>10} {'torch/floor':>11}")
+    print(head)
+    print("-" * len(head))
+    for f in floors:
+        print(f"{f['label']:<{width}} {f['k_rows']:>5} {fmt_ms(f['floor_fwd_s'], 9)} {fmt_ms(f['floor_bwd_s'], 9)} "
+              f"{fmt_ms(f['floor_s'], 9)} {f['gemm_gflops']:7.0f} {fmt_ms(f['ours_s'], 9)} {fmt_ms(f['torch_s'], 9)} "
+              f"{fmt_ratio(f['ours_over_floor'], 10)} {fmt_ratio(f['torch_over_floor'], 11)}")
 
 
 # ---------------------------------------------------------------------------- output
@@ -592,6 +666,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-torch", action="store_true", help="refimpl only")
     ap.add_argument("--torch-layout", choices=import_bench_train().TORCH_LAYOUTS, default="ncdhw",
                     help="memory layout of the torch twin (bench_train.torch_layout): NCDHW, or channels_last_3d")
+    ap.add_argument("--gemm-floor", action="store_true",
+                    help="also time numpy's GEMMs alone for each conv row's products (gemm_floor): the "
+                         "fastest an im2col route could run, and torch's f+b over it")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE (times in seconds)")
     args = ap.parse_args(argv)
     if len(set(args.models)) != len(args.models):
@@ -632,6 +709,8 @@ def main(argv=None) -> int:
     for name, (config, notes) in setups.items():
         reports.append(profile_model(name, config, notes, args, bench_train, use_torch))
         print_report(reports[-1], args.repeats)
+        if reports[-1]["gemm_floor"] is not None:
+            print_floor(reports[-1]["gemm_floor"])
     load_end = load_average()
     print(f"\n# ms, best of {args.repeats}; torch/ours: torch f+b / ours f+b (> 1: refimpl faster); "
           f"ours % / torch %: share of the side's sum of rows; the loss row's ours fwd holds refimpl's whole "
@@ -640,7 +719,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"settings": {k: getattr(args, k) for k in ("models", "preset", "batch", "size", "threads",
-                                                                   "repeats", "seed", "torch_layout")},
+                                                                   "repeats", "seed", "torch_layout", "gemm_floor")},
                        "refimpl": os.path.dirname(os.path.abspath(refimpl.__file__)), "allocator": allocator,
                        "refimpl_threads": workers, "numpy": numpy.__version__, "torch": torch_version,
                        "load_average": {"start": load_start, "end": load_end}, "models": reports}, fh, indent=1)

@@ -74,3 +74,24 @@ def test_without_torch_columns_read_na(tmp_path):
     assert model["config"]["input_shape"] == [4, 8, 8, 8] and model["batch"] == 2
     assert all(r["torch_s"] is None and r["ours_s"] > 0 for r in model["rows"])
     assert model["totals"]["torch_step_s"] is None and "n/a" in proc.stdout
+
+
+def test_gemm_floor_of_the_conv_rows(tmp_path):
+    """``--gemm-floor``: one floor per conv row (its GEMMs alone: K = C*27 rows, the batch's
+    output positions), positive, below our own time of the row; the first conv's floor counts
+    no input gradient (CosmoFlow's input needs none), the second's does."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "cosmoflow", "--preset", "tiny", "--repeats", "1",
+                           "--threads", "1", "--gemm-floor", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model, = json.loads(out.read_text())["models"]
+    floors = {f["layer"]: f for f in model["gemm_floor"]}
+    assert list(floors) == ["features.0", "features.3"]
+    first, second = floors["features.0"], floors["features.3"]
+    assert (first["k_rows"], first["positions"], second["k_rows"], second["positions"]) == (108, 4 * 16**3, 108, 4 * 8**3)
+    assert not first["input_grad"] and second["input_grad"]
+    for f in floors.values():
+        assert 0 < f["floor_fwd_s"] and 0 < f["floor_bwd_s"] and f["floor_s"] < f["ours_s"], f
+        assert f["torch_over_floor"] > 0 and f["gemm_gflops"] > 0
+    assert "GEMM floor of the conv rows" in proc.stdout
