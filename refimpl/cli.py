@@ -76,10 +76,10 @@ def unknown_arguments(parser: argparse.ArgumentParser, extras: list) -> str:
     hints = []
     for extra in extras:
         name = extra.split("=", 1)[0]
-        if name.startswith("-"):
-            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+        if name.startswith("-"):       # compared without the dashes, which every flag shares
+            close = difflib.get_close_matches(name.lstrip("-"), [f[2:] for f in flags], n=1, cutoff=0.6)
             if close:
-                hints.append(f"{name}: did you mean {close[0]}?")
+                hints.append(f"{name}: did you mean --{close[0]}?")
     return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 

@@ -76,3 +76,13 @@ def test_an_unknown_or_abbreviated_flag_names_its_command_and_the_closest_flag(c
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(usage) and "unrecognized arguments" in err and hint in err
+
+
+def test_no_far_fetched_suggestion(capsys):
+    """Flags are compared without their dashes: ``--quiet`` to ``oracle generate`` (which has
+    none) suggests nothing, where the shared ``--`` once made it "did you mean --out?"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["oracle", "generate", "SUITE", "--out", "x", "--quiet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --quiet" in err and "did you mean" not in err
