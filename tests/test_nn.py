@@ -240,3 +240,18 @@ def test_refimpl_command_refuses_malformed_speed_settings(monkeypatch, capsys, v
     monkeypatch.setenv(var, value)
     assert main(["datagen", "cosmoflow", "--out", "unused", "--samples", "2", "--size", "8"]) == 2
     assert var in capsys.readouterr().err
+
+
+def test_accumulate_grad_copies_unless_fresh():
+    """A gradient is copied as the first one (the caller may reuse its buffer) unless the
+    caller says it is a fresh array (``fresh=True``: Linear's dy^T x); later ones add in place."""
+    from refimpl.nn.parameter import Parameter
+    p = Parameter(np.zeros((2, 3)))
+    g = np.arange(6.0).reshape(2, 3)
+    p.accumulate_grad(g)
+    assert p.grad is not g and np.array_equal(p.grad, g)
+    p.zero_grad()
+    p.accumulate_grad(g, fresh=True)
+    assert p.grad is g
+    p.accumulate_grad(np.ones((2, 3)))
+    assert np.array_equal(p.grad, np.arange(6.0).reshape(2, 3) + 1)

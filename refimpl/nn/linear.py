@@ -29,9 +29,9 @@ class Linear(Module):
     def backward(self, dy):
         (x,) = self._saved()
         dx, dw, db = linear_backward(dy, x, self.weight.data)
-        self.weight.accumulate_grad(dw)
+        self.weight.accumulate_grad(dw, fresh=True)        # dy^T x and sum(dy): new arrays
         if self.bias is not None:
-            self.bias.accumulate_grad(db)
+            self.bias.accumulate_grad(db, fresh=True)
         return dx
 
     def extra_repr(self):

@@ -19,13 +19,15 @@ class Parameter:
         self.spatial_replicated = False
         self.shard = None          # model-parallel: (axis, start, stop, full length) of the whole
 
-    def accumulate_grad(self, g) -> None:
-        """grad += g (grad starts as None after zero_grad)."""
+    def accumulate_grad(self, g, fresh=False) -> None:
+        """grad += g (grad starts as None after zero_grad).  ``fresh=True``: ``g`` is a new
+        array no one else holds (a GEMM's result), kept as the first gradient without a copy;
+        otherwise it is copied, since the caller may reuse its buffer."""
         if g.shape != self.data.shape:
             raise ValueError(f"gradient of {self.name or 'parameter'} has shape {g.shape}, "
                              f"expected {self.data.shape}")
         if self.grad is None:
-            self.grad = g.copy()
+            self.grad = g if fresh else g.copy()
         else:
             self.grad += g
         if self.on_grad_ready is not None:
