@@ -41,8 +41,18 @@ the 1-rank grid runs with 1 thread and, for a fair comparison with 2 ranks on a
 2-core machine, with ``cores`` threads too.  Grids with more ranks than cores
 oversubscribe: the ranks time-share the cores (marked in the table).
 
+On a GPU (``--device cuda``, issue 39): refimpl on CuPy against the same torch.nn twin on
+the same GPU, same batch, every step synchronised (``backend.synchronize``,
+``torch.cuda.synchronize``) after the warm-up; every rank on its node's GPU (one GPU: the
+2-rank runs share it), DDP over NCCL where each rank has a GPU of its own, else gloo.
+Like for like: full float32 on both sides by default (refimpl/precision.py's policy;
+``allow_tf32 = False`` for cuDNN and cuBLAS), ``--tf32 on`` for TF32 on both sides: run once
+per setting for the two columns.  MLPerf's CosmoFlow: ``--size 128 --width 32 --layers 5
+--kernel 2``.  ``--device strict`` runs refimpl on the host stand-in of a device array (CI).
+
     python scripts/bench_train.py [--grids 1,1,1,1 2,1,1,1 1,2,1,1 2,2,1,1 1,2,2,1]
                                   [--model cosmoflow,unet3d] [--quick] [--json FILE]
+                                  [--device cpu|cuda|strict] [--tf32 off|on] [--kernel 2|3]
 """
 from __future__ import annotations
 
@@ -82,7 +92,7 @@ def cpu_cores() -> int:
 
 def model_config(args, name: str) -> dict:
     if name == "cosmoflow":
-        return {"input_shape": (4,) + (args.size,) * 3, "conv_size": args.width,
+        return {"input_shape": (4,) + (args.size,) * 3, "conv_size": args.width, "kernel_size": args.kernel,
                 "n_conv_layers": args.layers, "fc1_size": args.fc1, "fc2_size": args.fc2, "dropout": 0.5}
     return {"input_shape": (1,) + (args.size,) * 3, "levels": args.unet_layers,
             "base_width": args.unet_width, "num_classes": 3, "loss": "ce"}
@@ -117,7 +127,10 @@ def refimpl_worker(args) -> dict | None:
     from refimpl.parallel.grad_sync import GradientSynchronizer
     from refimpl.parallel.grid import ProcessGrid, parse_grid
 
+    from refimpl import backend
     tune_allocator()                       # as `refimpl train` does (and the torch workers)
+    if args.device != "cpu":               # every rank on its node's GPU (one GPU: all on device 0)
+        backend.set_backend("cupy" if args.device == "cuda" else "strict")
     comm = MPI.COMM_WORLD
     dims = parse_grid(args.grid)
     grid = ProcessGrid(comm, dims)          # raises on every rank if dims do not match the size
@@ -126,8 +139,8 @@ def refimpl_worker(args) -> dict | None:
     tracemalloc.start()
     model = build_model(name, config, grid, seed=args.seed, dtype="float32", global_batch=args.batch)
     x_global, y_global = synthetic_batch(name, config, args.batch, args.seed + 1)
-    x = numpy.ascontiguousarray(model.local_input(x_global))      # (B/Pn, C, local block)
-    y = numpy.ascontiguousarray(model.local_target(y_global))
+    x = backend.asarray(numpy.ascontiguousarray(model.local_input(x_global)))   # (B/Pn, C, local block)
+    y = backend.asarray(numpy.ascontiguousarray(model.local_target(y_global)))
     del x_global, y_global
     sync = GradientSynchronizer(model.parameters(), grid.data_comm, grid.spatial_comm)
     optimizer = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -139,6 +152,7 @@ def refimpl_worker(args) -> dict | None:
         model.backward(dout)
         sync.finish()
         optimizer.step()
+        backend.synchronize()                  # a device's queued kernels belong to this step's time
         return loss
 
     comm.Barrier()
@@ -161,7 +175,7 @@ def refimpl_worker(args) -> dict | None:
         return None
     slowest = max(r["wall_s"] for r in rows)
     return {"impl": "refimpl", "model": name, "grid": list(dims), "ranks": comm.size,
-            "params": sum(int(p.data.size) for p in model.parameters()), "loss": float(loss),
+            "params": sum(int(p.data.size) for p in model.parameters()), "loss": float(backend.to_host(loss)),
             "samples_per_s": args.batch * args.steps / slowest, "step_s": slowest / args.steps,
             "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
             "numpy_peak_bytes": max(r["numpy_peak_bytes"] for r in rows),
@@ -270,9 +284,14 @@ def torch_worker(args) -> dict:
     tune_allocator()                       # the same malloc settings as the refimpl workers
     torch.set_num_threads(args.threads)
     world, rank = args.world, args.rank
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":                 # like for like: TF32 exactly as refimpl's (--tf32)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = args.tf32 == "on"
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    ddp = ddp_backend(args.device, world)
     if world > 1:
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+        dist.init_process_group(ddp, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                                 world_size=world)
     torch.manual_seed(args.seed)
     name = args.models[0]
@@ -282,9 +301,11 @@ def torch_worker(args) -> dict:
     n = args.batch // world
     x = torch.from_numpy(x_global[rank * n:(rank + 1) * n].copy())      # (B/world, C, S, S, S)
     y = torch.from_numpy(y_global[rank * n:(rank + 1) * n].copy())      # (B/world, 4) or (B/world, S, S, S)
-    model, x = torch_layout(model, x, args.torch_layout)                # before DDP registers the parameters
+    model, x = torch_layout(model.to(device), x.to(device), args.torch_layout)   # before DDP registers them
+    y = y.to(device)
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None)
     del x_global, y_global
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     model.train()
@@ -300,16 +321,30 @@ def torch_worker(args) -> dict:
         step()
     if world > 1:
         dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
-        loss = step()
+        loss = step()                   # loss.item() waits for the step's kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if world > 1:
         wall = _max_over_ranks(dist, wall)
         dist.destroy_process_group()
-    return {"impl": "torch", "model": name, "world": world, "rank": rank, "loss": loss,
+    return {"impl": "torch", "model": name, "world": world, "rank": rank, "loss": loss, "ddp": ddp,
             "params": sum(p.numel() for p in model.parameters()), "wall_s": wall, "cpu_s": cpu,
             "maxrss_bytes": peak_rss(), "torch": torch.__version__}
+
+
+def ddp_backend(device: str, world: int) -> str:
+    """torch.distributed's backend for DDP: NCCL on GPUs when every rank has a GPU of its own
+    (NCCL refuses two ranks on one device), else gloo (which also reduces CUDA tensors)."""
+    if device != "cuda":
+        return "gloo"
+    import torch
+    import torch.distributed as dist
+    return "nccl" if dist.is_nccl_available() and torch.cuda.device_count() >= world else "gloo"
 
 
 def _max_over_ranks(dist, value: float) -> float:
@@ -325,7 +360,23 @@ def size_args(args) -> list:
             "--unet-width", str(args.unet_width), "--unet-layers", str(args.unet_layers),
             "--fc1", str(args.fc1), "--fc2", str(args.fc2), "--batch", str(args.batch),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
-            "--watchdog-rounds", str(args.watchdog_rounds)]
+            "--watchdog-rounds", str(args.watchdog_rounds), "--device", args.device, "--tf32", args.tf32,
+            "--kernel", str(args.kernel)]
+
+
+def tf32_env(args) -> dict:
+    """The launched runs' precision switches (refimpl/precision.py): full float32 unless
+    ``--tf32 on`` (then TF32 for refimpl's CuPy GEMMs and, in the worker, for cuDNN/cuBLAS)."""
+    if args.tf32 == "on":
+        return dict(REFIMPL_TF32="1", CUPY_TF32="1")
+    return dict(REFIMPL_TF32="0", CUPY_TF32="0", NVIDIA_TF32_OVERRIDE="0")
+
+
+def launch_env(args, threads) -> dict:
+    env = dict(os.environ, **blas_env(threads), **tf32_env(args))
+    if args.tf32 == "on":
+        env.pop("NVIDIA_TF32_OVERRIDE", None)
+    return env
 
 
 def param_counts(args, name: str) -> tuple:
@@ -354,7 +405,7 @@ def launch_refimpl(args, model, grid, threads, tmp) -> dict:
     cmd = [mpiexec, "--oversubscribe", "-n", str(p), sys.executable, os.path.abspath(__file__),
            "--worker", "refimpl", "--model", model, "--grid", grid, "--json", out] + size_args(args)
     t0 = time.perf_counter()
-    run_checked(cmd, dict(os.environ, **blas_env(threads), **ROOT_ENV), args.timeout,
+    run_checked(cmd, dict(launch_env(args, threads), **ROOT_ENV), args.timeout,
                 f"mpiexec -n {p} {model} grid {grid}")
     with open(out) as fh:
         report = json.load(fh)
@@ -372,7 +423,7 @@ def free_port() -> int:
 
 def launch_torch(args, model, world, threads, tmp) -> dict:
     port, outs, procs = free_port(), [], []
-    env = dict(os.environ, **blas_env(threads))
+    env = launch_env(args, threads)
     t0 = time.perf_counter()
     for rank in range(world):
         outs.append(os.path.join(tmp, f"torch_{model}_{world}_{threads}_{rank}.json"))
@@ -391,7 +442,7 @@ def launch_torch(args, model, world, threads, tmp) -> dict:
     rows = [json.load(open(path)) for path in outs]
     slowest = max(r["wall_s"] for r in rows)
     return {"impl": "torch", "model": model, "grid": None, "ranks": world, "threads": threads,
-            "label": "1 process" if world == 1 else f"DDP gloo x{world}", "params": rows[0]["params"],
+            "label": "1 process" if world == 1 else f"DDP {rows[0]['ddp']} x{world}", "params": rows[0]["params"],
             "loss": rows[0]["loss"], "samples_per_s": args.batch * args.steps / slowest,
             "step_s": slowest / args.steps, "cpu_s": max(r["cpu_s"] for r in rows) / args.steps,
             "numpy_peak_bytes": None, "maxrss_bytes": max(r["maxrss_bytes"] for r in rows),
@@ -451,6 +502,11 @@ def driver(args) -> int:
           f"{args.unet_layers} levels, cross-entropy; global batch {args.batch}; float32; synthetic in-memory "
           f"data; {args.warmup} warm-up + {args.steps} timed steps; torch layout {args.torch_layout}; {cores} cores; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
+    gpu = gpu_name() if args.device == "cuda" else None
+    print(f"# device {args.device}" + (f" ({gpu}; every rank on it: a 2-rank run shares one GPU when there is one)"
+                                       if gpu else "") +
+          f"; TF32 {args.tf32} on both sides" + ("" if args.device == "cuda" else " (no TF32 off a GPU)") +
+          f"; CosmoFlow kernel {args.kernel}", flush=True)
     if use_torch:                  # the same network in both, or the ratios compare different work
         for model in args.models:
             ours, theirs = param_counts(args, model)
@@ -494,10 +550,32 @@ def driver(args) -> int:
         with open(args.json, "w") as fh:
             json.dump({"settings": {k: getattr(args, k) for k in
                                     ("models", "grids", "size", "width", "layers", "unet_width", "unet_layers",
-                                     "fc1", "fc2", "batch", "warmup", "steps", "seed", "torch_layout")},
-                       "cores": cores, "load_average": {"start": list(load_start), "end": list(load_end)},
+                                     "fc1", "fc2", "batch", "warmup", "steps", "seed", "torch_layout",
+                                     "device", "tf32", "kernel")},
+                       "gpu": gpu, "cores": cores, "load_average": {"start": list(load_start), "end": list(load_end)},
                        "torch": "ok" if use_torch else torch_note, "rows": reports}, fh, indent=1)
     return 0
+
+
+def gpu_name() -> str:
+    from refimpl import backend
+    cupy = backend._cupy()
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+def device_missing(device: str) -> str | None:
+    """Why ``--device`` cannot run here (checked before anything is launched), or None."""
+    if device != "cuda":
+        return None
+    from refimpl import settings
+    reason = settings.cupy_unavailable()
+    if reason:
+        return f"--device cuda: {reason}"
+    if torch_available():
+        import torch
+        if not torch.cuda.is_available():
+            return "--device cuda: this PyTorch has no CUDA device (the baseline runs on the same GPU); --no-torch skips it"
+    return None
 
 
 def ranks_of(grid: str) -> int:
@@ -539,6 +617,21 @@ def parse_args(argv=None):
     ap.add_argument("--torch-layout", choices=TORCH_LAYOUTS, default="ncdhw",
                     help="memory layout of the PyTorch baseline: its default NCDHW, or channels_last "
                          "(torch.channels_last_3d: oneDNN's faster path for narrow convs on some CPUs)")
+    ap.add_argument("--device", choices=("cpu", "cuda", "strict"), default="cpu",
+                    help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA on the same GPU "
+                         "(every rank on its node's GPU; with one GPU the 2-rank runs share it; DDP over NCCL "
+                         "when each rank has a GPU of its own, else gloo), each step synchronised; strict: "
+                         "refimpl on the device stand-in (REFIMPL_BACKEND=strict, a CI smoke of the device "
+                         "path) vs PyTorch CPU")
+    ap.add_argument("--tf32", choices=("off", "on"), default="off",
+                    help="with --device cuda: off (default) compares full float32 on both sides (refimpl and CuPy "
+                         "without TF32, torch.backends.cudnn/cuda.matmul.allow_tf32 = False, "
+                         "NVIDIA_TF32_OVERRIDE=0); on lets both round float32 matrix products to TF32 "
+                         "(REFIMPL_TF32=1; docs/gpu.md, Precision). Run it once per setting for the two "
+                         "columns of a like-for-like table")
+    ap.add_argument("--kernel", type=int, choices=(2, 3), default=3,
+                    help="CosmoFlow's conv kernel: 3 (padding 1) or 2 (MLPerf's, padding 'same'); "
+                         "MLPerf's sizes: --size 128 --width 32 --layers 5 --kernel 2")
     ap.add_argument("--no-threads-run", action="store_true",
                     help="skip the 1-process runs with one thread per core")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
@@ -556,6 +649,12 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tf32 == "on" and args.device != "cuda":
+        ap.error("--tf32 on needs --device cuda (NumPy's BLAS and PyTorch CPU have no TF32)")
+    if args.worker is None:
+        missing = device_missing(args.device)
+        if missing:
+            ap.exit(2, f"bench_train: {missing}\n")
     if args.watchdog_rounds < 0:
         ap.error("--watchdog-rounds must be >= 0")
     if args.watchdog and not args.watchdog_rounds:

@@ -12,14 +12,17 @@
 # 4. the layer benchmark: CuPy vs PyTorch CUDA/cuDNN, per shape (scripts/bench_layers.py
 #    --device cuda), as a table and JSON;
 # 5. a CosmoFlow training step at 128^3 (the mlperf preset) on the GPU, 1 and 2 ranks, staged
-#    and (CUDA-aware MPI only) direct.
+#    and (CUDA-aware MPI only) direct;
+# 6. training steps against PyTorch on the same GPU (scripts/bench_train.py --device cuda):
+#    CosmoFlow at MLPerf's sizes and the U-Net at 128^3, 1 rank and 2 ranks vs DDP, full
+#    float32 (and TF32 on both sides, 1 rank).
 # Everything it prints is also written under OUT_DIR.  --dry-run prints the commands only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,16p' "$0"; exit 0; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,19p' "$0"; exit 0; fi
 OUT=${1:-gpu_check_out}
 MPIEXEC=(mpiexec --oversubscribe)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
@@ -93,5 +96,13 @@ for mode in "${MODES[@]}"; do
             --preset mlperf --backend cupy --grid "1,$n,1,1" --steps 10 --global-batch 2 --no-plot \
             --out "$OUT/train_128_n${n}_aware${mode}" --overwrite
     done
+done
+echo "== 6. training steps: refimpl on CuPy vs PyTorch on the same GPU (full float32, then TF32 on both sides)"
+for setting in "off:1,1,1,1 2,1,1,1" "on:1,1,1,1"; do           # TF32: 1 rank only (the 8-minute budget)
+    tf32=${setting%%:*}
+    # shellcheck disable=SC2086
+    run python scripts/bench_train.py --device cuda --tf32 "$tf32" --models cosmoflow unet3d \
+        --grids ${setting#*:} --size 128 --width 32 --layers 5 --kernel 2 --unet-width 32 --unet-layers 3 \
+        --batch 4 --warmup 2 --steps 5 --no-threads-run --json "$OUT/bench_train_cuda_tf32_${tf32}.json"
 done
 echo "gpu_check: done; logs and JSON in $OUT"

@@ -143,3 +143,35 @@ def test_watchdog_cost_mode(tmp_path):
     assert row["step_s_on"] > 0 and row["step_s_off"] > 0
     assert row["overhead"] == pytest.approx(row["step_s_on"] / row["step_s_off"] - 1)
     assert re.search(r"cosmoflow +2,1,1,1 +2 +2 .*%", proc.stdout), proc.stdout
+
+
+def test_device_options():
+    """``--device cuda --help`` explains --tf32; ``--tf32 on`` off a GPU is refused; ``--device
+    cuda`` where CuPy finds no GPU ends with one line, exit 2, before anything is launched."""
+    run = lambda *a: subprocess.run([sys.executable, str(SCRIPT), *a], capture_output=True, text=True, timeout=60)
+    proc = run("--device", "cuda", "--help")
+    assert proc.returncode == 0 and "--tf32" in proc.stdout and "allow_tf32 = False" in proc.stdout
+    proc = run("--tf32", "on")
+    assert proc.returncode == 2 and "--tf32 on needs --device cuda" in proc.stderr
+    from refimpl import settings
+    if settings.cupy_unavailable() is None:
+        pytest.skip("a CUDA device is here: gpu_check.sh runs --device cuda")
+    proc = run("--device", "cuda", "--quick")
+    assert proc.returncode == 2 and proc.stderr.startswith("bench_train: --device cuda:"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_strict_device_run(tmp_path):
+    """The device path on the host stand-in (REFIMPL_BACKEND=strict: any hidden host sync or
+    NumPy call on a device array fails), 1 and 2 ranks, kernel 2 (MLPerf's); the JSON says so."""
+    out = tmp_path / "strict.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "strict", "--kernel", "2",
+                           "--model", "cosmoflow", "--grids", "1,1,1,1", "2,1,1,1", "--size", "8", "--steps", "1",
+                           "--no-threads-run", "--json", str(out)] + TINY["cosmoflow"] + ([] if TORCH else ["--no-torch"]),
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert (report["settings"]["device"], report["settings"]["tf32"], report["settings"]["kernel"]) == ("strict", "off", 2)
+    assert {r["ranks"] for r in report["rows"] if r["impl"] == "refimpl"} == {1, 2}
+    assert all(numpy.isfinite(r["loss"]) for r in report["rows"])
+    assert "# device strict" in proc.stdout

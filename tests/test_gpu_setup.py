@@ -94,6 +94,8 @@ def test_gpu_check_script(tmp_path):
     assert sum("check-layer" in c for c in lines) >= 24
     assert any("bench_layers.py --device cuda" in c for c in lines)
     assert any("--preset mlperf --backend cupy" in c for c in lines)
+    assert any("bench_train.py --device cuda --tf32 off" in c and "2,1,1,1" in c for c in lines)
+    assert any("bench_train.py --device cuda --tf32 on" in c for c in lines)
     # every refimpl train / check-layer line parses (argparse of the real commands)
     from refimpl.cli import build_parser
     parser = build_parser()
