@@ -158,7 +158,7 @@ def model_setup(bench_train, name: str, preset: str, size):
     sizes = argparse.Namespace(size=size or shape[1], width=p.get("conv_size", 1),
                                layers=p.get("n_conv_layers", 1), fc1=p.get("fc1_size", 1),
                                fc2=p.get("fc2_size", 1), unet_width=p.get("base_width", 1),
-                               unet_layers=p.get("levels", 1))
+                               unet_layers=p.get("levels", 1), kernel=p.get("kernel_size", 3))
     config = bench_train.model_config(sizes, name)
     notes = []
     if size is None and len(set(shape[1:])) != 1:
