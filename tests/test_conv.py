@@ -438,15 +438,11 @@ def test_im2col_thread_counts_agree_and_repeat(c, monkeypatch):
     (2, 2, 3, (9, 6, 5), (3, 3, 1), (2, 1, 0), (2, 1, 1), 20_000),       # dilated depth, plane tiles
     (1, 2, 2, (6, 9, 8), (2, 3, 3), (0, 1, 1), (1, 2, 1), 3_000),        # even kd: one-row tiles
 ])
-@pytest.mark.parametrize("plane_gemms", [False, True])
-def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, plane_gemms, monkeypatch):
+def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
     """The depth-tap variant (stride 1 along depth: one buffer of hw-columns serves every
     depth tap) runs for these shapes and equals torch to 1e-10 in float64: forward, the
-    weight gradient alone, and the shared pass of conv_transpose3d's backward; the forward
-    also with one GEMM per output plane wherever it applies (plane-major hw-columns)."""
-    from refimpl.kernels import routes
+    weight gradient alone, and the shared pass of conv_transpose3d's backward."""
     monkeypatch.setattr(_im2col, "MIN_TILE_POSITIONS", 1)       # small tiles in small budgets
-    monkeypatch.setattr(routes, "MIN_PLANE_GEMM_POSITIONS", 1 if plane_gemms else 10**9)
     rng = np.random.default_rng(sum(size))
     x = rng.standard_normal((n, c) + size)
     w = rng.standard_normal((f, c) + k)
@@ -470,6 +466,30 @@ def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, plane_gemms, mon
                                            dilation=d, max_temp_bytes=budget, algorithm="im2col")
     assert rel_err(dg, dg_ref) <= RTOL
     assert rel_err(dwt, dwt_ref) <= RTOL
+
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size, k, p, d", [
+    (2, 3, 4, (7, 12, 11), (3, 3, 3), (1, 1, 1), (1, 1, 1)),
+    (1, 2, 3, (6, 12, 11), (3, 3, 3), (1, 1, 1), (1, 2, 1)),       # dilated rows
+    (1, 2, 3, (6, 12, 11), (3, 2, 3), (1, 0, 2), (1, 1, 2)),       # dilated columns
+    (2, 4, 3, (5, 9, 10), (2, 2, 2), "same", (1, 1, 1)),           # kernel 2 'same': asymmetric padding
+])
+def test_plane_gemm_forward_matches_torch(n, c, f, size, k, p, d, monkeypatch):
+    """The depth-tap forward with one GEMM per output plane (plane-major hw-columns, here for
+    every plane size) runs for these shapes and equals torch to 1e-10 in float64, dilated rows
+    and columns included (the planes' im2col keeps the conv's dilation along H and W)."""
+    from refimpl.kernels import routes
+    monkeypatch.setattr(routes, "MIN_PLANE_GEMM_POSITIONS", 1)
+    ran = []
+    real = _im2col._forward_plane_gemms
+    monkeypatch.setattr(_im2col, "_forward_plane_gemms", lambda *a: ran.append(1) or real(*a))
+    rng = np.random.default_rng(sum(size) + sum(d))
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c) + k)
+    y = conv3d(x, w, padding=p, dilation=d, algorithm="im2col")
+    y_ref = torch.nn.functional.conv3d(torch.tensor(x), torch.tensor(w), padding=p, dilation=d).numpy()
+    assert ran and rel_err(y, y_ref) <= RTOL
 
 
 @needs_torch

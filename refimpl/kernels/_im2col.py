@@ -672,7 +672,7 @@ class _DepthTapPlan:
         return hw[:, i, a * dl:a * dl + nd].reshape(self.rows, -1)
 
 
-def _forward_plane_gemms(x, w, stride, padding, y, plan):
+def _forward_plane_gemms(x, w, stride, padding, dilation, y, plan):
     """``forward`` by plane-major hw-columns (see above): per output plane one GEMM
     ``W (F, kd*C*kh*kw) @ hw[d : d + kd]`` (kd*C*kh*kw, Ho*Wo) into y's plane."""
     xp = array_module(x, w)
@@ -681,7 +681,7 @@ def _forward_plane_gemms(x, w, stride, padding, y, plan):
 
     def one(worker, tile):
         n, _, d0, d1 = tile[:4]
-        hw = plan.hw_planes(x, tile, worker, padding, stride, (1, 1, 1))     # (planes, rows, Ho*Wo)
+        hw = plan.hw_planes(x, tile, worker, padding, stride, dilation)      # (planes, rows, Ho*Wo)
         flat = hw.reshape(hw.shape[0] * plan.rows, -1)
         for d in range(d1 - d0):
             xp.matmul(w_planes, flat[d * plan.rows:(d + kd) * plan.rows],
@@ -696,7 +696,7 @@ def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
     f = w.shape[0]
     kd, dl = w.shape[2], dilation[0]
     if g is None and plan.plane_major:
-        return _forward_plane_gemms(x, w, stride, padding, y, plan)
+        return _forward_plane_gemms(x, w, stride, padding, dilation, y, plan)
     wa = xp.ascontiguousarray(w.transpose(2, 0, 1, 3, 4)).reshape(kd, f, plan.rows)   # W[:, :, a]
     dwts = [None if g is None else xp.zeros((kd, plan.rows, f), dtype=x.dtype)
             for _ in range(plan.workers)]
