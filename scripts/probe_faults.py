@@ -46,12 +46,18 @@ class Outcome(Exception):
     """A row's check failed: the message says what was seen."""
 
 
-def refimpl(*args, limit=None, timeout=TIMEOUT_S, ranks=None):
-    """Run ``python -m refimpl ARGS`` (under ``mpiexec -n ranks`` when given): CompletedProcess
-    with ``seconds``.  ``limit``: (resource, bytes) set in the child before it runs."""
+def command(args, ranks=None) -> list:
+    """``python -m refimpl ARGS``, under ``mpiexec -n ranks`` when given."""
     cmd = [sys.executable, "-m", "refimpl", *map(str, args)]
     if ranks:
         cmd = [shutil.which("mpiexec") or "mpiexec", "--oversubscribe", "-n", str(ranks)] + cmd
+    return cmd
+
+
+def refimpl(*args, limit=None, timeout=TIMEOUT_S, ranks=None):
+    """Run ``command(ARGS, ranks)``: CompletedProcess with ``seconds``.  ``limit``: (resource,
+    bytes) set in the child before it runs."""
+    cmd = command(args, ranks)
 
     def preexec():
         if limit is not None:
@@ -64,10 +70,7 @@ def refimpl(*args, limit=None, timeout=TIMEOUT_S, ranks=None):
 
 
 def start(*args, ranks=None):
-    cmd = [sys.executable, "-m", "refimpl", *map(str, args)]
-    if ranks:
-        cmd = [shutil.which("mpiexec") or "mpiexec", "--oversubscribe", "-n", str(ranks)] + cmd
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(command(args, ranks), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

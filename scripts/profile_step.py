@@ -537,7 +537,7 @@ def gemm_floor(model, rows, repeats=5) -> list:
         module = modules.get(r["layer"])
         if r["kind"] != "Conv3d" or module is None or getattr(module, "groups", 1) != 1:
             continue
-        f, c = module.weight.shape[:2]
+        f = module.weight.shape[0]
         k_rows = int(numpy.prod(module.weight.shape[1:]))
         positions = r["out_shape"][0] * int(numpy.prod(r["out_shape"][2:]))
         tile = max(1, min(positions, FLOOR_TILE_BYTES // (4 * k_rows)))

@@ -50,6 +50,14 @@ def _check_out(out, like, name="dy"):
                          f"{like.dtype}, got {_shape(out)}")
 
 
+def _written(result, out):
+    """``result``, or ``out`` holding it when an ``out`` was given."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def _check_slope(negative_slope):
     """negative_slope a real number (a Python or NumPy scalar), else a ValueError naming it."""
     real = isinstance(negative_slope, (int, float)) or getattr(negative_slope, "ndim", None) == 0
@@ -91,11 +99,7 @@ def leaky_relu(x, negative_slope=0.01, *, out=None):
     if kernel is not None:
         return kernel.leaky_relu(x, negative_slope, out)
     xp = array_module(x)
-    y = xp.where(x > 0, x, x * negative_slope)
-    if out is None:
-        return y
-    out[...] = y
-    return out
+    return _written(xp.where(x > 0, x, x * negative_slope), out)
 
 
 def leaky_relu_backward(dy, x, negative_slope=0.01, *, out=None):
@@ -113,11 +117,7 @@ def leaky_relu_backward(dy, x, negative_slope=0.01, *, out=None):
     if kernel is not None:
         return kernel.leaky_relu_backward(dy, x, negative_slope, out)
     xp = array_module(x, dy)
-    dx = xp.where(x > 0, dy, dy * negative_slope)
-    if out is None:
-        return dx
-    out[...] = dx
-    return out
+    return _written(xp.where(x > 0, dy, dy * negative_slope), out)
 
 
 def tanh(x):
