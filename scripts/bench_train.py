@@ -47,8 +47,13 @@ the same GPU, same batch, every step synchronised (``backend.synchronize``,
 2-rank runs share it), DDP over NCCL where each rank has a GPU of its own, else gloo.
 Like for like: full float32 on both sides by default (refimpl/precision.py's policy;
 ``allow_tf32 = False`` for cuDNN and cuBLAS), ``--tf32 on`` for TF32 on both sides: run once
-per setting for the two columns.  MLPerf's CosmoFlow: ``--size 128 --width 32 --layers 5
---kernel 2``.  ``--device strict`` runs refimpl on the host stand-in of a device array (CI).
+per setting for the two columns.  Sizes: without ``--quick``, ``--device cuda`` defaults to
+CosmoFlow's ``mlperf`` preset (MLPerf's network: 128^3, conv_size 32 x 5 blocks, kernel 2,
+fc 128/64) and the U-Net's ``default`` preset (128^3, base_width 32, 3 levels; loss "ce", as
+everywhere here), global batch 4, 2 warm-up + 10 timed steps, grids 1,1,1,1 2,1,1,1, and no
+extra threads run (BLAS threads do not matter to GPU steps); any size flag overrides its
+default.  ``--device strict`` runs refimpl on the host stand-in of a device array (CI) at the
+CPU sizes.
 
     python scripts/bench_train.py [--grids 1,1,1,1 2,1,1,1 1,2,1,1 2,2,1,1 1,2,2,1]
                                   [--model cosmoflow,unet3d] [--quick] [--json FILE]
@@ -77,8 +82,22 @@ DEFAULT = dict(size=64, width=16, layers=4, unet_width=4, unet_layers=2, fc1=128
                batch=4, warmup=1, steps=3)
 QUICK = dict(size=16, width=4, layers=2, unet_width=4, unet_layers=2, fc1=32, fc2=16,
              batch=2, warmup=1, steps=2)
+DEFAULT_KERNEL = 3          # CosmoFlow's conv kernel on the CPU sizes (--quick and the default)
+GPU_GRIDS = ("1,1,1,1", "2,1,1,1")
+
 LR, MOMENTUM = 1e-3, 0.9
 ROOT_ENV = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def gpu_sizes() -> dict:
+    """``--device cuda``'s defaults (without --quick): CosmoFlow's ``mlperf`` preset and the
+    U-Net's ``default`` preset (refimpl/models/presets.py), batch 4, 2 warm-up + 10 timed steps."""
+    from refimpl.models.presets import PRESETS
+    cosmo, unet = PRESETS["cosmoflow"]["mlperf"], PRESETS["unet3d"]["default"]
+    assert cosmo["input_shape"][1:] == unet["input_shape"][1:], "one --size for both models"
+    return dict(size=cosmo["input_shape"][1], width=cosmo["conv_size"], layers=cosmo["n_conv_layers"],
+                kernel=cosmo["kernel_size"], unet_width=unet["base_width"], unet_layers=unet["levels"],
+                fc1=cosmo["fc1_size"], fc2=cosmo["fc2_size"], batch=4, warmup=2, steps=10)
 
 
 def blas_env(threads: int) -> dict:
@@ -503,10 +522,11 @@ def driver(args) -> int:
           f"data; {args.warmup} warm-up + {args.steps} timed steps; torch layout {args.torch_layout}; {cores} cores; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start)}", flush=True)
     gpu = gpu_name() if args.device == "cuda" else None
+    ddp = ddp_backend(args.device, 2) if use_torch and "2,1,1,1" in args.grids else None
     print(f"# device {args.device}" + (f" ({gpu}; every rank on it: a 2-rank run shares one GPU when there is one)"
                                        if gpu else "") +
           f"; TF32 {args.tf32} on both sides" + ("" if args.device == "cuda" else " (no TF32 off a GPU)") +
-          f"; CosmoFlow kernel {args.kernel}", flush=True)
+          f"; CosmoFlow kernel {args.kernel}" + (f"; torch DDP backend {ddp}" if ddp else ""), flush=True)
     if use_torch:                  # the same network in both, or the ratios compare different work
         for model in args.models:
             ours, theirs = param_counts(args, model)
@@ -520,13 +540,13 @@ def driver(args) -> int:
             p = ranks_of(grid)
             plan.append((f"refimpl {model} {grid} threads 1",
                          lambda tmp, m=model, g=grid: launch_refimpl(args, m, g, 1, tmp)))
-            if p == 1 and cores > 1 and not args.no_threads_run:
+            if p == 1 and cores > 1 and not args.no_threads_run and args.device != "cuda":
                 plan.append((f"refimpl {model} {grid} threads {cores}",
                              lambda tmp, m=model, g=grid: launch_refimpl(args, m, g, cores, tmp)))
         if not use_torch:
             continue
         plan.append((f"torch {model} 1 process threads 1", lambda tmp, m=model: launch_torch(args, m, 1, 1, tmp)))
-        if cores > 1 and not args.no_threads_run:
+        if cores > 1 and not args.no_threads_run and args.device != "cuda":
             plan.append((f"torch {model} 1 process threads {cores}",
                          lambda tmp, m=model: launch_torch(args, m, 1, cores, tmp)))
         if "2,1,1,1" in args.grids:
@@ -552,7 +572,8 @@ def driver(args) -> int:
                                     ("models", "grids", "size", "width", "layers", "unet_width", "unet_layers",
                                      "fc1", "fc2", "batch", "warmup", "steps", "seed", "torch_layout",
                                      "device", "tf32", "kernel")},
-                       "gpu": gpu, "cores": cores, "load_average": {"start": list(load_start), "end": list(load_end)},
+                       "gpu": gpu, "torch_ddp_backend": ddp, "cores": cores,
+                       "load_average": {"start": list(load_start), "end": list(load_end)},
                        "torch": "ok" if use_torch else torch_note, "rows": reports}, fh, indent=1)
     return 0
 
@@ -563,15 +584,16 @@ def gpu_name() -> str:
     return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
-def device_missing(device: str) -> str | None:
-    """Why ``--device`` cannot run here (checked before anything is launched), or None."""
+def device_missing(device: str, use_torch: bool = True) -> str | None:
+    """Why ``--device`` cannot run here (checked before anything is launched), or None;
+    ``use_torch``: the PyTorch baseline runs too (it needs a CUDA build of torch)."""
     if device != "cuda":
         return None
     from refimpl import settings
     reason = settings.cupy_unavailable()
     if reason:
         return f"--device cuda: {reason}"
-    if torch_available():
+    if use_torch and torch_available():
         import torch
         if not torch.cuda.is_available():
             return "--device cuda: this PyTorch has no CUDA device (the baseline runs on the same GPU); --no-torch skips it"
@@ -605,13 +627,14 @@ def parse_args(argv=None):
                     f"(default {','.join(MODELS)})")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run: " +
                     ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    gpu = gpu_sizes()
     for key, help_text in (("size", "sample extent D=H=W"), ("width", "CosmoFlow conv_size"),
                            ("layers", "CosmoFlow conv blocks"), ("unet_width", "U-Net base_width"),
                            ("unet_layers", "U-Net levels"), ("fc1", "CosmoFlow fc1_size"),
                            ("fc2", "CosmoFlow fc2_size"), ("batch", "global batch"),
                            ("warmup", "untimed warm-up steps (>= 1)"), ("steps", "timed steps")):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None,
-                        help=f"{help_text} (default {DEFAULT[key]}; quick {QUICK[key]})")
+                        help=f"{help_text} (default {DEFAULT[key]}; quick {QUICK[key]}; --device cuda {gpu[key]})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     ap.add_argument("--torch-layout", choices=TORCH_LAYOUTS, default="ncdhw",
@@ -619,21 +642,23 @@ def parse_args(argv=None):
                          "(torch.channels_last_3d: oneDNN's faster path for narrow convs on some CPUs)")
     ap.add_argument("--device", choices=("cpu", "cuda", "strict"), default="cpu",
                     help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA on the same GPU "
-                         "(every rank on its node's GPU; with one GPU the 2-rank runs share it; DDP over NCCL "
-                         "when each rank has a GPU of its own, else gloo), each step synchronised; strict: "
-                         "refimpl on the device stand-in (REFIMPL_BACKEND=strict, a CI smoke of the device "
-                         "path) vs PyTorch CPU")
+                         "(every rank on its node's GPU: with one GPU every rank of a 2-rank run uses device 0; "
+                         "DDP over NCCL when each rank has a GPU of its own, else gloo), each step synchronised, "
+                         "at MLPerf's CosmoFlow and the default U-Net sizes unless --quick or size flags say "
+                         "otherwise, grids 1,1,1,1 2,1,1,1 by default; strict: refimpl on the device stand-in "
+                         "(REFIMPL_BACKEND=strict, a CI smoke of the device path) vs PyTorch CPU")
     ap.add_argument("--tf32", choices=("off", "on"), default="off",
                     help="with --device cuda: off (default) compares full float32 on both sides (refimpl and CuPy "
                          "without TF32, torch.backends.cudnn/cuda.matmul.allow_tf32 = False, "
                          "NVIDIA_TF32_OVERRIDE=0); on lets both round float32 matrix products to TF32 "
                          "(REFIMPL_TF32=1; docs/gpu.md, Precision). Run it once per setting for the two "
                          "columns of a like-for-like table")
-    ap.add_argument("--kernel", type=int, choices=(2, 3), default=3,
-                    help="CosmoFlow's conv kernel: 3 (padding 1) or 2 (MLPerf's, padding 'same'); "
-                         "MLPerf's sizes: --size 128 --width 32 --layers 5 --kernel 2")
+    ap.add_argument("--kernel", type=int, choices=(2, 3), default=None,
+                    help=f"CosmoFlow's conv kernel: 3 (padding 1) or 2 (MLPerf's, padding 'same') (default "
+                         f"{DEFAULT_KERNEL}; --device cuda {gpu['kernel']}); MLPerf's sizes: --size 128 --width 32 "
+                         f"--layers 5 --kernel 2")
     ap.add_argument("--no-threads-run", action="store_true",
-                    help="skip the 1-process runs with one thread per core")
+                    help="skip the 1-process runs with one thread per core (never run with --device cuda)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
     ap.add_argument("--watchdog", action="store_true",
@@ -651,10 +676,6 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.tf32 == "on" and args.device != "cuda":
         ap.error("--tf32 on needs --device cuda (NumPy's BLAS and PyTorch CPU have no TF32)")
-    if args.worker is None:
-        missing = device_missing(args.device)
-        if missing:
-            ap.exit(2, f"bench_train: {missing}\n")
     if args.watchdog_rounds < 0:
         ap.error("--watchdog-rounds must be >= 0")
     if args.watchdog and not args.watchdog_rounds:
@@ -667,14 +688,15 @@ def parse_args(argv=None):
             ap.error(f"--model: {name} is listed more than once")
     if args.worker and len(args.models) != 1:
         ap.error("--worker runs one --model")
-    preset = QUICK if args.quick else DEFAULT
+    on_gpu = args.device == "cuda" and not args.quick      # the issue's sizes: MLPerf's CosmoFlow, the U-Net's
+    preset = gpu if on_gpu else dict(QUICK if args.quick else DEFAULT, kernel=DEFAULT_KERNEL)
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be a positive integer")
     if args.grids is None:
-        args.grids = ["1,1,1,1", "2,1,1,1"] if args.quick else list(DEFAULT_GRIDS)
+        args.grids = ["1,1,1,1", "2,1,1,1"] if args.quick else list(GPU_GRIDS if on_gpu else DEFAULT_GRIDS)
     from refimpl.parallel.grid import parse_grid
     try:
         args.grids = [",".join(map(str, parse_grid(g))) for g in args.grids]
@@ -692,6 +714,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is None:
+        missing = device_missing(args.device, use_torch=not args.no_torch)   # before anything is launched
+        if missing:
+            print(f"bench_train: {missing}", file=sys.stderr)
+            return 2
         return watchdog_driver(args) if args.watchdog else driver(args)
     report = refimpl_worker(args) if args.worker == "refimpl" else torch_worker(args)
     if report is not None and args.json:

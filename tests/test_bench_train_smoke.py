@@ -175,3 +175,42 @@ def test_strict_device_run(tmp_path):
     assert {r["ranks"] for r in report["rows"] if r["impl"] == "refimpl"} == {1, 2}
     assert all(numpy.isfinite(r["loss"]) for r in report["rows"])
     assert "# device strict" in proc.stdout
+    ddp = "gloo" if TORCH else None                  # the torch DDP backend, in the header and the JSON
+    assert report["torch_ddp_backend"] == ddp and report["gpu"] is None
+    assert ("torch DDP backend gloo" in proc.stdout) == TORCH
+
+
+def test_device_defaults():
+    """``--device cuda`` without --quick runs the issue's sizes: CosmoFlow's ``mlperf`` preset
+    (kernel 2) and the U-Net's ``default`` preset at 128^3, batch 4, 1 and 2 ranks; --quick and
+    explicit flags win; the CPU and strict defaults are unchanged."""
+    from refimpl.models.presets import PRESETS
+    bench = load_script()
+    cosmo, unet = PRESETS["cosmoflow"]["mlperf"], PRESETS["unet3d"]["default"]
+    args = bench.parse_args(["--device", "cuda"])
+    assert (args.size, args.width, args.layers, args.kernel, args.fc1, args.fc2) == (
+        cosmo["input_shape"][1], cosmo["conv_size"], cosmo["n_conv_layers"], cosmo["kernel_size"],
+        cosmo["fc1_size"], cosmo["fc2_size"]) == (128, 32, 5, 2, 128, 64)
+    assert (args.unet_width, args.unet_layers, unet["input_shape"][1]) == (unet["base_width"], unet["levels"], 128)
+    assert (args.batch, args.grids) == (4, ["1,1,1,1", "2,1,1,1"])
+    assert bench.model_config(args, "cosmoflow")["kernel_size"] == 2
+    args = bench.parse_args(["--device", "cuda", "--size", "64", "--kernel", "3", "--grids", "1,1,1,1"])
+    assert (args.size, args.kernel, args.width, args.grids) == (64, 3, 32, ["1,1,1,1"])
+    for device in ("cpu", "strict"):
+        args = bench.parse_args(["--device", device])
+        assert (args.size, args.width, args.kernel, args.grids) == (64, 16, 3, list(bench.DEFAULT_GRIDS))
+        args = bench.parse_args(["--device", device, "--quick"])
+        assert (args.size, args.kernel) == (16, 3)
+    assert (bench.parse_args(["--device", "cuda", "--quick"]).size, bench.parse_args(["--quick"]).kernel) == (16, 3)
+
+
+def test_device_missing_torch(monkeypatch):
+    """CuPy sees a GPU but PyTorch has no CUDA: refused, unless --no-torch (the line says so)."""
+    torch = pytest.importorskip("torch")
+    from refimpl import settings
+    bench = load_script()
+    monkeypatch.setattr(settings, "cupy_unavailable", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--no-torch skips it" in bench.device_missing("cuda", use_torch=True)
+    assert bench.device_missing("cuda", use_torch=False) is None
+    assert bench.device_missing("strict") is None and bench.device_missing("cpu") is None

@@ -95,7 +95,18 @@ def test_gpu_check_script(tmp_path):
     assert any("bench_layers.py --device cuda" in c for c in lines)
     assert any("--preset mlperf --backend cupy" in c for c in lines)
     assert any("bench_train.py --device cuda --tf32 off" in c and "2,1,1,1" in c for c in lines)
-    assert any("bench_train.py --device cuda --tf32 on" in c for c in lines)
+    assert any("bench_train.py --device cuda --tf32 on" in c and "2,1,1,1" in c for c in lines)
+    # bench_train's lines parse, at MLPerf's CosmoFlow and the default U-Net sizes (its --device cuda defaults)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs = [bench.parse_args(c.split("bench_train.py ", 1)[1].split()) for c in lines if "bench_train.py" in c]
+    assert sorted(a.tf32 for a in runs) == ["off", "on"]
+    for a in runs:
+        assert (a.device, a.size, a.width, a.layers, a.kernel, a.unet_width, a.unet_layers) == (
+            "cuda", 128, 32, 5, 2, 32, 3)
+        assert a.grids == ["1,1,1,1", "2,1,1,1"] and a.models == ["cosmoflow", "unet3d"]
     # every refimpl train / check-layer line parses (argparse of the real commands)
     from refimpl.cli import build_parser
     parser = build_parser()
