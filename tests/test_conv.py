@@ -469,6 +469,7 @@ def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
 
 
 @needs_torch
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 @pytest.mark.parametrize("n, c, f, size, k, p, d", [
     (2, 3, 4, (7, 12, 11), (3, 3, 3), (1, 1, 1), (1, 1, 1)),
     (1, 2, 3, (6, 12, 11), (3, 3, 3), (1, 1, 1), (1, 2, 1)),       # dilated rows
