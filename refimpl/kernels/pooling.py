@@ -10,28 +10,35 @@ exactly what the reference computes on it, so the results equal the reference's
 bit for bit (tests/test_reference_ops.py).  The reference's per-pass functions are passed
 in by ``refimpl/functional/pooling.py`` (the kernels never import the reference).
 
-The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements take this route, outside ``refimpl.functional.reference_only()``; CuPy
-arrays (the device runs a pass in parallel already) and small arrays (one block) take
-the reference.
+On a GPU (CuPy arrays) each pass is one CUDA kernel instead (``DEVICE_SOURCE``, launched by
+``_cuda``), one thread per output (forward) or per input (backward), in the reference's order
+of operations (the derivation is at ``DEVICE_SOURCE``): the same values bit for bit, zeros of
+either sign compared equal.  Max pooling's forward records, per output, the tap of its first
+maximum (-1 for a window holding a NaN), and the backward gathers, per input, the gradients
+of the windows whose first maximum it is; no atomics, so the order of the additions is fixed.
 
-Max pooling's masks from this route are a list with one entry (the reference's
-stage masks) per block, in ``blocks(x)`` order.
+The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
+elements and every CuPy array take this route, outside ``refimpl.functional.reference_only()``;
+small NumPy arrays (one block) and the strict stand-in take the reference.
+
+Max pooling's masks from this route are a list with one entry per block, in ``blocks(x)``
+order: on the host the reference's stage masks, on a GPU one block, the (N, C, Do, Ho, Wo)
+int32 array of first-maximum taps.
 """
 from __future__ import annotations
 
 import numpy
 
 from ..backend import array_module
-from . import _threads
+from . import _cuda, _threads
 
 #: Inputs per block (1 MiB of float32; one channel when a channel's volume is larger).
 BLOCK_ELEMENTS = 1 << 18
 
 
 def applies(x) -> bool:
-    """Whether pooling ``x`` runs here: a NumPy array of more than one block."""
-    return array_module(x) is numpy and x.size > BLOCK_ELEMENTS
+    """Whether pooling ``x`` runs here: a NumPy array of more than one block, or a CuPy array."""
+    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.on_device(x)
 
 
 def blocks(x):
@@ -100,6 +107,8 @@ def max_pool3d(forward, x, k, s, p, d, out, with_masks):
     passed in: kernels never import the reference) per block; a 2 x 2 x 2 window without
     padding (CosmoFlow's and the U-Net's pools) by ``pair_max_forward``, the same values in
     fewer passes."""
+    if _cuda.on_device(x):
+        return device_max_pool3d(x, k, s, p, d, out, with_masks)
     block_forward = _block_forward(forward, k, s, p, d, out)
 
     def block(_, idx):
@@ -111,6 +120,8 @@ def max_pool3d(forward, x, k, s, p, d, out, with_masks):
 def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
     """dx: the reference's ``max_pool_backward`` (``backward``) per block, with this route's
     ``masks`` or, without them, the masks ``forward`` finds again."""
+    if _cuda.on_device(x):
+        return device_max_pool3d_backward(dy, x, k, s, p, d, out, masks)
     index = blocks(x)
     if masks is not None and len(masks) != len(index):
         raise ValueError(f"masks has {len(masks)} blocks, x has {len(index)}: pass the masks of "
@@ -128,15 +139,232 @@ def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
 def avg_pool3d(forward, x, k, s, p, out, divisor):
     """y: the reference's ``avg_pool_forward`` (``forward``) per block (``divisor``: a number or
     (1, 1, Do, Ho, Wo), the same for every block)."""
+    if _cuda.on_device(x):
+        return device_avg_pool3d(x, k, s, p, out, divisor)
     return _per_block(lambda _, idx: (forward(x[idx], k, s, p, out, divisor), None),
                       x, tuple(x.shape[:2]) + out, x.dtype)[0]
 
 
 def avg_pool3d_backward(backward, dy, x, k, s, p, divisor):
     """dx: the reference's ``avg_pool_backward`` (``backward``) per block."""
+    if _cuda.on_device(x):
+        return device_avg_pool3d_backward(dy, x, k, s, p, divisor)
     return _per_block(lambda _, idx: (backward(dy[idx], x[idx].shape, k, s, p, divisor), None),
                       x, x.shape, dy.dtype)[0]
 
 
+
+# ---------------------------------------------------------------- the CUDA kernels (CuPy arrays)
+#
+# Shapes: x (N*C, D, H, W) and y (N*C, Do, Ho, Wo), C-contiguous; output o's window starts at
+# o*s - lo per axis (lo: the padding before the input), tap t at t*dl past that; cells outside
+# the input are padding (-inf for max, 0 for avg).  Why each result equals the reference's:
+#
+# - max forward: the reference's separable maximum is order-free except for NaN and ties; a
+#   scan of the window in (d, h, w) order keeping the first strict maximum keeps the element
+#   the reference keeps (its stages keep the first maximum along W, then H, then D: the
+#   lexicographically first), and a NaN makes y NaN as numpy.maximum does.  ``arg``: that
+#   element's tap, (td*kh + th)*kw + tw (a padding cell's tap when it wins: its gradient is
+#   dropped, as the reference's unpadding drops it), or -1 where y is NaN (the reference's
+#   masks, ``x == y``, are then all false).
+# - max backward: the reference spreads dy through the stages D, H, W in turn, each adding the
+#   taps' contributions in tap order, so an input's gradient is the nested sum
+#   sum_tw( sum_th( sum_td( dy[od, oh, ow] where the window's first maximum is this tap ))),
+#   every partial sum starting from zero; the gather below adds the same terms in that nesting.
+# - avg forward: the separable sum is sum_td( sum_th( sum_tw x )), each stage starting from its
+#   first tap's value, then divided by the divisor (a number, or one per output).
+# - avg backward: g = dy / divisor, spread D, H, W: sum_tw( sum_th( sum_td g )) from zeros.
+DEVICE_SOURCE = r"""
+#define POOL_ARGS long long nc, long long D, long long H, long long W, \
+    long long Do, long long Ho, long long Wo, long long kd, long long kh, long long kw, \
+    long long sd, long long sh, long long sw, long long pd, long long ph, long long pw, \
+    long long dd, long long dh, long long dw
+
+extern "C" __global__ void max_pool_forward(const T* x, T* y, int* arg, POOL_ARGS, T neg_inf) {
+    long long total = nc * Do * Ho * Wo;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long ow = i % Wo, oh = (i / Wo) % Ho, od = (i / (Wo * Ho)) % Do, b = i / (Wo * Ho * Do);
+        const T* xb = x + b * D * H * W;
+        T m = neg_inf;
+        int best = 0, t = 0, nan = 0;
+        for (long long td = 0; td < kd; ++td) {
+            long long z = od * sd - pd + td * dd;
+            for (long long th = 0; th < kh; ++th) {
+                long long r = oh * sh - ph + th * dh;
+                for (long long tw = 0; tw < kw; ++tw, ++t) {
+                    long long c = ow * sw - pw + tw * dw;
+                    T v = (z >= 0 && z < D && r >= 0 && r < H && c >= 0 && c < W)
+                          ? xb[(z * H + r) * W + c] : neg_inf;
+                    if (v != v) { nan = 1; m = v; }
+                    else if (t == 0 || v > m) { m = v; best = t; }
+                }
+            }
+        }
+        y[i] = m;
+        if (arg) arg[i] = nan ? -1 : best;
+    }
+}
+
+extern "C" __global__ void max_pool_backward(const T* dy, const int* arg, T* dx, POOL_ARGS) {
+    long long total = nc * D * H * W;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
+        T acc_w = (T)0;
+        for (long long tw = 0; tw < kw; ++tw) {
+            long long nw = c + pw - tw * dw;
+            if (nw < 0 || nw % sw != 0 || nw / sw >= Wo) continue;
+            long long ow = nw / sw;
+            T acc_h = (T)0;
+            for (long long th = 0; th < kh; ++th) {
+                long long nh = r + ph - th * dh;
+                if (nh < 0 || nh % sh != 0 || nh / sh >= Ho) continue;
+                long long oh = nh / sh;
+                T acc_d = (T)0;
+                for (long long td = 0; td < kd; ++td) {
+                    long long nd = z + pd - td * dd;
+                    if (nd < 0 || nd % sd != 0 || nd / sd >= Do) continue;
+                    long long o = ((b * Do + nd / sd) * Ho + oh) * Wo + ow;
+                    if (arg[o] == (int)((td * kh + th) * kw + tw)) acc_d = ADD(acc_d, dy[o]);
+                }
+                acc_h = ADD(acc_h, acc_d);
+            }
+            acc_w = ADD(acc_w, acc_h);
+        }
+        dx[i] = acc_w;
+    }
+}
+
+extern "C" __global__ void avg_pool_forward(const T* x, const T* divisor, T* y, POOL_ARGS,
+                                            long long per_output) {
+    long long total = nc * Do * Ho * Wo;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long ow = i % Wo, oh = (i / Wo) % Ho, od = (i / (Wo * Ho)) % Do, b = i / (Wo * Ho * Do);
+        const T* xb = x + b * D * H * W;
+        T acc_d = (T)0;
+        for (long long td = 0; td < kd; ++td) {
+            long long z = od * sd - pd + td * dd;
+            T acc_h = (T)0;
+            for (long long th = 0; th < kh; ++th) {
+                long long r = oh * sh - ph + th * dh;
+                T acc_w = (T)0;
+                for (long long tw = 0; tw < kw; ++tw) {
+                    long long c = ow * sw - pw + tw * dw;
+                    T v = (z >= 0 && z < D && r >= 0 && r < H && c >= 0 && c < W)
+                          ? xb[(z * H + r) * W + c] : (T)0;
+                    acc_w = tw == 0 ? v : ADD(acc_w, v);
+                }
+                acc_h = th == 0 ? acc_w : ADD(acc_h, acc_w);
+            }
+            acc_d = td == 0 ? acc_h : ADD(acc_d, acc_h);
+        }
+        y[i] = DIV(acc_d, divisor[per_output ? i % (Do * Ho * Wo) : 0]);
+    }
+}
+
+extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* dx, POOL_ARGS,
+                                             long long per_output) {
+    long long total = nc * D * H * W;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
+        T acc_w = (T)0;
+        for (long long tw = 0; tw < kw; ++tw) {
+            long long nw = c + pw - tw * dw;
+            if (nw < 0 || nw % sw != 0 || nw / sw >= Wo) continue;
+            T acc_h = (T)0;
+            for (long long th = 0; th < kh; ++th) {
+                long long nh = r + ph - th * dh;
+                if (nh < 0 || nh % sh != 0 || nh / sh >= Ho) continue;
+                T acc_d = (T)0;
+                for (long long td = 0; td < kd; ++td) {
+                    long long nd = z + pd - td * dd;
+                    if (nd < 0 || nd % sd != 0 || nd / sd >= Do) continue;
+                    long long q = ((nd / sd) * Ho + nh / sh) * Wo + nw / sw;
+                    acc_d = ADD(acc_d, DIV(dy[b * Do * Ho * Wo + q], divisor[per_output ? q : 0]));
+                }
+                acc_h = ADD(acc_h, acc_d);
+            }
+            acc_w = ADD(acc_w, acc_h);
+        }
+        dx[i] = acc_w;
+    }
+}
+"""
+
+#: Each kernel's argument kinds (``_cuda.arguments``): arrays, the 19 shape numbers, then its own.
+_POOL = ("i64",) * 19
+SIGNATURES = {
+    "max_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("T",),
+    "max_pool_backward": ("ptr", "ptr", "ptr") + _POOL,
+    "avg_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
+    "avg_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
+}
+
+
+def pool_numbers(x_shape, out, k, s, p, d) -> tuple:
+    """The 19 shape numbers every pooling kernel takes: N*C, (D, H, W), out, k, s, the low
+    padding of each axis, dilation."""
+    return ((x_shape[0] * x_shape[1],) + tuple(x_shape[2:]) + tuple(out) + tuple(k) + tuple(s)
+            + tuple(lo for lo, _ in p) + tuple(d))
+
+
+def _device_launch(name, arrays, numbers, extra, dtype, total):
+    _cuda.launch(DEVICE_SOURCE, name, SIGNATURES[name], tuple(arrays) + numbers + tuple(extra), dtype, total)
+
+
+def _divisor_array(xp, divisor, dtype):
+    """``(divisor as a device array, per_output)``: one value, or one per output point."""
+    if isinstance(divisor, (int, float, numpy.integer, numpy.floating)):
+        return xp.full((1,), divisor, dtype=dtype), 0
+    return xp.ascontiguousarray(divisor, dtype=dtype), 1
+
+
+def device_max_pool3d(x, k, s, p, d, out, with_masks):
+    xp = array_module(x)
+    x = xp.ascontiguousarray(x)
+    y = xp.empty(tuple(x.shape[:2]) + tuple(out), dtype=x.dtype)
+    arg = xp.empty(y.shape, dtype=xp.int32) if with_masks else None
+    _device_launch("max_pool_forward", (x, y, arg), pool_numbers(x.shape, out, k, s, p, d), (-numpy.inf,),
+                   x.dtype, y.size)
+    return y, ([arg] if with_masks else None)
+
+
+def device_max_pool3d_backward(dy, x, k, s, p, d, out, masks):
+    xp = array_module(dy, x)
+    if masks is None:
+        arg = device_max_pool3d(x, k, s, p, d, out, True)[1][0]
+    elif (len(masks) != 1 or getattr(masks[0], "dtype", None) != xp.int32
+          or tuple(masks[0].shape) != tuple(dy.shape)):
+        raise ValueError("masks must be the masks of max_pool3d(x, ..., return_masks=True) for this very "
+                         "x on the device: one int32 array of the output's shape")
+    else:
+        arg = masks[0]
+    dx = xp.empty(x.shape, dtype=dy.dtype)
+    _device_launch("max_pool_backward", (xp.ascontiguousarray(dy), arg, dx),
+                   pool_numbers(x.shape, out, k, s, p, d), (), dy.dtype, dx.size)
+    return dx
+
+
+def device_avg_pool3d(x, k, s, p, out, divisor):
+    xp = array_module(x)
+    x = xp.ascontiguousarray(x)
+    y = xp.empty(tuple(x.shape[:2]) + tuple(out), dtype=x.dtype)
+    div, per_output = _divisor_array(xp, divisor, x.dtype)
+    _device_launch("avg_pool_forward", (x, div, y), pool_numbers(x.shape, out, k, s, p, (1, 1, 1)),
+                   (per_output,), x.dtype, y.size)
+    return y
+
+
+def device_avg_pool3d_backward(dy, x, k, s, p, divisor):
+    xp = array_module(dy)
+    dx = xp.empty(x.shape, dtype=dy.dtype)
+    div, per_output = _divisor_array(xp, divisor, dy.dtype)
+    _device_launch("avg_pool_backward", (xp.ascontiguousarray(dy), div, dx),
+                   pool_numbers(x.shape, dy.shape[2:], k, s, p, (1, 1, 1)), (per_output,), dy.dtype, dx.size)
+    return dx
+
 __all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
-           "avg_pool3d_backward"]
+           "avg_pool3d_backward", "DEVICE_SOURCE", "SIGNATURES", "pool_numbers"]
