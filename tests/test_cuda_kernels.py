@@ -13,11 +13,16 @@ import pytest
 
 import cuda_emulation as emu
 from refimpl import backend, settings
-from refimpl.functional import (avg_pool3d, avg_pool3d_backward, max_pool3d, max_pool3d_backward,
-                                reference_only)
-from refimpl.kernels import _cuda, pooling
+from refimpl.functional import (avg_pool3d, avg_pool3d_backward, batch_norm3d, batch_norm3d_backward,
+                                max_pool3d, max_pool3d_backward, reference_only)
+from refimpl.functional.batch_norm import (batch_norm_backward, batch_norm_backward_local_sums,
+                                           batch_norm_forward, batch_norm_local_sums, batch_norm_stats)
+from refimpl.functional.dropout import dropout, dropout_backward
+from refimpl.kernels import _cuda, batch_norm, pooling
+from refimpl.kernels import dropout as dropout_kernels
 
-SOURCES = {"pooling": pooling.DEVICE_SOURCE}
+SOURCES = {"pooling": pooling.DEVICE_SOURCE, "batch_norm": batch_norm.DEVICE_SOURCE,
+           "dropout": dropout_kernels.DEVICE_SOURCE}
 GPU = not settings.cupy_unavailable()
 
 
@@ -104,3 +109,87 @@ def test_device_max_pool_backward_refuses_other_masks(where):
     y = max_pool3d(x, 2)
     with pytest.raises(ValueError, match="masks must be the masks of max_pool3d"):
         max_pool3d_backward(y, x, 2, masks=[y])
+
+
+
+def _sums_close(dev, ref, terms):
+    """float64 sums to rounding: within 1e-12 of the sum of the terms' magnitudes."""
+    for d, r, t in zip(dev, ref, terms):
+        d = backend.to_host(d)
+        assert d.dtype == np.float64 and d.shape == r.shape
+        assert np.all(np.abs(d - r) <= 1e-12 * t), (d, r)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6, 7), (1, 2, 1, 1, 3)])
+@pytest.mark.parametrize("affine, shifted", [(True, True), (False, False)])
+def test_batch_norm_kernels_equal_the_reference(where, dtype, shape, affine, shifted):
+    """Each pass on the same inputs as the reference's: the sums to float64 rounding, the
+    affine passes bit for bit; then the whole layer, forward and backward, in float64."""
+    rng = np.random.default_rng(6)
+    c = shape[1]
+    x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma, beta = ((rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)) if affine
+                   else (None, None))
+    shift = rng.standard_normal(c).astype(dtype) if shifted else None
+    dev = lambda a: None if a is None else backend.asarray(a)
+    per_channel = lambda a: np.abs(a).astype(np.float64).sum(axis=(0, 2, 3, 4))
+    with reference_only():
+        count, s1, s2 = batch_norm_local_sums(x, shift)
+        xs = x - (0 if shift is None else shift.reshape(1, -1, 1, 1, 1))
+        mean, var, inv_std = batch_norm_stats(count, s1, s2, shift=shift)
+        y_ref, cache = batch_norm_forward(x, mean, inv_std, gamma, beta)
+        sums_ref = batch_norm_backward_local_sums(dy, cache)
+        dx_ref, dgamma_ref, dbeta_ref = batch_norm_backward(dy, cache, *sums_ref, count)
+    count_d, s1_d, s2_d = batch_norm_local_sums(dev(x), dev(shift))
+    assert count_d == count
+    _sums_close((s1_d, s2_d), (s1, s2), (per_channel(xs), per_channel(xs * xs)))
+    y, dcache = batch_norm_forward(dev(x), dev(mean), dev(inv_std), dev(gamma), dev(beta))
+    _equal(y, y_ref)
+    sums = batch_norm_backward_local_sums(dev(dy), dcache)
+    inv = inv_std.astype(dtype).astype(np.float64)
+    _sums_close(sums, sums_ref, (per_channel(dy), per_channel(dy * (x - mean.astype(dtype).reshape(1, -1, 1, 1, 1))) * inv))
+    dx, dgamma, dbeta = batch_norm_backward(dev(dy), dcache, dev(sums_ref[0]), dev(sums_ref[1]), count)
+    _equal(dx, dx_ref)
+    assert (dgamma is None) == (dgamma_ref is None)
+    # the whole layer (float64): statistics and gradients to 1e-10
+    if dtype == np.float64:
+        with reference_only():
+            y_ref, layer_cache = batch_norm3d(x, gamma, beta)
+            grads_ref = batch_norm3d_backward(dy, layer_cache)
+        y, layer_cache_d = batch_norm3d(dev(x), dev(gamma), dev(beta))
+        np.testing.assert_allclose(backend.to_host(y), y_ref, rtol=1e-10, atol=1e-10)
+        for g, r in zip(batch_norm3d_backward(dev(dy), layer_cache_d), grads_ref):
+            assert (g is None) == (r is None)
+            if r is not None:
+                np.testing.assert_allclose(backend.to_host(g), r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("p, seed", [(0.3, 12345), (0.5, 2**64 - 17), (1.0, 7), (0.0, 2**63)])
+@pytest.mark.parametrize("global_shape, ranges", [
+    ((4, 3, 6, 5, 7), None),                                   # the whole tensor
+    ((4, 3, 6, 5, 7), [(1, 3), (0, 3), (2, 6), (1, 4), (3, 7)]),   # a rank's block
+    ((6, 10), [(2, 5), (0, 10)]),                              # the dense head's (N, F)
+])
+def test_dropout_kernels_equal_the_reference(where, dtype, p, seed, global_shape, ranges):
+    rng = np.random.default_rng(8)
+    block = global_shape if ranges is None else tuple(b - a for a, b in ranges)
+    x = rng.standard_normal(block).astype(dtype)
+    dy = rng.standard_normal(block).astype(dtype)
+    with reference_only():
+        y_ref, mask_ref = dropout(x, p, seed, global_shape, ranges)
+        dx_ref = dropout_backward(dy, mask_ref, p)
+    y, mask = dropout(backend.asarray(x), p, seed, global_shape, ranges)
+    _equal(mask, mask_ref)
+    _equal(y, y_ref)
+    _equal(dropout_backward(backend.asarray(dy), mask, p), dx_ref)
+    if 0 < p < 1:
+        assert 0 < mask_ref.mean() < 1
+
+
+def test_dropout_kernel_refuses_a_block_of_another_shape(where):
+    x = backend.asarray(np.ones((2, 3)))
+    with pytest.raises(ValueError, match="select a block of shape"):
+        dropout(x, 0.5, 1, (4, 3), [(0, 3), (0, 3)])

@@ -14,12 +14,18 @@ equals the unpartitioned one with no communication.  A layer derives a fresh
 seed per call with ``fold_seed(seed, step)`` so that every step draws a new mask.
 
 Scaling as PyTorch (inverted dropout): y = x * keep / (1 - p); p = 1 gives zeros.
+
+Speed: this file is the reference.  CuPy arrays take one CUDA kernel for the mask and ``y``
+and one for the backward (``refimpl/kernels/dropout.py``: the same mask and bits); the one
+rule (``_route.kernel_for``): outside ``functional.reference_only()``.
 """
 from __future__ import annotations
 
 import numpy
 
 from ..backend import array_module
+from ..kernels import dropout as fast
+from ._route import kernel_for
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -54,14 +60,8 @@ def _check_p(p):
     return float(p)
 
 
-def dropout_mask(global_shape, p, seed, index_ranges=None, xp=numpy):
-    """Boolean keep-mask of the block ``index_ranges`` of a ``global_shape`` tensor.
-
-    ``index_ranges``: one half-open (start, stop) per axis, default the whole
-    tensor.  The result has the block's shape and equals
-    ``dropout_mask(global_shape, p, seed)[block]``.
-    """
-    p, seed = _check_p(p), _check_seed(seed)
+def _block(global_shape, index_ranges):
+    """``(global_shape, index_ranges)`` checked, as ints; the ranges default to the whole tensor."""
     global_shape = tuple(int(n) for n in global_shape)
     if index_ranges is None:
         index_ranges = [(0, n) for n in global_shape]
@@ -71,6 +71,18 @@ def dropout_mask(global_shape, p, seed, index_ranges=None, xp=numpy):
     for (a, b), n in zip(index_ranges, global_shape):
         if not 0 <= a <= b <= n:
             raise ValueError(f"index_ranges {index_ranges!r} is outside global_shape {global_shape}")
+    return global_shape, [(int(a), int(b)) for a, b in index_ranges]
+
+
+def dropout_mask(global_shape, p, seed, index_ranges=None, xp=numpy):
+    """Boolean keep-mask of the block ``index_ranges`` of a ``global_shape`` tensor.
+
+    ``index_ranges``: one half-open (start, stop) per axis, default the whole
+    tensor.  The result has the block's shape and equals
+    ``dropout_mask(global_shape, p, seed)[block]``.
+    """
+    p, seed = _check_p(p), _check_seed(seed)
+    global_shape, index_ranges = _block(global_shape, index_ranges)
     # flat C-order global index of every element of the block
     ndim = len(global_shape)
     index = xp.zeros((1,) * ndim, dtype=xp.uint64)
@@ -97,6 +109,13 @@ def dropout(x, p, seed, global_shape=None, index_ranges=None):
     p = _check_p(p)
     xp = array_module(x)
     global_shape = tuple(x.shape) if global_shape is None else tuple(global_shape)
+    kernel = kernel_for(fast, x)
+    if kernel is not None:
+        global_shape, ranges = _block(global_shape, index_ranges)
+        block = tuple(b - a for a, b in ranges)
+        if block != tuple(x.shape):
+            raise ValueError(f"index_ranges select a block of shape {block} but x is {x.shape}")
+        return kernel.dropout(x, _check_seed(seed), round(p * 2.0 ** 53), _scale(p), global_shape, ranges)
     mask = dropout_mask(global_shape, p, seed, index_ranges, xp=xp)
     if mask.shape != x.shape:
         raise ValueError(f"index_ranges select a block of shape {mask.shape} but x is {x.shape}")
@@ -108,6 +127,9 @@ def dropout_backward(dy, mask, p):
     p = _check_p(p)
     if mask.shape != dy.shape:
         raise ValueError(f"mask has shape {mask.shape} but dy is {dy.shape}")
+    kernel = kernel_for(fast, dy)
+    if kernel is not None:
+        return kernel.dropout_backward(dy, mask, _scale(p))
     xp = array_module(dy)
     return xp.where(mask, dy * _scale(p), 0)
 

@@ -15,16 +15,24 @@ per-channel sum adds the blocks' float64 row sums in block order (an order that 
 on the shape only, not on the thread count), which differs from the reference's order of
 additions by float64 rounding (tests/test_reference_ops.py holds it to 1e-12).
 
+On a GPU (CuPy arrays) each pass is one CUDA kernel (``DEVICE_SOURCE``, launched by
+``_cuda``): the two per-channel sums of a pass in one reading of the arrays (each thread adds
+the elements ``lane, lane + lanes, ...`` of a channel in float64, then CuPy adds the (C, lanes)
+partial sums), and the affine passes one kernel each, every multiply and add rounded on its
+own in the reference's order: the same bits as the reference for the elementwise passes, the
+sums to float64 rounding.
+
 The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements take this route outside ``refimpl.functional.reference_only()``; CuPy
-and arrays of one block take the reference (for them both are the same operations).
+elements and every CuPy array take this route outside ``refimpl.functional.reference_only()``;
+NumPy arrays of one block and the strict stand-in take the reference (for them both are the
+same operations).
 """
 from __future__ import annotations
 
 import numpy
 
 from ..backend import array_module
-from . import _threads
+from . import _cuda, _threads
 
 #: Voxels x channels per block of a pass (1 MiB of float32: measured best; blocks of 64 Ki
 #: elements make the per-channel rows too short).
@@ -32,8 +40,9 @@ BLOCK_ELEMENTS = 1 << 18
 
 
 def applies(x) -> bool:
-    """Whether batch norm's passes over ``x`` run here: a NumPy array of more than one block."""
-    return array_module(x) is numpy and x.size > BLOCK_ELEMENTS
+    """Whether batch norm's passes over ``x`` run here: a NumPy array of more than one block,
+    or a CuPy array."""
+    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.on_device(x)
 
 
 def channel_blocks(*arrays):
@@ -71,6 +80,8 @@ def _channel_sums(partials, blocks, c):
 def local_sums(x, k):
     """``(sum(x - k), sum((x - k)^2))`` per channel in float64; ``k`` (C, 1) in x's dtype, or
     None for no shift."""
+    if _cuda.on_device(x):
+        return device_local_sums(x, k)
     def sums(ch, xb):
         xs = xb if k is None else xb - k[ch]
         s1 = numpy.sum(xs, axis=-1, dtype=numpy.float64)
@@ -85,6 +96,8 @@ def local_sums(x, k):
 
 def affine(x, a, c):
     """``y = a x + c`` per channel (``a``, ``c`` (C, 1) in x's dtype), a new array."""
+    if _cuda.on_device(x):
+        return device_affine(x, a, c)
     y = numpy.empty(x.shape, dtype=x.dtype)
 
     def normalise(ch, yb, xb):
@@ -96,6 +109,8 @@ def affine(x, a, c):
 
 def backward_sums(dy, x, m):
     """``(sum(dy), sum(dy * (x - m)))`` per channel in float64; ``m`` (C, 1) in dy's dtype."""
+    if _cuda.on_device(dy):
+        return device_backward_sums(dy, x, m)
     def sums(ch, gb, xb):
         t = numpy.subtract(xb, m[ch])
         t *= gb
@@ -109,6 +124,8 @@ def backward_sums(dy, x, m):
 
 def backward_dx(dy, x, a, b, c):
     """``dx = b x + c + a dy`` per channel (``a``, ``b``, ``c`` (C, 1) in dy's dtype)."""
+    if _cuda.on_device(dy):
+        return device_backward_dx(dy, x, a, b, c)
     dx = numpy.empty(dy.shape, dtype=dy.dtype)
 
     def grad(ch, db, gb, xb):
@@ -119,5 +136,138 @@ def backward_dx(dy, x, a, b, c):
     return dx
 
 
+
+# ---------------------------------------------------------------- the CUDA kernels (CuPy arrays)
+#
+# Arrays (N, C, V) C-contiguous (V = D*H*W voxels); per-channel values (C,) in the arrays'
+# dtype.  The sums: lane j of channel c adds the elements j, j + lanes, ... of the channel's
+# N*V in float64 and writes its partial to (c, j); the grid-stride loops over channels (y)
+# and lanes (x) make one thread compute every lane, as the host emulation runs it.  The
+# terms are the reference's: x - k (and its square) and dy * (x - m) rounded in T, then
+# widened.  The affine passes: the reference's y = x * a; y += c and dx = x * b; dx += c;
+# dx += dy * a, each operation rounded in T.
+DEVICE_SOURCE = r"""
+extern "C" __global__ void bn_sums(const T* x, const T* k, double* s1, double* s2,
+                                   long long n, long long c, long long v, long long lanes) {
+    for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
+        T shift = k ? k[ch] : (T)0;
+        for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
+             lane += (long long)blockDim.x * gridDim.x) {
+            double a1 = 0.0, a2 = 0.0;
+            for (long long e = lane; e < n * v; e += lanes) {
+                T t = x[((e / v) * c + ch) * v + e % v];
+                if (k) t = SUB(t, shift);
+                a1 += (double)t;
+                a2 += (double)MUL(t, t);
+            }
+            s1[ch * lanes + lane] = a1;
+            s2[ch * lanes + lane] = a2;
+        }
+    }
+}
+
+extern "C" __global__ void bn_backward_sums(const T* dy, const T* x, const T* m, double* s1, double* s2,
+                                            long long n, long long c, long long v, long long lanes) {
+    for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
+        T mean = m[ch];
+        for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
+             lane += (long long)blockDim.x * gridDim.x) {
+            double a1 = 0.0, a2 = 0.0;
+            for (long long e = lane; e < n * v; e += lanes) {
+                long long i = ((e / v) * c + ch) * v + e % v;
+                a1 += (double)dy[i];
+                a2 += (double)MUL(SUB(x[i], mean), dy[i]);
+            }
+            s1[ch * lanes + lane] = a1;
+            s2[ch * lanes + lane] = a2;
+        }
+    }
+}
+
+extern "C" __global__ void bn_affine(const T* x, const T* a, const T* cc, T* y,
+                                     long long total, long long c, long long v) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long ch = (i / v) % c;
+        y[i] = ADD(MUL(x[i], a[ch]), cc[ch]);
+    }
+}
+
+extern "C" __global__ void bn_backward_dx(const T* dy, const T* x, const T* a, const T* b, const T* cc,
+                                          T* dx, long long total, long long c, long long v) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long ch = (i / v) % c;
+        dx[i] = ADD(ADD(MUL(x[i], b[ch]), cc[ch]), MUL(dy[i], a[ch]));
+    }
+}
+"""
+
+SIGNATURES = {
+    "bn_sums": ("ptr",) * 4 + ("i64",) * 4,
+    "bn_backward_sums": ("ptr",) * 5 + ("i64",) * 4,
+    "bn_affine": ("ptr",) * 4 + ("i64",) * 3,
+    "bn_backward_dx": ("ptr",) * 6 + ("i64",) * 3,
+}
+
+#: Partial sums per channel on a device: enough threads to fill a GPU with a few channels,
+#: few enough that adding the partials costs little next to the pass.
+SUM_LANES = 64 * _cuda.THREADS
+
+
+def _ncv(a):
+    """``a`` C-contiguous and its (N, C, V)."""
+    xp = array_module(a)
+    a = xp.ascontiguousarray(a)
+    return a, a.shape[0], a.shape[1], a[0, 0].size if a.ndim > 2 and a.shape[0] and a.shape[1] else 1
+
+
+def _per_channel_values(xp, v, dtype):
+    return None if v is None else xp.ascontiguousarray(v.reshape(-1), dtype=dtype)
+
+
+def _device_sums(name, arrays, per_channel, n, c, v, dtype):
+    """The two float64 (C,) sums of kernel ``name``: (C, lanes) partials, then added per channel."""
+    xp = array_module(*arrays)
+    lanes = int(max(1, min(SUM_LANES, -(-n * v // _cuda.THREADS) * _cuda.THREADS)))
+    s1 = xp.empty((c, lanes), dtype=xp.float64)
+    s2 = xp.empty((c, lanes), dtype=xp.float64)
+    _cuda.launch(DEVICE_SOURCE, name, SIGNATURES[name], tuple(arrays) + (per_channel, s1, s2, n, c, v, lanes),
+                 dtype, lanes, grid_y=min(c, 65535))
+    return s1.sum(axis=1), s2.sum(axis=1)
+
+
+def device_local_sums(x, k):
+    xp = array_module(x)
+    x, n, c, v = _ncv(x)
+    return _device_sums("bn_sums", (x,), _per_channel_values(xp, k, x.dtype), n, c, v, x.dtype)
+
+
+def device_backward_sums(dy, x, m):
+    xp = array_module(dy)
+    dy, n, c, v = _ncv(dy)
+    return _device_sums("bn_backward_sums", (dy, xp.ascontiguousarray(x)), _per_channel_values(xp, m, dy.dtype),
+                        n, c, v, dy.dtype)
+
+
+def device_affine(x, a, c):
+    xp = array_module(x)
+    x, _, ch, v = _ncv(x)
+    y = xp.empty(x.shape, dtype=x.dtype)
+    _cuda.launch(DEVICE_SOURCE, "bn_affine", SIGNATURES["bn_affine"],
+                 (x, _per_channel_values(xp, a, x.dtype), _per_channel_values(xp, c, x.dtype), y, x.size, ch, v),
+                 x.dtype, x.size)
+    return y
+
+
+def device_backward_dx(dy, x, a, b, c):
+    xp = array_module(dy)
+    dy, _, ch, v = _ncv(dy)
+    dx = xp.empty(dy.shape, dtype=dy.dtype)
+    pc = [_per_channel_values(xp, t, dy.dtype) for t in (a, b, c)]
+    _cuda.launch(DEVICE_SOURCE, "bn_backward_dx", SIGNATURES["bn_backward_dx"],
+                 (dy, xp.ascontiguousarray(x), *pc, dx, dy.size, ch, v), dy.dtype, dy.size)
+    return dx
+
 __all__ = ["BLOCK_ELEMENTS", "applies", "channel_blocks", "local_sums", "affine", "backward_sums",
-           "backward_dx"]
+           "backward_dx", "DEVICE_SOURCE", "SIGNATURES"]

@@ -17,9 +17,11 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
-| max/avg pooling           | blocked passes on threads       | ``pooling``        | always, unless the reference is asked for (``functional._route``) |
-| batch norm                | blocked passes on threads       | ``batch_norm``     | the same                                                      |
-| activations, dropout      | blockwise elementwise passes    | ``pointwise``      | the same                                                      |
+| max/avg pooling           | blocked passes on threads       | ``pooling``        | NumPy arrays of more than one block, unless the reference is asked for (``functional._route``) |
+|                           | one CUDA kernel per pass        | ``pooling``        | CuPy arrays (``DEVICE_SOURCE``, launched by ``_cuda``)        |
+| batch norm                | blocked passes on threads       | ``batch_norm``     | NumPy arrays of more than one block (the same rule)          |
+|                           | one CUDA kernel per pass        | ``batch_norm``     | CuPy arrays (``DEVICE_SOURCE``)                               |
+| activations               | blockwise elementwise passes    | ``pointwise``      | NumPy arrays; CuPy arrays: one fused ElementwiseKernel       |
 | losses                    | blocked softmax / picks         | ``losses``         | the same                                                      |
 
 This module imports no other kernel: the routes import it.
