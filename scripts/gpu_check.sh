@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [--dry-run] [OUT_DIR]       (default OUT_DIR: gpu_check_out)
 #
 # 1. what is here: GPU, CUDA, CuPy, the MPI library and whether it is CUDA-aware;
-# 2. tests/test_device_arrays.py on CuPy: every layer type forward and backward, and three
+# 2. tests/test_device_arrays.py and tests/test_cuda_kernels.py on CuPy: every layer type forward and
+#    backward, the CUDA kernels (pooling, batch norm, dropout) against the reference, and three
 #    training steps of each model, on the GPU equal the same on the host (float64, 1e-10);
 # 3. every partitioned layer against its unpartitioned oracle on the GPU (check-layer, float64,
 #    1e-10), on 1, 2 and 4 ranks, device buffers staged through host memory and, where the MPI
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,19p' "$0"; exit 0; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,20p' "$0"; exit 0; fi
 OUT=${1:-gpu_check_out}
 MPIEXEC=(mpiexec --oversubscribe)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
@@ -68,7 +69,7 @@ MODES=(0)
 if [ "$AWARE" = "yes" ]; then MODES=(0 1); fi
 
 echo "== 2. layers and models on the GPU equal the host"
-run python -m pytest -q -p no:cacheprovider tests/test_device_arrays.py
+run python -m pytest -q -p no:cacheprovider tests/test_device_arrays.py tests/test_cuda_kernels.py
 
 echo "== 3. every partitioned layer on the GPU (float64, 1e-10)"
 LAYERS=("conv3d --out-channels 5 --kernel 3,2,5 --stride 2,1,1 --padding 1,0,2 --dilation 1,2,1"
