@@ -5,7 +5,8 @@ dimension it uses, with no shared memory and no synchronisation; launched as one
 one thread, such a kernel computes its whole result in one thread.  The header below stands
 in for CUDA's: the launch coordinates of that one thread, ``__global__`` as nothing, and the
 correctly rounded intrinsics as the plain operations (compiled with ``-ffp-contract=off``, so
-each is rounded on its own, as on the device).  What this cannot check: CUDA's own compiler
+each is rounded on its own, as on the device), ``expf``/``logf`` the C library's (CUDA's
+differ from them, and from NumPy's, by an ulp or two), an atomic add a plain one.  What this cannot check: CUDA's own compiler
 (``nvcc_compiles`` does), and anything about many threads at once (the kernels share no
 memory between threads: each writes its own outputs).
 """
@@ -27,6 +28,7 @@ CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 NVCC = shutil.which("nvcc")
 
 HOST_HEADER = """
+#include <math.h>
 struct refimpl_uint3 { unsigned x, y, z; };
 static const refimpl_uint3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
 static const refimpl_uint3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
@@ -39,6 +41,8 @@ static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
+    unsigned long long old = *a; *a += v; return old; }
 """
 
 _built = {}

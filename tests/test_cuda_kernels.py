@@ -18,11 +18,12 @@ from refimpl.functional import (avg_pool3d, avg_pool3d_backward, batch_norm3d, b
 from refimpl.functional.batch_norm import (batch_norm_backward, batch_norm_backward_local_sums,
                                            batch_norm_forward, batch_norm_local_sums, batch_norm_stats)
 from refimpl.functional.dropout import dropout, dropout_backward
-from refimpl.kernels import _cuda, batch_norm, pooling
+from refimpl.functional.losses import dice_score_local_sums, soft_dice_loss, softmax_cross_entropy
+from refimpl.kernels import _cuda, batch_norm, losses, pooling
 from refimpl.kernels import dropout as dropout_kernels
 
 SOURCES = {"pooling": pooling.DEVICE_SOURCE, "batch_norm": batch_norm.DEVICE_SOURCE,
-           "dropout": dropout_kernels.DEVICE_SOURCE}
+           "dropout": dropout_kernels.DEVICE_SOURCE, "losses": losses.DEVICE_SOURCE}
 GPU = not settings.cupy_unavailable()
 
 
@@ -193,3 +194,40 @@ def test_dropout_kernel_refuses_a_block_of_another_shape(where):
     x = backend.asarray(np.ones((2, 3)))
     with pytest.raises(ValueError, match="select a block of shape"):
         dropout(x, 0.5, 1, (4, 3), [(0, 3), (0, 3)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5, 6), (5, 4), (1, 12, 3, 2, 2)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_kernels_equal_the_reference(where, dtype, shape, weighted):
+    """Cross-entropy (loss and gradient), soft Dice and the hard Dice counts: the softmax's
+    exp and log are the device's (or the C library's), so a few ulp apart from NumPy's; the
+    confusion counts exact."""
+    rng = np.random.default_rng(9)
+    k = shape[1]
+    logits = (rng.standard_normal(shape) * 3).astype(dtype)
+    labels = rng.integers(0, k, size=(shape[0],) + shape[2:])
+    weights = (rng.random(k) + 0.5).astype(dtype) if weighted else None
+    logits[0, :, ...] = 0.25                                  # ties: the first class is the prediction
+    with reference_only():
+        loss_ref, grad_ref = softmax_cross_entropy(logits, labels, weights)
+        dice_ref, dice_grad_ref = soft_dice_loss(logits, labels)
+        counts_ref = dice_score_local_sums(logits, labels)
+    ld, yd = backend.asarray(logits), backend.asarray(labels)
+    loss, grad = softmax_cross_entropy(ld, yd, None if weights is None else backend.asarray(weights))
+    ulp = 8 * np.finfo(dtype).eps
+    assert abs(loss - loss_ref) <= ulp * abs(loss_ref) * 4
+    np.testing.assert_allclose(backend.to_host(grad), grad_ref, rtol=ulp * 4, atol=ulp * np.abs(grad_ref).max())
+    dice, dice_grad = soft_dice_loss(ld, yd)
+    assert abs(dice - dice_ref) <= ulp * 4
+    np.testing.assert_allclose(backend.to_host(dice_grad), dice_grad_ref, rtol=ulp * 4,
+                               atol=ulp * np.abs(dice_grad_ref).max())
+    _equal(dice_score_local_sums(ld, yd), counts_ref)
+
+
+def test_confusion_kernel_takes_a_nan_as_the_maximum(where):
+    logits = np.array([[1.0, np.nan], [np.nan, 0.0], [2.0, 2.0], [3.0, 1.0]])   # (N=4, K=2): a NaN in
+    labels = np.array([0, 1, 1, 0])                                               # either class, a tie
+    with reference_only():
+        ref = dice_score_local_sums(logits, labels)
+    _equal(dice_score_local_sums(backend.asarray(logits), backend.asarray(labels)), ref)

@@ -18,15 +18,27 @@ by an ulp); the float64 sums add per-block sums in block order (an order that de
 the shape only, not on the thread count), within float64 rounding of the reference's.
 tests/test_reference_ops.py checks each against the reference.
 
+On a GPU (CuPy logits) each of the four passes is one CUDA kernel (``DEVICE_SOURCE``,
+launched by ``_cuda``), one thread per voxel looping over the K classes in class order (the
+reference's reductions over the short class axis take a kernel launch and a temporary each):
+the max, the exponentials and their sum in class order, p and lse; the cross-entropy sums as
+float64 partials per lane (``batch_norm``'s scheme); the gradient one thread per element;
+the confusion counts by integer atomic adds (exact in any order).  Numbers: the gradient and
+the confusion counts equal the reference's for the same p; the softmax uses CUDA's
+``expf``/``logf`` (``exp``/``log``), within a few ulp of NumPy's (tests/test_cuda_kernels.py);
+the sums to float64 rounding.
+
 The one dispatch rule (``applies``): NumPy logits, C-contiguous, ``(N, K, ...)`` with at
-least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes take this route outside
-``refimpl.functional.reference_only()``; anything else the reference.
+least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes, and every CuPy logits
+array, take this route outside ``refimpl.functional.reference_only()``; anything else the
+reference.
 """
 from __future__ import annotations
 
 import numpy
 
-from . import _threads
+from ..backend import array_module
+from . import _cuda, _threads
 
 #: Up to this many classes the class passes run here (one 0/1 mask per class: 3 classes at
 #: 64^3 several times faster than take_along_axis's fancy indexing, and than ufuncs with ``where=``).
@@ -38,6 +50,8 @@ CLASS_BLOCK_VOXELS = 1 << 15
 
 def applies(logits) -> bool:
     """Whether the class passes over ``logits`` run here (module doc)."""
+    if _cuda.on_device(logits):
+        return logits.ndim >= 2
     return (type(logits) is numpy.ndarray and logits.flags.c_contiguous and logits.ndim >= 3
             and logits.shape[1] <= MASKED_PICK_CLASSES)
 
@@ -64,6 +78,8 @@ def _voxel_blocks(fn, *arrays):
 
 def softmax(logits):
     """``(p, lse)`` of ``functional.losses.SoftmaxParts``, class plane by class plane."""
+    if _cuda.on_device(logits):
+        return device_softmax(logits)
     n, k = logits.shape[:2]
     p = numpy.empty_like(logits)
     lse = numpy.empty((n, 1) + logits.shape[2:], dtype=logits.dtype)
@@ -98,6 +114,8 @@ def _at_labels(z, y):
 
 def cross_entropy_sums(logits, lse, labels, class_weights):
     """``[sum_v w[y_v], sum_v w[y_v] * nll_v]`` (float64 (2,)), ``nll_v = lse_v - z_{y_v}``."""
+    if _cuda.on_device(logits):
+        return device_cross_entropy_sums(logits, lse, labels, class_weights)
     def block(z, lb, y):
         nll = lb[0] - _at_labels(z, y)                               # lse - z_y
         if class_weights is None:
@@ -109,6 +127,8 @@ def cross_entropy_sums(logits, lse, labels, class_weights):
 
 def cross_entropy_grad(p, labels, class_weights, scale):
     """``w[y] (p - onehot(y)) * scale``, the one-hot subtracted plane by plane at the labels."""
+    if _cuda.on_device(p):
+        return device_cross_entropy_grad(p, labels, class_weights, scale)
     grad = numpy.empty_like(p)
 
     def block(pb, gb, y):                                           # (K, B), (K, B), (B,)
@@ -134,10 +154,162 @@ def _argmax_classes(z):
 
 def confusion(logits, labels):
     """The (K, K) confusion counts, row = label, column = argmax prediction, block by block."""
+    if _cuda.on_device(logits):
+        return device_confusion(logits, labels)
     k = logits.shape[1]
     return numpy.sum(_voxel_blocks(lambda z, y: numpy.bincount(y * k + _argmax_classes(z), minlength=k * k),
                                    logits, labels), axis=0).reshape(k, k)
 
 
+
+# ---------------------------------------------------------------- the CUDA kernels (CuPy arrays)
+#
+# Logits (N, K, V) C-contiguous (V: the voxels, 1 without spatial axes), labels (N, V) int64.
+# Softmax per voxel as the reference: m = max_k z_k (a NaN propagates, as numpy.maximum),
+# e_k = exp(z_k - m), s = e_0 + e_1 + ... in class order, p_k = e_k / s, lse = log(s) + m.
+# The cross-entropy terms w[y] and w[y] * (lse - z_y) (w = 1 and no product without weights),
+# summed in float64 per lane; the gradient (p - [y == k]) * w[y] * scale, rounded op by op in
+# the reference's order; the confusion counts at (label, first maximum: a NaN counts as the
+# maximum, as numpy.argmax).
+DEVICE_SOURCE = r"""
+extern "C" __global__ void softmax_parts(const T* z, T* p, T* lse, long long n, long long k, long long v) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * v;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long base = (i / v) * k * v + i % v;
+        T m = z[base];
+        for (long long c = 1; c < k; ++c) {
+            T zc = z[base + c * v];
+            if (zc > m || zc != zc) m = zc;
+        }
+        T s = (T)0;
+        for (long long c = 0; c < k; ++c) {
+            T e = EXP(SUB(z[base + c * v], m));
+            p[base + c * v] = e;
+            s = c == 0 ? e : ADD(s, e);
+        }
+        for (long long c = 0; c < k; ++c) p[base + c * v] = DIV(p[base + c * v], s);
+        lse[i] = ADD(LOG(s), m);
+    }
+}
+
+extern "C" __global__ void cross_entropy_sums(const T* z, const T* lse, const long long* y, const T* w,
+                                              double* s1, double* s2, long long n, long long k, long long v,
+                                              long long lanes) {
+    for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
+         lane += (long long)blockDim.x * gridDim.x) {
+        double a1 = 0.0, a2 = 0.0;
+        for (long long i = lane; i < n * v; i += lanes) {
+            long long label = y[i];
+            T nll = SUB(lse[i], z[(i / v) * k * v + label * v + i % v]);
+            if (w) {
+                a1 += (double)w[label];
+                a2 += (double)MUL(w[label], nll);
+            } else {
+                a1 += 1.0;
+                a2 += (double)nll;
+            }
+        }
+        s1[lane] = a1;
+        s2[lane] = a2;
+    }
+}
+
+extern "C" __global__ void cross_entropy_grad(const T* p, const long long* y, const T* w, const T* scale,
+                                              T* grad, long long n, long long k, long long v) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * k * v;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long vox = (i / (k * v)) * v + i % v;
+        long long label = y[vox];
+        T g = SUB(p[i], (T)((i / v) % k == label));
+        if (w) g = MUL(g, w[label]);
+        grad[i] = MUL(g, scale[0]);
+    }
+}
+
+extern "C" __global__ void confusion_counts(const T* z, const long long* y, unsigned long long* counts,
+                                            long long n, long long k, long long v) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * v;
+         i += (long long)blockDim.x * gridDim.x) {
+        long long base = (i / v) * k * v + i % v;
+        long long best = 0;
+        T m = z[base];
+        for (long long c = 1; c < k && m == m; ++c) {
+            T zc = z[base + c * v];
+            if (zc > m || zc != zc) { m = zc; best = c; }
+        }
+        atomicAdd(&counts[y[i] * k + best], 1ULL);
+    }
+}
+"""
+
+SIGNATURES = {
+    "softmax_parts": ("ptr",) * 3 + ("i64",) * 3,
+    "cross_entropy_sums": ("ptr",) * 6 + ("i64",) * 4,
+    "cross_entropy_grad": ("ptr",) * 5 + ("i64",) * 3,
+    "confusion_counts": ("ptr",) * 3 + ("i64",) * 3,
+}
+
+#: Partial sums of the cross-entropy on a device (``batch_norm.SUM_LANES``'s reasoning).
+SUM_LANES = 64 * _cuda.THREADS
+
+
+def _nkv(a):
+    xp = array_module(a)
+    a = xp.ascontiguousarray(a)
+    v = 1
+    for extent in a.shape[2:]:
+        v *= extent
+    return a, a.shape[0], a.shape[1], v
+
+
+def _labels(labels):
+    xp = array_module(labels)
+    return xp.ascontiguousarray(labels, dtype=xp.int64)
+
+
+def _weights(class_weights, dtype):
+    return None if class_weights is None else array_module(class_weights).ascontiguousarray(class_weights, dtype=dtype)
+
+
+def device_softmax(logits):
+    xp = array_module(logits)
+    z, n, k, v = _nkv(logits)
+    p = xp.empty(z.shape, dtype=z.dtype)
+    lse = xp.empty((n, 1) + tuple(z.shape[2:]), dtype=z.dtype)
+    _cuda.launch(DEVICE_SOURCE, "softmax_parts", SIGNATURES["softmax_parts"], (z, p, lse, n, k, v), z.dtype, n * v)
+    return p, lse
+
+
+def device_cross_entropy_sums(logits, lse, labels, class_weights):
+    xp = array_module(logits)
+    z, n, k, v = _nkv(logits)
+    lanes = int(max(1, min(SUM_LANES, -(-n * v // _cuda.THREADS) * _cuda.THREADS)))
+    s1 = xp.empty(lanes, dtype=xp.float64)
+    s2 = xp.empty(lanes, dtype=xp.float64)
+    _cuda.launch(DEVICE_SOURCE, "cross_entropy_sums", SIGNATURES["cross_entropy_sums"],
+                 (z, xp.ascontiguousarray(lse), _labels(labels), _weights(class_weights, z.dtype), s1, s2,
+                  n, k, v, lanes), z.dtype, lanes)
+    return xp.stack([s1.sum(), s2.sum()])
+
+
+def device_cross_entropy_grad(p, labels, class_weights, scale):
+    xp = array_module(p)
+    p, n, k, v = _nkv(p)
+    grad = xp.empty(p.shape, dtype=p.dtype)
+    _cuda.launch(DEVICE_SOURCE, "cross_entropy_grad", SIGNATURES["cross_entropy_grad"],
+                 (p, _labels(labels), _weights(class_weights, p.dtype),
+                  xp.ascontiguousarray(xp.asarray(scale, dtype=p.dtype).reshape(1)), grad, n, k, v),
+                 p.dtype, grad.size)
+    return grad
+
+
+def device_confusion(logits, labels):
+    xp = array_module(logits)
+    z, n, k, v = _nkv(logits)
+    counts = xp.zeros(k * k, dtype=xp.uint64)
+    _cuda.launch(DEVICE_SOURCE, "confusion_counts", SIGNATURES["confusion_counts"], (z, _labels(labels), counts, n, k, v),
+                 z.dtype, n * v)
+    return counts.astype(xp.int64).reshape(k, k)
+
 __all__ = ["MASKED_PICK_CLASSES", "CLASS_BLOCK_VOXELS", "applies", "softmax", "cross_entropy_sums",
-           "cross_entropy_grad", "confusion"]
+           "cross_entropy_grad", "confusion", "DEVICE_SOURCE", "SIGNATURES"]

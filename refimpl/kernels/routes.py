@@ -22,7 +22,9 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 | batch norm                | blocked passes on threads       | ``batch_norm``     | NumPy arrays of more than one block (the same rule)          |
 |                           | one CUDA kernel per pass        | ``batch_norm``     | CuPy arrays (``DEVICE_SOURCE``)                               |
 | activations               | blockwise elementwise passes    | ``pointwise``      | NumPy arrays; CuPy arrays: one fused ElementwiseKernel       |
-| losses                    | blocked softmax / picks         | ``losses``         | the same                                                      |
+| losses                    | blocked softmax / picks         | ``losses``         | NumPy logits of few classes (``losses.applies``)              |
+|                           | one CUDA kernel per pass        | ``losses``         | CuPy logits (``DEVICE_SOURCE``)                               |
+| dropout                   | one CUDA kernel per pass        | ``dropout``        | CuPy arrays; NumPy arrays take the reference                  |
 
 This module imports no other kernel: the routes import it.
 """
