@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy
 
+from ..backend import array_module
+
 #: The C++ types of the two dtypes and the correctly rounded operations of each.
 PRELUDE = {
     "float32": ("typedef float T;\n#define MUL __fmul_rn\n#define ADD __fadd_rn\n"
@@ -76,6 +78,26 @@ def blocks_for(total) -> int:
     return int(max(1, min(MAX_BLOCKS, -(-int(total) // THREADS))))
 
 
+#: Partial sums per sum on a device (each thread adds every lanes-th element in float64): enough
+#: threads to fill a GPU with a few channels, few enough that adding the partials costs little.
+SUM_LANES = 64 * THREADS
+
+
+def sum_lanes(total) -> int:
+    """Lanes of partial sums for ``total`` terms: ``SUM_LANES``, fewer for short sums (whole blocks)."""
+    return int(max(1, min(SUM_LANES, -(-int(total) // THREADS) * THREADS)))
+
+
+def flat(a):
+    """``(a C-contiguous, N, C, V)``: an (N, C, ...) array seen as (N, C, V), V the product of
+    the axes after the second (1 when there are none)."""
+    a = array_module(a).ascontiguousarray(a)
+    v = 1
+    for extent in a.shape[2:]:
+        v *= extent
+    return a, a.shape[0], a.shape[1], v
+
+
 def launch(body, name, kinds, values, dtype, total, grid_y=1):
     """Run kernel ``name`` of ``body`` on the current stream over ``total`` elements along x
     (and ``grid_y`` blocks along y)."""
@@ -88,5 +110,5 @@ def on_device(a) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
-__all__ = ["PRELUDE", "THREADS", "MAX_BLOCKS", "source", "function", "arguments", "blocks_for", "launch",
-           "on_device"]
+__all__ = ["PRELUDE", "THREADS", "MAX_BLOCKS", "SUM_LANES", "source", "function", "arguments", "blocks_for",
+           "sum_lanes", "flat", "launch", "on_device"]

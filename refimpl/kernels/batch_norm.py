@@ -210,18 +210,6 @@ SIGNATURES = {
     "bn_backward_dx": ("ptr",) * 6 + ("i64",) * 3,
 }
 
-#: Partial sums per channel on a device: enough threads to fill a GPU with a few channels,
-#: few enough that adding the partials costs little next to the pass.
-SUM_LANES = 64 * _cuda.THREADS
-
-
-def _ncv(a):
-    """``a`` C-contiguous and its (N, C, V)."""
-    xp = array_module(a)
-    a = xp.ascontiguousarray(a)
-    return a, a.shape[0], a.shape[1], a[0, 0].size if a.ndim > 2 and a.shape[0] and a.shape[1] else 1
-
-
 def _per_channel_values(xp, v, dtype):
     return None if v is None else xp.ascontiguousarray(v.reshape(-1), dtype=dtype)
 
@@ -229,7 +217,7 @@ def _per_channel_values(xp, v, dtype):
 def _device_sums(name, arrays, per_channel, n, c, v, dtype):
     """The two float64 (C,) sums of kernel ``name``: (C, lanes) partials, then added per channel."""
     xp = array_module(*arrays)
-    lanes = int(max(1, min(SUM_LANES, -(-n * v // _cuda.THREADS) * _cuda.THREADS)))
+    lanes = _cuda.sum_lanes(n * v)
     s1 = xp.empty((c, lanes), dtype=xp.float64)
     s2 = xp.empty((c, lanes), dtype=xp.float64)
     _cuda.launch(DEVICE_SOURCE, name, SIGNATURES[name], tuple(arrays) + (per_channel, s1, s2, n, c, v, lanes),
@@ -239,20 +227,20 @@ def _device_sums(name, arrays, per_channel, n, c, v, dtype):
 
 def device_local_sums(x, k):
     xp = array_module(x)
-    x, n, c, v = _ncv(x)
+    x, n, c, v = _cuda.flat(x)
     return _device_sums("bn_sums", (x,), _per_channel_values(xp, k, x.dtype), n, c, v, x.dtype)
 
 
 def device_backward_sums(dy, x, m):
     xp = array_module(dy)
-    dy, n, c, v = _ncv(dy)
+    dy, n, c, v = _cuda.flat(dy)
     return _device_sums("bn_backward_sums", (dy, xp.ascontiguousarray(x)), _per_channel_values(xp, m, dy.dtype),
                         n, c, v, dy.dtype)
 
 
 def device_affine(x, a, c):
     xp = array_module(x)
-    x, _, ch, v = _ncv(x)
+    x, _, ch, v = _cuda.flat(x)
     y = xp.empty(x.shape, dtype=x.dtype)
     _cuda.launch(DEVICE_SOURCE, "bn_affine", SIGNATURES["bn_affine"],
                  (x, _per_channel_values(xp, a, x.dtype), _per_channel_values(xp, c, x.dtype), y, x.size, ch, v),
@@ -262,7 +250,7 @@ def device_affine(x, a, c):
 
 def device_backward_dx(dy, x, a, b, c):
     xp = array_module(dy)
-    dy, _, ch, v = _ncv(dy)
+    dy, _, ch, v = _cuda.flat(dy)
     dx = xp.empty(dy.shape, dtype=dy.dtype)
     pc = [_per_channel_values(xp, t, dy.dtype) for t in (a, b, c)]
     _cuda.launch(DEVICE_SOURCE, "bn_backward_dx", SIGNATURES["bn_backward_dx"],

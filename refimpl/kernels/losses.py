@@ -249,19 +249,6 @@ SIGNATURES = {
     "confusion_counts": ("ptr",) * 3 + ("i64",) * 3,
 }
 
-#: Partial sums of the cross-entropy on a device (``batch_norm.SUM_LANES``'s reasoning).
-SUM_LANES = 64 * _cuda.THREADS
-
-
-def _nkv(a):
-    xp = array_module(a)
-    a = xp.ascontiguousarray(a)
-    v = 1
-    for extent in a.shape[2:]:
-        v *= extent
-    return a, a.shape[0], a.shape[1], v
-
-
 def _labels(labels):
     xp = array_module(labels)
     return xp.ascontiguousarray(labels, dtype=xp.int64)
@@ -273,7 +260,7 @@ def _weights(class_weights, dtype):
 
 def device_softmax(logits):
     xp = array_module(logits)
-    z, n, k, v = _nkv(logits)
+    z, n, k, v = _cuda.flat(logits)
     p = xp.empty(z.shape, dtype=z.dtype)
     lse = xp.empty((n, 1) + tuple(z.shape[2:]), dtype=z.dtype)
     _cuda.launch(DEVICE_SOURCE, "softmax_parts", SIGNATURES["softmax_parts"], (z, p, lse, n, k, v), z.dtype, n * v)
@@ -282,8 +269,8 @@ def device_softmax(logits):
 
 def device_cross_entropy_sums(logits, lse, labels, class_weights):
     xp = array_module(logits)
-    z, n, k, v = _nkv(logits)
-    lanes = int(max(1, min(SUM_LANES, -(-n * v // _cuda.THREADS) * _cuda.THREADS)))
+    z, n, k, v = _cuda.flat(logits)
+    lanes = _cuda.sum_lanes(n * v)
     s1 = xp.empty(lanes, dtype=xp.float64)
     s2 = xp.empty(lanes, dtype=xp.float64)
     _cuda.launch(DEVICE_SOURCE, "cross_entropy_sums", SIGNATURES["cross_entropy_sums"],
@@ -294,7 +281,7 @@ def device_cross_entropy_sums(logits, lse, labels, class_weights):
 
 def device_cross_entropy_grad(p, labels, class_weights, scale):
     xp = array_module(p)
-    p, n, k, v = _nkv(p)
+    p, n, k, v = _cuda.flat(p)
     grad = xp.empty(p.shape, dtype=p.dtype)
     _cuda.launch(DEVICE_SOURCE, "cross_entropy_grad", SIGNATURES["cross_entropy_grad"],
                  (p, _labels(labels), _weights(class_weights, p.dtype),
@@ -305,7 +292,7 @@ def device_cross_entropy_grad(p, labels, class_weights, scale):
 
 def device_confusion(logits, labels):
     xp = array_module(logits)
-    z, n, k, v = _nkv(logits)
+    z, n, k, v = _cuda.flat(logits)
     counts = xp.zeros(k * k, dtype=xp.uint64)
     _cuda.launch(DEVICE_SOURCE, "confusion_counts", SIGNATURES["confusion_counts"], (z, _labels(labels), counts, n, k, v),
                  z.dtype, n * v)
