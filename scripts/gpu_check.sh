@@ -16,14 +16,16 @@
 #    and (CUDA-aware MPI only) direct;
 # 6. training steps against PyTorch on the same GPU (scripts/bench_train.py --device cuda):
 #    CosmoFlow at MLPerf's sizes and the U-Net at 128^3, 1 rank and 2 ranks vs DDP, full
-#    float32, then TF32 on both sides.
+#    float32, then TF32 on both sides;
+# 7. where a CosmoFlow step's time goes on the GPU: every layer's forward and backward against
+#    cuDNN's (scripts/profile_step.py --device cuda, MLPerf's sizes, full float32).
 # Everything it prints is also written under OUT_DIR.  --dry-run prints the commands only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,20p' "$0"; exit 0; fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,22p' "$0"; exit 0; fi
 OUT=${1:-gpu_check_out}
 MPIEXEC=(mpiexec --oversubscribe)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
@@ -103,4 +105,7 @@ for tf32 in off on; do          # bench_train's --device cuda sizes: MLPerf's Co
     run python scripts/bench_train.py --device cuda --tf32 "$tf32" --models cosmoflow unet3d \
         --grids 1,1,1,1 2,1,1,1 --batch 4 --warmup 2 --steps 5 --json "$OUT/bench_train_cuda_tf32_${tf32}.json"
 done
+echo "== 7. per layer: refimpl on CuPy vs PyTorch on the same GPU (full float32)"
+run python scripts/profile_step.py --device cuda --model cosmoflow --preset mlperf --batch 4 --repeats 2 \
+    --json "$OUT/profile_cosmoflow_cuda.json"
 echo "gpu_check: done; logs and JSON in $OUT"

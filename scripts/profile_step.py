@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Per-layer profile of one training step: refimpl vs the same network in PyTorch (CPU, one process).
+"""Per-layer profile of one training step: refimpl vs the same network in PyTorch (CPU or GPU, one process).
 
 One step is forward, loss and backward (no optimiser) of CosmoFlow and / or the
 3D U-Net on one fixed synthetic batch (``bench_train.synthetic_batch``), float32,
@@ -65,6 +65,16 @@ the rows and the totals, times in seconds.
 the products an im2col route computes (``gemm_floor``), and torch's f+b over that floor, the
 best ratio such a route can reach on this machine.
 
+On a GPU (``--device cuda``, issue 39): refimpl on CuPy against the twin on the same GPU
+(cuDNN), full float32 on both sides unless ``--tf32 on`` (then TF32 on both: refimpl's
+``REFIMPL_TF32`` / ``CUPY_TF32``, torch's ``allow_tf32``), every clock read after both sides'
+queued kernels have finished (``backend.synchronize``, ``torch.cuda.synchronize``): each row is
+then the layer's own device time plus one synchronisation.  ``--device strict`` runs refimpl on
+the host stand-in of a device array against torch on the CPU (a smoke run of the device path).
+
+    python scripts/profile_step.py --device cuda --model cosmoflow --preset mlperf --batch 4
+    python scripts/profile_step.py --device cuda --model unet3d --size 128 --batch 2
+
 The refimpl profiled is the first on ``sys.path`` (the checkout this script
 lives in when none is found), so ``PYTHONPATH`` profiles another version of
 refimpl with this script and bench_train's torch twins, e.g. an older commit:
@@ -100,6 +110,16 @@ LOSS_LABEL = {"cosmoflow": "loss MSE", "unet3d": "loss cross-entropy"}
 
 
 # ---------------------------------------------------------------------------- imports
+
+_SYNCS = []                       # what each clock read waits for (a device's queued kernels)
+
+
+def now() -> float:
+    """``time.perf_counter()`` after every side's queued device work has finished."""
+    for sync in _SYNCS:
+        sync()
+    return time.perf_counter()
+
 
 def set_threads(threads: int) -> None:
     """BLAS (and refimpl worker) threads: must run before numpy is imported."""
@@ -252,18 +272,19 @@ class RefimplStep:
         from refimpl.models import build_model
         self.model = build_model(name, config, seed=seed, dtype="float32")
         self.model.train()
-        self.x, self.y = x, y
+        from refimpl import backend
+        self.x, self.y = backend.asarray(x), backend.asarray(y)        # the device's arrays on a GPU
         self.log, self.wrapped = None, []
 
     def params(self) -> int:
         return sum(int(p.data.size) for p in self.model.parameters())
 
     def step(self) -> float:
-        t0 = time.perf_counter()
+        t0 = now()
         self.model.zero_grad()
         _, dout, _ = self.model.loss(self.model.forward(self.x), self.y)
         self.model.backward(dout)
-        return time.perf_counter() - t0
+        return now() - t0
 
     def instrument(self):
         for name, layer in refimpl_leaves(self.model):
@@ -274,15 +295,15 @@ class RefimplStep:
         forward, backward, kind = layer.forward, layer.backward, type(layer).__name__   # bound originals
 
         def timed_forward(x, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = now()
             y = forward(x, *args, **kwargs)
-            self.log.calls.append([name, kind, tuple(x.shape), tuple(y.shape), time.perf_counter() - t0])
+            self.log.calls.append([name, kind, tuple(x.shape), tuple(y.shape), now() - t0])
             return y
 
         def timed_backward(dy, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = now()
             dx = backward(dy, *args, **kwargs)
-            self.log.bwd[name].append(time.perf_counter() - t0)
+            self.log.bwd[name].append(now() - t0)
             return dx
 
         layer.forward, layer.backward = timed_forward, timed_backward    # instance attributes
@@ -294,14 +315,14 @@ class RefimplStep:
 
     def profiled_step(self) -> StepLog:
         log = self.log = StepLog()
-        t0 = time.perf_counter()
+        t0 = now()
         self.model.zero_grad()
         out = self.model.forward(self.x)
-        t1 = time.perf_counter()
+        t1 = now()
         _, dout, _ = self.model.loss(out, self.y)
-        t2 = time.perf_counter()
+        t2 = now()
         self.model.backward(dout)
-        t3 = time.perf_counter()
+        t3 = now()
         log.fwd_s, log.loss_fwd_s, log.bwd_s = t1 - t0, t2 - t1, t3 - t2
         return log
 
@@ -309,13 +330,14 @@ class RefimplStep:
 class TorchStep:
     """bench_train's torch twin and the same batch: plain steps, and steps timed by hooks on every leaf."""
 
-    def __init__(self, bench_train, name, config, x, y, seed, layout="ncdhw"):
+    def __init__(self, bench_train, name, config, x, y, seed, layout="ncdhw", device="cpu"):
         import torch
         torch.manual_seed(seed)
         self.net, self.loss_fn = bench_train.torch_model(name, config)
         self.net.train()
-        self.x, self.y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
-        self.net, self.x = bench_train.torch_layout(self.net, self.x, layout)
+        device = torch.device("cuda" if device == "cuda" else "cpu")
+        self.x, self.y = torch.from_numpy(x.copy()).to(device), torch.from_numpy(y.copy()).to(device)
+        self.net, self.x = bench_train.torch_layout(self.net.to(device), self.x, layout)
         self.log, self.handles = None, []
         self.fwd_t0, self.bwd_t0 = defaultdict(list), defaultdict(list)   # per module: open calls
         self.first_bwd_t0, self.no_input_grad = None, []
@@ -324,10 +346,10 @@ class TorchStep:
         return sum(p.numel() for p in self.net.parameters())
 
     def step(self) -> float:
-        t0 = time.perf_counter()
+        t0 = now()
         self.net.zero_grad()
         self.loss_fn(self.net(self.x), self.y).backward()
-        return time.perf_counter() - t0
+        return now() - t0
 
     def instrument(self):
         for name, module in self.net.named_modules():       # a shared module is listed once
@@ -335,21 +357,21 @@ class TorchStep:
                 continue
             kind = type(module).__name__
             self.handles += [
-                module.register_forward_pre_hook(lambda m, args: self.fwd_t0[m].append(time.perf_counter())),
+                module.register_forward_pre_hook(lambda m, args: self.fwd_t0[m].append(now())),
                 module.register_forward_hook(
                     lambda m, args, out, name=name, kind=kind: self.log.calls.append(
                         [name, kind, tuple(args[0].shape), tuple(out.shape),
-                         time.perf_counter() - self.fwd_t0[m].pop()])),
+                         now() - self.fwd_t0[m].pop()])),
                 module.register_full_backward_pre_hook(self._bwd_pre),
                 module.register_full_backward_hook(lambda m, gin, gout, name=name: self._bwd_post(m, name, gin))]
 
     def _bwd_pre(self, module, grad_output):
-        t = time.perf_counter()
+        t = now()
         self.bwd_t0[module].append(t)
         self.first_bwd_t0 = t if self.first_bwd_t0 is None else self.first_bwd_t0
 
     def _bwd_post(self, module, name, grad_input):
-        t = time.perf_counter()
+        t = now()
         t0 = self.bwd_t0[module].pop()
         if all(g is None for g in grad_input):      # no input gradient: called before the layer's backward
             self.no_input_grad.append((name, t0))   # ends with loss.backward() (profiled_step)
@@ -364,14 +386,14 @@ class TorchStep:
     def profiled_step(self) -> StepLog:
         log = self.log = StepLog()
         self.first_bwd_t0, self.no_input_grad = None, []
-        t0 = time.perf_counter()
+        t0 = now()
         self.net.zero_grad()
         out = self.net(self.x)
-        t1 = time.perf_counter()
+        t1 = now()
         loss = self.loss_fn(out, self.y)
-        t2 = time.perf_counter()
+        t2 = now()
         loss.backward()
-        t3 = time.perf_counter()
+        t3 = now()
         for name, t in self.no_input_grad:
             log.bwd[name].append(t3 - t)
         log.fwd_s, log.loss_fwd_s, log.bwd_s = t1 - t0, t2 - t1, t3 - t2
@@ -494,7 +516,8 @@ def profile_model(name, config, notes, args, bench_train, use_torch) -> dict:
         ours = RefimplStep(name, config, x, y, args.seed)
     except ValueError as err:
         raise SystemExit(f"profile_step: {name}: {err}")
-    theirs = TorchStep(bench_train, name, config, x, y, args.seed, args.torch_layout) if use_torch else None
+    theirs = (TorchStep(bench_train, name, config, x, y, args.seed, args.torch_layout, args.device) if use_torch
+              else None)
     if theirs is not None and theirs.params() != ours.params():
         raise SystemExit(f"profile_step: {name}: refimpl has {ours.params():,} parameters, the torch twin "
                          f"{theirs.params():,}: not the same network")
@@ -669,8 +692,18 @@ def parse_args(argv=None):
     ap.add_argument("--gemm-floor", action="store_true",
                     help="also time numpy's GEMMs alone for each conv row's products (gemm_floor): the "
                          "fastest an im2col route could run, and torch's f+b over it")
+    ap.add_argument("--device", choices=("cpu", "cuda", "strict"), default="cpu",
+                    help="cpu (default); cuda: refimpl on CuPy vs the twin on the same GPU, every clock read "
+                         "synchronised; strict: refimpl on the host stand-in of a device array vs torch on the CPU")
+    ap.add_argument("--tf32", choices=("off", "on"), default="off",
+                    help="with --device cuda: off (default) compares full float32 on both sides; on lets refimpl's "
+                         "CuPy GEMMs and cuDNN/cuBLAS round to TF32 alike")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE (times in seconds)")
     args = ap.parse_args(argv)
+    if args.tf32 == "on" and args.device != "cuda":
+        ap.error("--tf32 on: TF32 exists only on a GPU (use it with --device cuda)")
+    if args.gemm_floor and args.device != "cpu":
+        ap.error("--gemm-floor times numpy's GEMMs on the host: use it with --device cpu")
     if len(set(args.models)) != len(args.models):
         ap.error("--model: a model is listed more than once")
     for key in ("batch", "size", "threads", "repeats"):
@@ -685,12 +718,29 @@ def main(argv=None) -> int:
     refimpl = import_refimpl()
     import numpy
     bench_train = import_bench_train()
+    os.environ.update(bench_train.tf32_env(args))          # before CuPy is imported (refimpl/precision.py)
+    if args.tf32 == "on":
+        os.environ.pop("NVIDIA_TF32_OVERRIDE", None)
     allocator = tune_allocator_if_any()
     use_torch = not args.no_torch and bench_train.torch_available()
+    missing = bench_train.device_missing(args.device, use_torch)
+    if missing:
+        print(f"profile_step: {missing}", file=sys.stderr)
+        return 2
+    device = args.device
+    if device != "cpu":
+        from refimpl import backend
+        backend.set_backend("cupy" if device == "cuda" else "strict")
+        _SYNCS.append(backend.synchronize)
+        if device == "cuda":
+            device = f"cuda ({bench_train.gpu_name()}), TF32 {args.tf32} on both sides"
     torch_version = None
     if use_torch:
         import torch
         torch.set_num_threads(args.threads)
+        if args.device == "cuda":
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = args.tf32 == "on"
+            _SYNCS.append(torch.cuda.synchronize)
         # the first layer's post hook fires early: TorchStep handles it (ends its backward at the step's end)
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed "
                                 "with respect to module outputs")
@@ -699,7 +749,7 @@ def main(argv=None) -> int:
     load_start = load_average()
     print(f"# profile_step: one step (forward, loss, backward; no optimiser), float32, one process; "
           f"threads {args.threads} (BLAS, torch{'' if workers is None else f'; refimpl workers {workers}'}); "
-          f"repeats {args.repeats}; torch layout {args.torch_layout}; numpy {numpy.__version__}; torch "
+          f"repeats {args.repeats}; device {device}; torch layout {args.torch_layout}; numpy {numpy.__version__}; torch "
           f"{torch_version or ('n/a: --no-torch' if args.no_torch else 'n/a: not installed')}", flush=True)
     print(f"# refimpl {os.path.dirname(os.path.abspath(refimpl.__file__))}; allocator {allocator}; "
           f"load average {' '.join(f'{v:.2f}' for v in load_start or [])}", flush=True)
@@ -719,7 +769,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"settings": {k: getattr(args, k) for k in ("models", "preset", "batch", "size", "threads",
-                                                                   "repeats", "seed", "torch_layout", "gemm_floor")},
+                                                                   "repeats", "seed", "torch_layout", "gemm_floor", "device",
+                                                                   "tf32")},
                        "refimpl": os.path.dirname(os.path.abspath(refimpl.__file__)), "allocator": allocator,
                        "refimpl_threads": workers, "numpy": numpy.__version__, "torch": torch_version,
                        "load_average": {"start": load_start, "end": load_end}, "models": reports}, fh, indent=1)

@@ -95,3 +95,39 @@ def test_gemm_floor_of_the_conv_rows(tmp_path):
         assert 0 < f["floor_fwd_s"] and 0 < f["floor_bwd_s"] and f["floor_s"] < f["ours_s"], f
         assert f["torch_over_floor"] > 0 and f["gemm_gflops"] > 0
     assert "GEMM floor of the conv rows" in proc.stdout
+
+
+def test_device_strict_smoke(tmp_path):
+    """``--device strict``: refimpl on the device stand-in (every clock read synchronised), the
+    same rows as on the host."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "strict", "--model", "cosmoflow", "--preset",
+                           "tiny", "--repeats", "1", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["device"] == "strict" and report["settings"]["tf32"] == "off"
+    model, = report["models"]
+    assert [r["layer"] for r in model["rows"]] == cosmoflow_layers() + ["loss", "other"]
+    assert all(r["ours_s"] > 0 and r["torch_s"] > 0 for r in model["rows"])
+    assert "device strict" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tf32", "on"], "--tf32 on: TF32 exists only on a GPU"),
+    (["--device", "strict", "--gemm-floor"], "--gemm-floor times numpy's GEMMs on the host"),
+])
+def test_device_options_refused(argv, message):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_device_cuda_without_a_gpu_is_one_line():
+    from refimpl import settings
+    if not settings.cupy_unavailable():
+        pytest.skip("a GPU is here: scripts/gpu_check.sh runs the device profile")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--preset", "tiny"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("profile_step: --device cuda: "), proc.stderr
