@@ -231,3 +231,13 @@ def test_confusion_kernel_takes_a_nan_as_the_maximum(where):
     with reference_only():
         ref = dice_score_local_sums(logits, labels)
     _equal(dice_score_local_sums(backend.asarray(logits), backend.asarray(labels)), ref)
+
+
+def test_other_dtypes_take_the_reference(where):
+    """float16 device arrays: no CUDA kernel of refimpl's (they compute float32 and float64)."""
+    x = np.random.default_rng(10).standard_normal((1, 2, 4, 4, 4)).astype(np.float16)
+    assert not pooling.applies(backend.asarray(x)) and not batch_norm.applies(backend.asarray(x))
+    assert not dropout_kernels.applies(backend.asarray(x)) and not losses.applies(backend.asarray(x))
+    with reference_only():
+        ref = max_pool3d(x, 2)
+    _equal(max_pool3d(backend.asarray(x), 2), ref)

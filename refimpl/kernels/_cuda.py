@@ -110,5 +110,11 @@ def on_device(a) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
+def takes(a) -> bool:
+    """Whether the CUDA kernels compute ``a``: a CuPy array of float32 or float64 (others, such
+    as float16, take the reference)."""
+    return on_device(a) and numpy.dtype(a.dtype).name in PRELUDE
+
+
 __all__ = ["PRELUDE", "THREADS", "MAX_BLOCKS", "SUM_LANES", "source", "function", "arguments", "blocks_for",
-           "sum_lanes", "flat", "launch", "on_device"]
+           "sum_lanes", "flat", "launch", "on_device", "takes"]

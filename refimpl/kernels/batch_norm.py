@@ -23,7 +23,7 @@ own in the reference's order: the same bits as the reference for the elementwise
 sums to float64 rounding.
 
 The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements and every CuPy array take this route outside ``refimpl.functional.reference_only()``;
+elements and CuPy arrays of float32 or float64 take this route outside ``refimpl.functional.reference_only()``;
 NumPy arrays of one block and the strict stand-in take the reference (for them both are the
 same operations).
 """
@@ -42,7 +42,7 @@ BLOCK_ELEMENTS = 1 << 18
 def applies(x) -> bool:
     """Whether batch norm's passes over ``x`` run here: a NumPy array of more than one block,
     or a CuPy array."""
-    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.on_device(x)
+    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.takes(x)
 
 
 def channel_blocks(*arrays):
@@ -221,7 +221,7 @@ def _device_sums(name, arrays, per_channel, n, c, v, dtype):
     s1 = xp.empty((c, lanes), dtype=xp.float64)
     s2 = xp.empty((c, lanes), dtype=xp.float64)
     _cuda.launch(DEVICE_SOURCE, name, SIGNATURES[name], tuple(arrays) + (per_channel, s1, s2, n, c, v, lanes),
-                 dtype, lanes, grid_y=min(c, 65535))
+                 dtype, lanes, grid_y=max(1, min(c, 65535)))
     return s1.sum(axis=1), s2.sum(axis=1)
 
 

@@ -11,7 +11,7 @@ backward ``where(keep, dy * scale, 0)`` is one kernel too.  Host arrays keep the
 (its passes are few next to a conv's); tests/test_cuda_kernels.py checks both kernels
 against it, emulated on the host and on a GPU.
 
-The one dispatch rule (``applies``): CuPy arrays of at most ``MAX_DIMS`` axes, outside
+The one dispatch rule (``applies``): CuPy arrays of float32 or float64 of at most ``MAX_DIMS`` axes, outside
 ``refimpl.functional.reference_only()``.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ SIGNATURES = {
 
 def applies(x) -> bool:
     """Whether dropout of ``x`` runs here: a CuPy array of at most ``MAX_DIMS`` axes."""
-    return _cuda.on_device(x) and x.ndim <= MAX_DIMS
+    return _cuda.takes(x) and x.ndim <= MAX_DIMS
 
 
 def _signed(bits) -> int:

@@ -29,8 +29,8 @@ the confusion counts equal the reference's for the same p; the softmax uses CUDA
 the sums to float64 rounding.
 
 The one dispatch rule (``applies``): NumPy logits, C-contiguous, ``(N, K, ...)`` with at
-least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes, and every CuPy logits
-array, take this route outside ``refimpl.functional.reference_only()``; anything else the
+least one spatial axis and at most ``MASKED_PICK_CLASSES`` classes, and CuPy logits of
+float32 or float64, take this route outside ``refimpl.functional.reference_only()``; anything else the
 reference.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ CLASS_BLOCK_VOXELS = 1 << 15
 def applies(logits) -> bool:
     """Whether the class passes over ``logits`` run here (module doc)."""
     if _cuda.on_device(logits):
-        return logits.ndim >= 2
+        return _cuda.takes(logits) and logits.ndim >= 2
     return (type(logits) is numpy.ndarray and logits.flags.c_contiguous and logits.ndim >= 3
             and logits.shape[1] <= MASKED_PICK_CLASSES)
 

@@ -18,7 +18,7 @@ maximum (-1 for a window holding a NaN), and the backward gathers, per input, th
 of the windows whose first maximum it is; no atomics, so the order of the additions is fixed.
 
 The one dispatch rule (``applies``): NumPy arrays of more than ``BLOCK_ELEMENTS``
-elements and every CuPy array take this route, outside ``refimpl.functional.reference_only()``;
+elements and CuPy arrays of float32 or float64 take this route, outside ``refimpl.functional.reference_only()``;
 small NumPy arrays (one block) and the strict stand-in take the reference.
 
 Max pooling's masks from this route are a list with one entry per block, in ``blocks(x)``
@@ -38,7 +38,7 @@ BLOCK_ELEMENTS = 1 << 18
 
 def applies(x) -> bool:
     """Whether pooling ``x`` runs here: a NumPy array of more than one block, or a CuPy array."""
-    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.on_device(x)
+    return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.takes(x)
 
 
 def blocks(x):
