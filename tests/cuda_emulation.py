@@ -33,6 +33,8 @@ struct refimpl_uint3 { unsigned x, y, z; };
 static const refimpl_uint3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
 static const refimpl_uint3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
 #define __global__
+#define __device__
+#define __forceinline__ inline
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }

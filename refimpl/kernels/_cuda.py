@@ -98,6 +98,12 @@ def flat(a):
     return a, a.shape[0], a.shape[1], v
 
 
+def grid_rows(rows) -> int:
+    """Blocks along y for ``rows`` rows (at least 1; CUDA allows at most 65535: the kernels'
+    grid-stride loops over y cover the rest)."""
+    return int(max(1, min(65535, int(rows))))
+
+
 def launch(body, name, kinds, values, dtype, total, grid_y=1):
     """Run kernel ``name`` of ``body`` on the current stream over ``total`` elements along x
     (and ``grid_y`` blocks along y)."""
@@ -117,4 +123,4 @@ def takes(a) -> bool:
 
 
 __all__ = ["PRELUDE", "THREADS", "MAX_BLOCKS", "SUM_LANES", "source", "function", "arguments", "blocks_for",
-           "sum_lanes", "flat", "launch", "on_device", "takes"]
+           "sum_lanes", "grid_rows", "flat", "launch", "on_device", "takes"]

@@ -140,9 +140,12 @@ def backward_dx(dy, x, a, b, c):
 # ---------------------------------------------------------------- the CUDA kernels (CuPy arrays)
 #
 # Arrays (N, C, V) C-contiguous (V = D*H*W voxels); per-channel values (C,) in the arrays'
-# dtype.  The sums: lane j of channel c adds the elements j, j + lanes, ... of the channel's
-# N*V in float64 and writes its partial to (c, j); the grid-stride loops over channels (y)
-# and lanes (x) make one thread compute every lane, as the host emulation runs it.  The
+# dtype.  The sums: lane j of channel c adds the voxels j, j + lanes, ... of each sample's row
+# of the channel in float64 and writes its partial to (c, j); the grid-stride loops over
+# channels (y) and lanes (x) make one thread compute every lane, as the host emulation runs
+# it.  The affine passes run over (N*C) rows (y) of V voxels (x): the channel's values are
+# read once per row, and no index is divided per element (64-bit integer division costs a
+# GPU tens of instructions, more than the element's memory traffic).  The
 # terms are the reference's: x - k (and its square) and dy * (x - m) rounded in T, then
 # widened.  The affine passes: the reference's y = x * a; y += c and dx = x * b; dx += c;
 # dx += dy * a, each operation rounded in T.
@@ -154,11 +157,14 @@ extern "C" __global__ void bn_sums(const T* x, const T* k, double* s1, double* s
         for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
              lane += (long long)blockDim.x * gridDim.x) {
             double a1 = 0.0, a2 = 0.0;
-            for (long long e = lane; e < n * v; e += lanes) {
-                T t = x[((e / v) * c + ch) * v + e % v];
-                if (k) t = SUB(t, shift);
-                a1 += (double)t;
-                a2 += (double)MUL(t, t);
+            for (long long s = 0; s < n; ++s) {
+                const T* row = x + (s * c + ch) * v;
+                for (long long j = lane; j < v; j += lanes) {
+                    T t = row[j];
+                    if (k) t = SUB(t, shift);
+                    a1 += (double)t;
+                    a2 += (double)MUL(t, t);
+                }
             }
             s1[ch * lanes + lane] = a1;
             s2[ch * lanes + lane] = a2;
@@ -173,10 +179,12 @@ extern "C" __global__ void bn_backward_sums(const T* dy, const T* x, const T* m,
         for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
              lane += (long long)blockDim.x * gridDim.x) {
             double a1 = 0.0, a2 = 0.0;
-            for (long long e = lane; e < n * v; e += lanes) {
-                long long i = ((e / v) * c + ch) * v + e % v;
-                a1 += (double)dy[i];
-                a2 += (double)MUL(SUB(x[i], mean), dy[i]);
+            for (long long s = 0; s < n; ++s) {
+                long long row = (s * c + ch) * v;
+                for (long long j = lane; j < v; j += lanes) {
+                    a1 += (double)dy[row + j];
+                    a2 += (double)MUL(SUB(x[row + j], mean), dy[row + j]);
+                }
             }
             s1[ch * lanes + lane] = a1;
             s2[ch * lanes + lane] = a2;
@@ -185,20 +193,25 @@ extern "C" __global__ void bn_backward_sums(const T* dy, const T* x, const T* m,
 }
 
 extern "C" __global__ void bn_affine(const T* x, const T* a, const T* cc, T* y,
-                                     long long total, long long c, long long v) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long ch = (i / v) % c;
-        y[i] = ADD(MUL(x[i], a[ch]), cc[ch]);
+                                     long long rows, long long c, long long v) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        T ar = a[r % c], cr = cc[r % c];
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            y[r * v + j] = ADD(MUL(x[r * v + j], ar), cr);
+        }
     }
 }
 
 extern "C" __global__ void bn_backward_dx(const T* dy, const T* x, const T* a, const T* b, const T* cc,
-                                          T* dx, long long total, long long c, long long v) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long ch = (i / v) % c;
-        dx[i] = ADD(ADD(MUL(x[i], b[ch]), cc[ch]), MUL(dy[i], a[ch]));
+                                          T* dx, long long rows, long long c, long long v) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        T ar = a[r % c], br = b[r % c], cr = cc[r % c];
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            long long i = r * v + j;
+            dx[i] = ADD(ADD(MUL(x[i], br), cr), MUL(dy[i], ar));
+        }
     }
 }
 """
@@ -217,11 +230,11 @@ def _per_channel_values(xp, v, dtype):
 def _device_sums(name, arrays, per_channel, n, c, v, dtype):
     """The two float64 (C,) sums of kernel ``name``: (C, lanes) partials, then added per channel."""
     xp = array_module(*arrays)
-    lanes = _cuda.sum_lanes(n * v)
+    lanes = _cuda.sum_lanes(v)
     s1 = xp.empty((c, lanes), dtype=xp.float64)
     s2 = xp.empty((c, lanes), dtype=xp.float64)
     _cuda.launch(DEVICE_SOURCE, name, SIGNATURES[name], tuple(arrays) + (per_channel, s1, s2, n, c, v, lanes),
-                 dtype, lanes, grid_y=max(1, min(c, 65535)))
+                 dtype, lanes, grid_y=_cuda.grid_rows(c))
     return s1.sum(axis=1), s2.sum(axis=1)
 
 
@@ -242,9 +255,10 @@ def device_affine(x, a, c):
     xp = array_module(x)
     x, _, ch, v = _cuda.flat(x)
     y = xp.empty(x.shape, dtype=x.dtype)
+    rows = x.shape[0] * ch
     _cuda.launch(DEVICE_SOURCE, "bn_affine", SIGNATURES["bn_affine"],
-                 (x, _per_channel_values(xp, a, x.dtype), _per_channel_values(xp, c, x.dtype), y, x.size, ch, v),
-                 x.dtype, x.size)
+                 (x, _per_channel_values(xp, a, x.dtype), _per_channel_values(xp, c, x.dtype), y, rows, ch, v),
+                 x.dtype, v, grid_y=_cuda.grid_rows(rows))
     return y
 
 
@@ -253,8 +267,9 @@ def device_backward_dx(dy, x, a, b, c):
     dy, _, ch, v = _cuda.flat(dy)
     dx = xp.empty(dy.shape, dtype=dy.dtype)
     pc = [_per_channel_values(xp, t, dy.dtype) for t in (a, b, c)]
+    rows = dy.shape[0] * ch
     _cuda.launch(DEVICE_SOURCE, "bn_backward_dx", SIGNATURES["bn_backward_dx"],
-                 (dy, xp.ascontiguousarray(x), *pc, dx, dy.size, ch, v), dy.dtype, dy.size)
+                 (dy, xp.ascontiguousarray(x), *pc, dx, rows, ch, v), dy.dtype, v, grid_y=_cuda.grid_rows(rows))
     return dx
 
 __all__ = ["BLOCK_ELEMENTS", "applies", "channel_blocks", "local_sums", "affine", "backward_sums",

@@ -170,7 +170,8 @@ def avg_pool3d_backward(backward, dy, x, k, s, p, divisor):
 # - max backward: the reference spreads dy through the stages D, H, W in turn, each adding the
 #   taps' contributions in tap order, so an input's gradient is the nested sum
 #   sum_tw( sum_th( sum_td( dy[od, oh, ow] where the window's first maximum is this tap ))),
-#   every partial sum starting from zero; the gather below adds the same terms in that nesting.
+#   every partial sum starting from zero; the gather below adds the same terms in that nesting
+#   (where windows do not overlap, ``disjoint``, there is one term at most, found by division).
 # - avg forward: the separable sum is sum_td( sum_th( sum_tw x )), each stage starting from its
 #   first tap's value, then divided by the divisor (a number, or one per output).
 # - avg backward: g = dy / divisor, spread D, H, W: sum_tw( sum_th( sum_td g )) from zeros.
@@ -206,11 +207,35 @@ extern "C" __global__ void max_pool_forward(const T* x, T* y, int* arg, POOL_ARG
     }
 }
 
-extern "C" __global__ void max_pool_backward(const T* dy, const int* arg, T* dx, POOL_ARGS) {
+// Windows that do not overlap along an axis (s > (k-1)*dl: CosmoFlow's and the U-Net's k2 s2):
+// input position p is read by at most one tap t of one output o; its (o, t), or false.
+__device__ __forceinline__ bool only_tap(long long p, long long pad, long long s, long long dl, long long k,
+                                         long long n_out, long long* o, long long* t) {
+    long long q = p + pad;
+    *o = q / s;
+    long long r = q - *o * s;
+    if (r % dl != 0) return false;
+    *t = r / dl;
+    return *t < k && *o < n_out;
+}
+
+extern "C" __global__ void max_pool_backward(const T* dy, const int* arg, T* dx, POOL_ARGS,
+                                             long long disjoint) {
     long long total = nc * D * H * W;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)blockDim.x * gridDim.x) {
         long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
+        if (disjoint) {              // one term at most: the nested sums below reduce to it
+            long long od, oh, ow, td, th, tw;
+            T g = (T)0;
+            if (only_tap(z, pd, sd, dd, kd, Do, &od, &td) && only_tap(r, ph, sh, dh, kh, Ho, &oh, &th)
+                && only_tap(c, pw, sw, dw, kw, Wo, &ow, &tw)) {
+                long long o = ((b * Do + od) * Ho + oh) * Wo + ow;
+                if (arg[o] == (int)((td * kh + th) * kw + tw)) g = dy[o];
+            }
+            dx[i] = g;
+            continue;
+        }
         T acc_w = (T)0;
         for (long long tw = 0; tw < kw; ++tw) {
             long long nw = c + pw - tw * dw;
@@ -265,11 +290,22 @@ extern "C" __global__ void avg_pool_forward(const T* x, const T* divisor, T* y, 
 }
 
 extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* dx, POOL_ARGS,
-                                             long long per_output) {
+                                             long long per_output, long long disjoint) {
     long long total = nc * D * H * W;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)blockDim.x * gridDim.x) {
         long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
+        if (disjoint) {
+            long long od, oh, ow, td, th, tw;
+            T g = (T)0;
+            if (only_tap(z, pd, sd, dd, kd, Do, &od, &td) && only_tap(r, ph, sh, dh, kh, Ho, &oh, &th)
+                && only_tap(c, pw, sw, dw, kw, Wo, &ow, &tw)) {
+                long long q = (od * Ho + oh) * Wo + ow;
+                g = DIV(dy[b * Do * Ho * Wo + q], divisor[per_output ? q : 0]);
+            }
+            dx[i] = g;
+            continue;
+        }
         T acc_w = (T)0;
         for (long long tw = 0; tw < kw; ++tw) {
             long long nw = c + pw - tw * dw;
@@ -298,9 +334,9 @@ extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* d
 _POOL = ("i64",) * 19
 SIGNATURES = {
     "max_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("T",),
-    "max_pool_backward": ("ptr", "ptr", "ptr") + _POOL,
+    "max_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
     "avg_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
-    "avg_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
+    "avg_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64", "i64"),
 }
 
 
@@ -309,6 +345,12 @@ def pool_numbers(x_shape, out, k, s, p, d) -> tuple:
     padding of each axis, dilation."""
     return ((x_shape[0] * x_shape[1],) + tuple(x_shape[2:]) + tuple(out) + tuple(k) + tuple(s)
             + tuple(lo for lo, _ in p) + tuple(d))
+
+
+def disjoint(k, s, d) -> int:
+    """1 when no two windows overlap along any axis (s > (k-1)*dl): each input then gets at most
+    one tap's gradient, which the backward kernels find by division instead of a loop."""
+    return int(all(si > (ki - 1) * di for ki, si, di in zip(k, s, d)))
 
 
 def _device_launch(name, arrays, numbers, extra, dtype, total):
@@ -344,7 +386,7 @@ def device_max_pool3d_backward(dy, x, k, s, p, d, out, masks):
         arg = masks[0]
     dx = xp.empty(x.shape, dtype=dy.dtype)
     _device_launch("max_pool_backward", (xp.ascontiguousarray(dy), arg, dx),
-                   pool_numbers(x.shape, out, k, s, p, d), (), dy.dtype, dx.size)
+                   pool_numbers(x.shape, out, k, s, p, d), (disjoint(k, s, d),), dy.dtype, dx.size)
     return dx
 
 
@@ -363,7 +405,8 @@ def device_avg_pool3d_backward(dy, x, k, s, p, divisor):
     dx = xp.empty(x.shape, dtype=dy.dtype)
     div, per_output = _divisor_array(xp, divisor, dy.dtype)
     _device_launch("avg_pool_backward", (xp.ascontiguousarray(dy), div, dx),
-                   pool_numbers(x.shape, dy.shape[2:], k, s, p, (1, 1, 1)), (per_output,), dy.dtype, dx.size)
+                   pool_numbers(x.shape, dy.shape[2:], k, s, p, (1, 1, 1)), (per_output, disjoint(k, s, (1, 1, 1))),
+                   dy.dtype, dx.size)
     return dx
 
 __all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
