@@ -170,25 +170,28 @@ def confusion(logits, labels):
 # The cross-entropy terms w[y] and w[y] * (lse - z_y) (w = 1 and no product without weights),
 # summed in float64 per lane; the gradient (p - [y == k]) * w[y] * scale, rounded op by op in
 # the reference's order; the confusion counts at (label, first maximum: a NaN counts as the
-# maximum, as numpy.argmax).
+# maximum, as numpy.argmax).  Samples (and, for the gradient, sample-class rows) run along y,
+# voxels along x: no index is divided per element.
 DEVICE_SOURCE = r"""
 extern "C" __global__ void softmax_parts(const T* z, T* p, T* lse, long long n, long long k, long long v) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * v;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long base = (i / v) * k * v + i % v;
-        T m = z[base];
-        for (long long c = 1; c < k; ++c) {
-            T zc = z[base + c * v];
-            if (zc > m || zc != zc) m = zc;
+    for (long long s = blockIdx.y; s < n; s += gridDim.y) {
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            long long base = s * k * v + j;
+            T m = z[base];
+            for (long long c = 1; c < k; ++c) {
+                T zc = z[base + c * v];
+                if (zc > m || zc != zc) m = zc;
+            }
+            T sum = (T)0;
+            for (long long c = 0; c < k; ++c) {
+                T e = EXP(SUB(z[base + c * v], m));
+                p[base + c * v] = e;
+                sum = c == 0 ? e : ADD(sum, e);
+            }
+            for (long long c = 0; c < k; ++c) p[base + c * v] = DIV(p[base + c * v], sum);
+            lse[s * v + j] = ADD(LOG(sum), m);
         }
-        T s = (T)0;
-        for (long long c = 0; c < k; ++c) {
-            T e = EXP(SUB(z[base + c * v], m));
-            p[base + c * v] = e;
-            s = c == 0 ? e : ADD(s, e);
-        }
-        for (long long c = 0; c < k; ++c) p[base + c * v] = DIV(p[base + c * v], s);
-        lse[i] = ADD(LOG(s), m);
     }
 }
 
@@ -198,15 +201,17 @@ extern "C" __global__ void cross_entropy_sums(const T* z, const T* lse, const lo
     for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
          lane += (long long)blockDim.x * gridDim.x) {
         double a1 = 0.0, a2 = 0.0;
-        for (long long i = lane; i < n * v; i += lanes) {
-            long long label = y[i];
-            T nll = SUB(lse[i], z[(i / v) * k * v + label * v + i % v]);
-            if (w) {
-                a1 += (double)w[label];
-                a2 += (double)MUL(w[label], nll);
-            } else {
-                a1 += 1.0;
-                a2 += (double)nll;
+        for (long long s = 0; s < n; ++s) {
+            for (long long j = lane; j < v; j += lanes) {
+                long long label = y[s * v + j];
+                T nll = SUB(lse[s * v + j], z[(s * k + label) * v + j]);
+                if (w) {
+                    a1 += (double)w[label];
+                    a2 += (double)MUL(w[label], nll);
+                } else {
+                    a1 += 1.0;
+                    a2 += (double)nll;
+                }
             }
         }
         s1[lane] = a1;
@@ -216,28 +221,31 @@ extern "C" __global__ void cross_entropy_sums(const T* z, const T* lse, const lo
 
 extern "C" __global__ void cross_entropy_grad(const T* p, const long long* y, const T* w, const T* scale,
                                               T* grad, long long n, long long k, long long v) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * k * v;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long vox = (i / (k * v)) * v + i % v;
-        long long label = y[vox];
-        T g = SUB(p[i], (T)((i / v) % k == label));
-        if (w) g = MUL(g, w[label]);
-        grad[i] = MUL(g, scale[0]);
+    for (long long r = blockIdx.y; r < n * k; r += gridDim.y) {
+        long long s = r / k, c = r % k;
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            long long label = y[s * v + j];
+            T g = SUB(p[r * v + j], (T)(c == label));
+            if (w) g = MUL(g, w[label]);
+            grad[r * v + j] = MUL(g, scale[0]);
+        }
     }
 }
 
 extern "C" __global__ void confusion_counts(const T* z, const long long* y, unsigned long long* counts,
                                             long long n, long long k, long long v) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * v;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long base = (i / v) * k * v + i % v;
-        long long best = 0;
-        T m = z[base];
-        for (long long c = 1; c < k && m == m; ++c) {
-            T zc = z[base + c * v];
-            if (zc > m || zc != zc) { m = zc; best = c; }
+    for (long long s = blockIdx.y; s < n; s += gridDim.y) {
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            long long base = s * k * v + j, best = 0;
+            T m = z[base];
+            for (long long c = 1; c < k && m == m; ++c) {
+                T zc = z[base + c * v];
+                if (zc > m || zc != zc) { m = zc; best = c; }
+            }
+            atomicAdd(&counts[y[s * v + j] * k + best], 1ULL);
         }
-        atomicAdd(&counts[y[i] * k + best], 1ULL);
     }
 }
 """
@@ -263,14 +271,15 @@ def device_softmax(logits):
     z, n, k, v = _cuda.flat(logits)
     p = xp.empty(z.shape, dtype=z.dtype)
     lse = xp.empty((n, 1) + tuple(z.shape[2:]), dtype=z.dtype)
-    _cuda.launch(DEVICE_SOURCE, "softmax_parts", SIGNATURES["softmax_parts"], (z, p, lse, n, k, v), z.dtype, n * v)
+    _cuda.launch(DEVICE_SOURCE, "softmax_parts", SIGNATURES["softmax_parts"], (z, p, lse, n, k, v), z.dtype, v,
+                 grid_y=_cuda.grid_rows(n))
     return p, lse
 
 
 def device_cross_entropy_sums(logits, lse, labels, class_weights):
     xp = array_module(logits)
     z, n, k, v = _cuda.flat(logits)
-    lanes = _cuda.sum_lanes(n * v)
+    lanes = _cuda.sum_lanes(v)
     s1 = xp.empty(lanes, dtype=xp.float64)
     s2 = xp.empty(lanes, dtype=xp.float64)
     _cuda.launch(DEVICE_SOURCE, "cross_entropy_sums", SIGNATURES["cross_entropy_sums"],
@@ -286,7 +295,7 @@ def device_cross_entropy_grad(p, labels, class_weights, scale):
     _cuda.launch(DEVICE_SOURCE, "cross_entropy_grad", SIGNATURES["cross_entropy_grad"],
                  (p, _labels(labels), _weights(class_weights, p.dtype),
                   xp.ascontiguousarray(xp.asarray(scale, dtype=p.dtype).reshape(1)), grad, n, k, v),
-                 p.dtype, grad.size)
+                 p.dtype, v, grid_y=_cuda.grid_rows(n * k))
     return grad
 
 
@@ -295,7 +304,7 @@ def device_confusion(logits, labels):
     z, n, k, v = _cuda.flat(logits)
     counts = xp.zeros(k * k, dtype=xp.uint64)
     _cuda.launch(DEVICE_SOURCE, "confusion_counts", SIGNATURES["confusion_counts"], (z, _labels(labels), counts, n, k, v),
-                 z.dtype, n * v)
+                 z.dtype, v, grid_y=_cuda.grid_rows(n))
     return counts.astype(xp.int64).reshape(k, k)
 
 __all__ = ["MASKED_PICK_CLASSES", "CLASS_BLOCK_VOXELS", "applies", "softmax", "cross_entropy_sums",
