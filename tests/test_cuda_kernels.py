@@ -190,6 +190,14 @@ def test_dropout_kernels_equal_the_reference(where, dtype, p, seed, global_shape
         assert 0 < mask_ref.mean() < 1
 
 
+def test_empty_arrays(where):
+    """Zero elements: the kernels launch over nothing and return empty results."""
+    x = backend.asarray(np.ones((2, 3, 0), dtype=np.float32))
+    y, keep = dropout(x, 0.5, 3)
+    assert y.shape == (2, 3, 0) and keep.shape == (2, 3, 0)
+    assert dropout_backward(y, keep, 0.5).shape == (2, 3, 0)
+
+
 def test_dropout_kernel_refuses_a_block_of_another_shape(where):
     x = backend.asarray(np.ones((2, 3)))
     with pytest.raises(ValueError, match="select a block of shape"):

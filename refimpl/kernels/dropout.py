@@ -28,23 +28,26 @@ extern "C" __global__ void dropout_forward(const T* x, T* y, bool* keep, long lo
         long long a0, long long a1, long long a2, long long a3, long long a4,
         long long g0, long long g1, long long g2, long long g3, long long g4,
         long long seed_bits, long long threshold, T scale) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long r = i;
-        long long c4 = r % n4; r /= n4;
+    long long rows = n4 ? total / n4 : 0;
+    for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+        long long r = row;                       // the row's coordinates on the first four axes
         long long c3 = r % n3; r /= n3;
         long long c2 = r % n2; r /= n2;
         long long c1 = r % n1; r /= n1;
         long long c0 = r;
-        unsigned long long index = (unsigned long long)((a0 + c0) * g0 + (a1 + c1) * g1 + (a2 + c2) * g2
-                                                        + (a3 + c3) * g3 + (a4 + c4) * g4);
-        unsigned long long z = (unsigned long long)seed_bits + (index + 1ULL) * 0x9E3779B97F4A7C15ULL;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-        z = z ^ (z >> 31);
-        bool k = (z >> 11) >= (unsigned long long)threshold;
-        keep[i] = k;
-        y[i] = k ? MUL(x[i], scale) : (T)0;
+        long long base = (a0 + c0) * g0 + (a1 + c1) * g1 + (a2 + c2) * g2 + (a3 + c3) * g3;
+        for (long long c4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; c4 < n4;
+             c4 += (long long)blockDim.x * gridDim.x) {
+            long long i = row * n4 + c4;
+            unsigned long long index = (unsigned long long)(base + (a4 + c4) * g4);
+            unsigned long long z = (unsigned long long)seed_bits + (index + 1ULL) * 0x9E3779B97F4A7C15ULL;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+            z = z ^ (z >> 31);
+            bool k = (z >> 11) >= (unsigned long long)threshold;
+            keep[i] = k;
+            y[i] = k ? MUL(x[i], scale) : (T)0;
+        }
     }
 }
 
@@ -89,7 +92,7 @@ def dropout(x, seed, threshold, scale, global_shape, index_ranges):
     keep = xp.empty(x.shape, dtype=bool)
     _cuda.launch(DEVICE_SOURCE, "dropout_forward", SIGNATURES["dropout_forward"],
                  (x, y, keep, x.size) + shape + offsets + strides + (_signed(seed), threshold, scale),
-                 x.dtype, x.size)
+                 x.dtype, shape[-1], grid_y=_cuda.grid_rows(x.size // max(1, shape[-1])))
     return y, keep
 
 
