@@ -21,6 +21,7 @@ from refimpl.functional.dropout import dropout, dropout_backward
 from refimpl.functional.losses import dice_score_local_sums, soft_dice_loss, softmax_cross_entropy
 from refimpl.kernels import _cuda, batch_norm, losses, pooling
 from refimpl.kernels import dropout as dropout_kernels
+from test_strict import MODELS, _step_runner
 
 SOURCES = {"pooling": pooling.DEVICE_SOURCE, "batch_norm": batch_norm.DEVICE_SOURCE,
            "dropout": dropout_kernels.DEVICE_SOURCE, "losses": losses.DEVICE_SOURCE}
@@ -249,3 +250,34 @@ def test_other_dtypes_take_the_reference(where):
     with reference_only():
         ref = max_pool3d(x, 2)
     _equal(max_pool3d(backend.asarray(x), 2), ref)
+
+
+@pytest.mark.parametrize("name, config, batch", MODELS)
+def test_models_train_through_the_kernels_as_on_the_host(name, config, batch, monkeypatch):
+    """Three float64 training steps (forward, loss, backward, Adam) of each model with every
+    pooling, batch norm, dropout and loss pass in the CUDA kernels (emulated on the host) end
+    where the host's steps end: losses and every parameter to 1e-10."""
+    if emu.CXX is None:
+        pytest.skip("no C++ compiler here to emulate the kernels")
+    runs, launched = {}, set()
+
+    def launch(body, name, *args, **kwargs):
+        launched.add(name)
+        _emulated_launch(body, name, *args, **kwargs)
+    for kind in ("host", "kernels"):
+        with monkeypatch.context() as patch:
+            if kind == "kernels":
+                patch.setattr(_cuda, "on_device", lambda a: isinstance(a, np.ndarray))
+                patch.setattr(_cuda, "launch", launch)
+            step, model = _step_runner(name, config, batch)
+            losses = [float(step()[0]) for _ in range(3)]
+            runs[kind] = losses, [p.data.copy() for p in model.parameters()]
+    expected = ({"max_pool_forward", "max_pool_backward", "dropout_forward", "dropout_backward"}
+                if name == "cosmoflow" else
+                {"max_pool_forward", "max_pool_backward", "bn_sums", "bn_affine", "bn_backward_sums",
+                 "bn_backward_dx", "softmax_parts", "cross_entropy_sums", "cross_entropy_grad"})
+    assert expected <= launched, expected - launched
+    (l_host, p_host), (l_k, p_k) = runs["host"], runs["kernels"]
+    np.testing.assert_allclose(l_k, l_host, rtol=1e-10, atol=0)
+    for a, b in zip(p_k, p_host):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
