@@ -281,3 +281,18 @@ def test_models_train_through_the_kernels_as_on_the_host(name, config, batch, mo
     np.testing.assert_allclose(l_k, l_host, rtol=1e-10, atol=0)
     for a, b in zip(p_k, p_host):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_cuda_kernels_switched_off(where, monkeypatch):
+    """``REFIMPL_CUDA_KERNELS=0``: the reference's array operations instead of the kernels (the
+    same values); a value that is no boolean is refused, naming the variable."""
+    x = backend.asarray(np.random.default_rng(11).standard_normal((1, 2, 4, 4, 4)))
+    assert pooling.applies(x)
+    monkeypatch.setenv("REFIMPL_CUDA_KERNELS", "0")
+    assert not (pooling.applies(x) or batch_norm.applies(x) or dropout_kernels.applies(x) or losses.applies(x))
+    with reference_only():
+        ref = max_pool3d(backend.to_host(x), 2)
+    _equal(max_pool3d(x, 2), ref)
+    monkeypatch.setenv("REFIMPL_CUDA_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="REFIMPL_CUDA_KERNELS"):
+        pooling.applies(x)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy
 
+from .. import settings
 from ..backend import array_module
 
 #: The C++ types of the two dtypes and the correctly rounded operations of each.
@@ -116,11 +117,15 @@ def on_device(a) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
+ENV_KERNELS = "REFIMPL_CUDA_KERNELS"
+
+
 def takes(a) -> bool:
     """Whether the CUDA kernels compute ``a``: a CuPy array of float32 or float64 (others, such
-    as float16, take the reference)."""
-    return on_device(a) and numpy.dtype(a.dtype).name in PRELUDE
+    as float16, take the reference), unless ``REFIMPL_CUDA_KERNELS=0`` turns them off (then
+    the reference's array operations run: the way around a kernel that fails on some GPU)."""
+    return on_device(a) and numpy.dtype(a.dtype).name in PRELUDE and settings.env_setting(ENV_KERNELS)
 
 
 __all__ = ["PRELUDE", "THREADS", "MAX_BLOCKS", "SUM_LANES", "source", "function", "arguments", "blocks_for",
-           "sum_lanes", "grid_rows", "flat", "launch", "on_device", "takes"]
+           "sum_lanes", "grid_rows", "flat", "launch", "on_device", "takes", "ENV_KERNELS"]
