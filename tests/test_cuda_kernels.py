@@ -37,6 +37,34 @@ def test_nvcc_compiles_the_kernels(name, dtype):
     assert "warning" not in proc.stderr.lower(), proc.stderr
 
 
+def _nvrtc():
+    """CuPy's NVRTC binding when the NVRTC library loads here (a GPU is not needed), else None."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception:
+        return None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_nvrtc_compiles_the_kernels(name, dtype):
+    """The compiler CuPy's RawModule uses, on the same source: no error, no warning."""
+    nvrtc = _nvrtc()
+    if nvrtc is None:
+        pytest.skip("NVRTC does not load here (pip install nvidia-cuda-nvrtc-cu12 to check without a GPU)")
+    prog = nvrtc.createProgram(_cuda.source(SOURCES[name], dtype), "kernels.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_90", "-default-device"])
+        except Exception as err:
+            pytest.fail(f"NVRTC: {err}\n{nvrtc.getProgramLog(prog)}")
+        assert nvrtc.getPTX(prog) and not nvrtc.getProgramLog(prog).strip(), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def _emulated_launch(body, name, kinds, values, dtype, total, grid_y=1):
     emu.run(body, name, kinds, values, dtype)
 
