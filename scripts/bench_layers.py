@@ -26,8 +26,10 @@ Three tables, float32, every row timed as forward and backward passes:
    autograd backward asked for dx only / dw only.
 3. pooling (max / avg, k2 s2), batch norm (``batch_norm3d`` /
    ``batch_norm3d_backward``, training mode with running statistics, against
-   ``torch.nn.functional.batch_norm``) and activations (relu, leaky_relu with
-   slope 0.3) on CosmoFlow / U-Net-like shapes: times and ratios as above.
+   ``torch.nn.functional.batch_norm``), activations (relu, leaky_relu with
+   slope 0.3) and dropout (p 0.5) on CosmoFlow / U-Net-like shapes, and the softmax
+   cross-entropy of the U-Net's output (forward: the softmax and the loss's sums; backward:
+   the gradient): times and ratios as above.
 
 A conv counts ``2 * N * F * C * kd*kh*kw * (output positions)`` flops per pass
 (the transposed conv: per input position); its backward counts two passes.
@@ -107,6 +109,9 @@ from refimpl.kernels import _im2col  # noqa: E402
 from refimpl.functional.activations import (leaky_relu, leaky_relu_backward, relu,  # noqa: E402
                                             relu_backward)
 from refimpl.functional.batch_norm import batch_norm3d, batch_norm3d_backward  # noqa: E402
+from refimpl.functional.dropout import dropout, dropout_backward  # noqa: E402
+from refimpl.functional.losses import (SoftmaxParts, cross_entropy_backward,  # noqa: E402
+                                       cross_entropy_local_sums)
 from refimpl.functional.conv3d import (conv3d, conv3d_backward, conv3d_input_grad,  # noqa: E402
                                        conv3d_weight_grad)
 from refimpl.functional.conv_transpose3d import (conv_transpose3d,  # noqa: E402
@@ -159,6 +164,7 @@ def synchronize():
         torch.cuda.synchronize()
 REPEATS = args.repeats or (2 if args.quick else 4)
 LEAKY_SLOPE = 0.3
+DROPOUT_P = 0.5
 
 
 # ---------------------------------------------------------------------------- conv algorithm
@@ -407,6 +413,8 @@ def layer_case(op, nb, c, n):
     label = f"N={nb} {c} @{n}^3" + (" k2s2" if pooled else "")
     if op == "leaky_relu":
         label += f" slope {LEAKY_SLOPE}"
+    if op == "dropout":
+        label += f" p {DROPOUT_P}"
 
     def build():
         rng = numpy.random.default_rng(0)
@@ -430,6 +438,12 @@ def layer_case(op, nb, c, n):
             ours_f = lambda: leaky_relu(x, LEAKY_SLOPE)  # noqa: E731
             ours_b = lambda: leaky_relu_backward(dy, x, LEAKY_SLOPE)  # noqa: E731
             theirs = (lambda t: F.leaky_relu(t, LEAKY_SLOPE)) if F else None
+        elif op == "dropout":
+            # as the Dropout layer runs them: the forward draws the mask, the backward applies it
+            mask = dropout(x, DROPOUT_P, 1)[1]
+            ours_f = lambda: dropout(x, DROPOUT_P, 1)  # noqa: E731
+            ours_b = lambda: dropout_backward(dy, mask, DROPOUT_P)  # noqa: E731
+            theirs = (lambda t: F.dropout(t, DROPOUT_P, training=True)) if F else None
         elif op == "batch_norm3d":
             gamma, beta = 1 + 0.1 * rng.standard_normal((2, c), dtype=numpy.float32)
             beta -= 1
@@ -460,10 +474,46 @@ def layer_case(op, nb, c, n):
 
 def layer_cases(quick):
     ops = (["max_pool3d", "avg_pool3d"] if max_pool3d is not None else []) + [
-        "batch_norm3d", "relu", "leaky_relu"]
+        "batch_norm3d", "relu", "leaky_relu", "dropout"]
     for nb, c, n in layer_shapes(quick):
         for op in ops:
             yield layer_case(op, nb, c, n)
+    for nb, k, n in loss_shapes(quick):
+        yield loss_case(nb, k, n)
+
+
+def loss_shapes(quick):
+    """(N, K classes, n): the U-Net's output at its per-rank block sizes."""
+    return [(2, 3, 32)] + ([] if quick else [(1, 3, 128), (2, 4, 64)])
+
+
+def loss_case(nb, k, n):
+    """Softmax cross-entropy over K classes per voxel: ours forward = the softmax and the
+    loss's sums (``SoftmaxParts``, ``cross_entropy_local_sums``), backward = the gradient from
+    them; torch ``F.cross_entropy`` and its autograd backward."""
+    def build():
+        rng = numpy.random.default_rng(0)
+        (hz,) = rng_arrays(rng, (nb, k, n, n, n))
+        hy = rng.integers(0, k, size=(nb, n, n, n))
+        z, y = dev(hz, hy)
+        state = {}
+
+        def ours_f():
+            state["parts"] = SoftmaxParts(z)
+            state["sums"] = cross_entropy_local_sums(z, y, parts=state["parts"])
+            return state["sums"]
+        ours_f()
+        ours_b = lambda: cross_entropy_backward(z, y, state["sums"], parts=state["parts"])  # noqa: E731
+        passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
+        if torch is not None:
+            tz, ty = tt(hz, grad=True), torch.from_numpy(hy).to(TORCH_DEVICE)
+            loss = torch.nn.functional.cross_entropy(tz, ty)
+            passes = {"fwd": (ours_f, lambda: torch.nn.functional.cross_entropy(tz, ty)),
+                      "bwd": (ours_b, torch_bwd(loss, (tz,), None))}
+        return passes, hz.nbytes + hy.nbytes
+
+    return dict(kind="cross_entropy", op="cross_entropy", shape=f"N={nb} K={k} @{n}^3", issue=False,
+                dims=dict(N=nb, K=k, n=n), flops=None, build=build)
 
 
 def selected(case):
@@ -648,7 +698,7 @@ def main():
     if split_rows:
         print_split_table(split_rows)
     if layer_rows:
-        print_fwd_bwd_table("pooling, batch norm, activations", layer_rows, gemm_column=False)
+        print_fwd_bwd_table("pooling, batch norm, activations, dropout, loss", layer_rows, gemm_column=False)
     for s in skipped:
         print(f"# skipped {s['op']} {s['shape']}: {s['error']}")
     load_end = load()
