@@ -37,7 +37,8 @@ BLOCK_ELEMENTS = 1 << 18
 
 
 def applies(x) -> bool:
-    """Whether pooling ``x`` runs here: a NumPy array of more than one block, or a CuPy array."""
+    """Whether pooling ``x`` runs here: a NumPy array of more than one block, or a float32 /
+    float64 CuPy array (``_cuda.takes``)."""
     return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.takes(x)
 
 
@@ -175,6 +176,7 @@ def avg_pool3d_backward(backward, dy, x, k, s, p, divisor):
 # - avg forward: the separable sum is sum_td( sum_th( sum_tw x )), each stage starting from its
 #   first tap's value, then divided by the divisor (a number, or one per output).
 # - avg backward: g = dy / divisor, spread D, H, W: sum_tw( sum_th( sum_td g )) from zeros.
+#   Both backward passes are one gather (``pool_backward``); ``pool_term`` is their difference.
 DEVICE_SOURCE = r"""
 #define POOL_ARGS long long nc, long long D, long long H, long long W, \
     long long Do, long long Ho, long long Wo, long long kd, long long kh, long long kw, \
@@ -219,48 +221,6 @@ __device__ __forceinline__ bool only_tap(long long p, long long pad, long long s
     return *t < k && *o < n_out;
 }
 
-extern "C" __global__ void max_pool_backward(const T* dy, const int* arg, T* dx, POOL_ARGS,
-                                             long long disjoint) {
-    long long total = nc * D * H * W;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)blockDim.x * gridDim.x) {
-        long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
-        if (disjoint) {              // one term at most: the nested sums below reduce to it
-            long long od, oh, ow, td, th, tw;
-            T g = (T)0;
-            if (only_tap(z, pd, sd, dd, kd, Do, &od, &td) && only_tap(r, ph, sh, dh, kh, Ho, &oh, &th)
-                && only_tap(c, pw, sw, dw, kw, Wo, &ow, &tw)) {
-                long long o = ((b * Do + od) * Ho + oh) * Wo + ow;
-                if (arg[o] == (int)((td * kh + th) * kw + tw)) g = dy[o];
-            }
-            dx[i] = g;
-            continue;
-        }
-        T acc_w = (T)0;
-        for (long long tw = 0; tw < kw; ++tw) {
-            long long nw = c + pw - tw * dw;
-            if (nw < 0 || nw % sw != 0 || nw / sw >= Wo) continue;
-            long long ow = nw / sw;
-            T acc_h = (T)0;
-            for (long long th = 0; th < kh; ++th) {
-                long long nh = r + ph - th * dh;
-                if (nh < 0 || nh % sh != 0 || nh / sh >= Ho) continue;
-                long long oh = nh / sh;
-                T acc_d = (T)0;
-                for (long long td = 0; td < kd; ++td) {
-                    long long nd = z + pd - td * dd;
-                    if (nd < 0 || nd % sd != 0 || nd / sd >= Do) continue;
-                    long long o = ((b * Do + nd / sd) * Ho + oh) * Wo + ow;
-                    if (arg[o] == (int)((td * kh + th) * kw + tw)) acc_d = ADD(acc_d, dy[o]);
-                }
-                acc_h = ADD(acc_h, acc_d);
-            }
-            acc_w = ADD(acc_w, acc_h);
-        }
-        dx[i] = acc_w;
-    }
-}
-
 extern "C" __global__ void avg_pool_forward(const T* x, const T* divisor, T* y, POOL_ARGS,
                                             long long per_output) {
     long long total = nc * Do * Ho * Wo;
@@ -289,24 +249,39 @@ extern "C" __global__ void avg_pool_forward(const T* x, const T* divisor, T* y, 
     }
 }
 
-extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* dx, POOL_ARGS,
-                                             long long per_output, long long disjoint) {
+// The gradient output o (q: its index within the sample) sends back through tap ``tap`` of
+// its window, into ``*g``; false when it sends none.  Max pooling (``arg`` given): dy where the
+// window's first maximum is this tap.  Average pooling (``arg`` null): dy / divisor.
+__device__ __forceinline__ bool pool_term(T* g, const T* dy, const int* arg, const T* divisor,
+                                          long long per_output, long long o, long long q, int tap) {
+    if (arg) {
+        if (arg[o] != tap) return false;
+        *g = dy[o];
+        return true;
+    }
+    *g = DIV(dy[o], divisor[per_output ? q : 0]);
+    return true;
+}
+
+extern "C" __global__ void pool_backward(const T* dy, const int* arg, const T* divisor, T* dx, POOL_ARGS,
+                                         long long per_output, long long disjoint) {
     long long total = nc * D * H * W;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)blockDim.x * gridDim.x) {
         long long c = i % W, r = (i / W) % H, z = (i / (W * H)) % D, b = i / (W * H * D);
-        if (disjoint) {
+        if (disjoint) {              // one term at most: the nested sums below reduce to it
             long long od, oh, ow, td, th, tw;
-            T g = (T)0;
+            T g = (T)0, term;
             if (only_tap(z, pd, sd, dd, kd, Do, &od, &td) && only_tap(r, ph, sh, dh, kh, Ho, &oh, &th)
                 && only_tap(c, pw, sw, dw, kw, Wo, &ow, &tw)) {
                 long long q = (od * Ho + oh) * Wo + ow;
-                g = DIV(dy[b * Do * Ho * Wo + q], divisor[per_output ? q : 0]);
+                if (pool_term(&term, dy, arg, divisor, per_output, b * Do * Ho * Wo + q, q,
+                              (int)((td * kh + th) * kw + tw))) g = term;
             }
             dx[i] = g;
             continue;
         }
-        T acc_w = (T)0;
+        T acc_w = (T)0, term;
         for (long long tw = 0; tw < kw; ++tw) {
             long long nw = c + pw - tw * dw;
             if (nw < 0 || nw % sw != 0 || nw / sw >= Wo) continue;
@@ -319,7 +294,8 @@ extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* d
                     long long nd = z + pd - td * dd;
                     if (nd < 0 || nd % sd != 0 || nd / sd >= Do) continue;
                     long long q = ((nd / sd) * Ho + nh / sh) * Wo + nw / sw;
-                    acc_d = ADD(acc_d, DIV(dy[b * Do * Ho * Wo + q], divisor[per_output ? q : 0]));
+                    if (pool_term(&term, dy, arg, divisor, per_output, b * Do * Ho * Wo + q, q,
+                                  (int)((td * kh + th) * kw + tw))) acc_d = ADD(acc_d, term);
                 }
                 acc_h = ADD(acc_h, acc_d);
             }
@@ -334,9 +310,8 @@ extern "C" __global__ void avg_pool_backward(const T* dy, const T* divisor, T* d
 _POOL = ("i64",) * 19
 SIGNATURES = {
     "max_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("T",),
-    "max_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
     "avg_pool_forward": ("ptr", "ptr", "ptr") + _POOL + ("i64",),
-    "avg_pool_backward": ("ptr", "ptr", "ptr") + _POOL + ("i64", "i64"),
+    "pool_backward": ("ptr", "ptr", "ptr", "ptr") + _POOL + ("i64", "i64"),
 }
 
 
@@ -385,8 +360,8 @@ def device_max_pool3d_backward(dy, x, k, s, p, d, out, masks):
     else:
         arg = masks[0]
     dx = xp.empty(x.shape, dtype=dy.dtype)
-    _device_launch("max_pool_backward", (xp.ascontiguousarray(dy), arg, dx),
-                   pool_numbers(x.shape, out, k, s, p, d), (disjoint(k, s, d),), dy.dtype, dx.size)
+    _device_launch("pool_backward", (xp.ascontiguousarray(dy), arg, None, dx),
+                   pool_numbers(x.shape, out, k, s, p, d), (0, disjoint(k, s, d)), dy.dtype, dx.size)
     return dx
 
 
@@ -404,7 +379,7 @@ def device_avg_pool3d_backward(dy, x, k, s, p, divisor):
     xp = array_module(dy)
     dx = xp.empty(x.shape, dtype=dy.dtype)
     div, per_output = _divisor_array(xp, divisor, dy.dtype)
-    _device_launch("avg_pool_backward", (xp.ascontiguousarray(dy), div, dx),
+    _device_launch("pool_backward", (xp.ascontiguousarray(dy), None, div, dx),
                    pool_numbers(x.shape, dy.shape[2:], k, s, p, (1, 1, 1)), (per_output, disjoint(k, s, (1, 1, 1))),
                    dy.dtype, dx.size)
     return dx
