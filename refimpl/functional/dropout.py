@@ -106,19 +106,16 @@ def dropout(x, p, seed, global_shape=None, index_ranges=None):
 
     Unpartitioned: leave ``global_shape``/``index_ranges`` out (x is the whole tensor).
     """
-    p = _check_p(p)
+    p, seed = _check_p(p), _check_seed(seed)
     xp = array_module(x)
-    global_shape = tuple(x.shape) if global_shape is None else tuple(global_shape)
+    global_shape, ranges = _block(tuple(x.shape) if global_shape is None else global_shape, index_ranges)
+    block = tuple(b - a for a, b in ranges)
+    if block != tuple(x.shape):
+        raise ValueError(f"index_ranges select a block of shape {block} but x is {x.shape}")
     kernel = kernel_for(fast, x)
     if kernel is not None:
-        global_shape, ranges = _block(global_shape, index_ranges)
-        block = tuple(b - a for a, b in ranges)
-        if block != tuple(x.shape):
-            raise ValueError(f"index_ranges select a block of shape {block} but x is {x.shape}")
-        return kernel.dropout(x, _check_seed(seed), round(p * 2.0 ** 53), _scale(p), global_shape, ranges)
-    mask = dropout_mask(global_shape, p, seed, index_ranges, xp=xp)
-    if mask.shape != x.shape:
-        raise ValueError(f"index_ranges select a block of shape {mask.shape} but x is {x.shape}")
+        return kernel.dropout(x, seed, round(p * 2.0 ** 53), _scale(p), global_shape, ranges)
+    mask = dropout_mask(global_shape, p, seed, ranges, xp=xp)
     return xp.where(mask, x * _scale(p), 0), mask
 
 
