@@ -391,11 +391,17 @@ def tf32_env(args) -> dict:
     return dict(REFIMPL_TF32="0", CUPY_TF32="0", NVIDIA_TF32_OVERRIDE="0")
 
 
-def launch_env(args, threads) -> dict:
-    env = dict(os.environ, **blas_env(threads), **tf32_env(args))
+def set_tf32_env(env, args):
+    """``env`` (a dict, or ``os.environ`` before CuPy is imported) given ``tf32_env``'s switches;
+    with ``--tf32 on`` an inherited ``NVIDIA_TF32_OVERRIDE`` is dropped (it would keep TF32 off)."""
+    env.update(tf32_env(args))
     if args.tf32 == "on":
         env.pop("NVIDIA_TF32_OVERRIDE", None)
     return env
+
+
+def launch_env(args, threads) -> dict:
+    return set_tf32_env(dict(os.environ, **blas_env(threads)), args)
 
 
 def param_counts(args, name: str) -> tuple:

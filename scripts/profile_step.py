@@ -718,9 +718,7 @@ def main(argv=None) -> int:
     refimpl = import_refimpl()
     import numpy
     bench_train = import_bench_train()
-    os.environ.update(bench_train.tf32_env(args))          # before CuPy is imported (refimpl/precision.py)
-    if args.tf32 == "on":
-        os.environ.pop("NVIDIA_TF32_OVERRIDE", None)
+    bench_train.set_tf32_env(os.environ, args)             # before CuPy is imported (refimpl/precision.py)
     allocator = tune_allocator_if_any()
     use_torch = not args.no_torch and bench_train.torch_available()
     missing = bench_train.device_missing(args.device, use_torch)

@@ -17,8 +17,8 @@ additions by float64 rounding (tests/test_reference_ops.py holds it to 1e-12).
 
 On a GPU (CuPy arrays) each pass is one CUDA kernel (``DEVICE_SOURCE``, launched by
 ``_cuda``): the two per-channel sums of a pass in one reading of the arrays (each thread adds
-the elements ``lane, lane + lanes, ...`` of a channel in float64, then CuPy adds the (C, lanes)
-partial sums), and the affine passes one kernel each, every multiply and add rounded on its
+the voxels ``lane, lane + lanes, ...`` of each sample's row of a channel in float64, then CuPy
+adds the (C, lanes) partial sums), and the affine passes one kernel each, every multiply and add rounded on its
 own in the reference's order: the same bits as the reference for the elementwise passes, the
 sums to float64 rounding.
 
@@ -41,7 +41,7 @@ BLOCK_ELEMENTS = 1 << 18
 
 def applies(x) -> bool:
     """Whether batch norm's passes over ``x`` run here: a NumPy array of more than one block,
-    or a CuPy array."""
+    or a float32 / float64 CuPy array (``_cuda.takes``)."""
     return (array_module(x) is numpy and x.size > BLOCK_ELEMENTS) or _cuda.takes(x)
 
 
