@@ -36,7 +36,11 @@ def test_one_dimensional_identity_is_exact():
         np.testing.assert_allclose(y, direct, rtol=1e-14, atol=1e-14)
 
 
-def test_transform_is_the_kronecker_product():
+@pytest.mark.parametrize("columns", [1, 7, 180, 4096])
+def test_transform_is_the_kronecker_product(monkeypatch, columns):
+    """... whichever way the passes cut their columns into GEMMs (``TRANSFORM_COLUMNS``: one
+    column each, blocks with a leftover, exactly one block of axis 0's 36 x 5, one call)."""
+    monkeypatch.setattr(winograd, "TRANSFORM_COLUMNS", columns)
     rng = np.random.default_rng(1)
     rest = 5
     src = rng.standard_normal(6 ** 3 * rest)
@@ -44,6 +48,23 @@ def test_transform_is_the_kronecker_product():
     got = winograd._transform(winograd._BT, src.copy(), dst, rest).reshape(216, rest)
     kron = np.kron(np.kron(winograd._BT, winograd._BT), winograd._BT)      # (216, 216)
     np.testing.assert_allclose(got, kron @ src.reshape(216, rest), rtol=1e-13, atol=1e-12)
+
+
+def test_column_blocks_give_the_same_conv(monkeypatch):
+    """The forward and both gradients with the transform GEMMs cut into 7-column blocks equal
+    those of one call per pass (float64: the same dot products, up to BLAS's rounding)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, 9, 7, 10))
+    w = rng.standard_normal((5, 3, 3, 3, 3))
+    dy = rng.standard_normal((2, 5, 9, 7, 10))
+    results = []
+    for columns in (7, 10 ** 9):
+        monkeypatch.setattr(winograd, "TRANSFORM_COLUMNS", columns)
+        y = conv3d(x, w, padding=1, algorithm=W)
+        dx, dw, _ = conv3d_backward(dy, x, w, padding=1, algorithm=W)
+        results.append((y, dx, dw))
+    for blocked, whole in zip(*results):
+        np.testing.assert_allclose(blocked, whole, rtol=1e-13, atol=1e-13)
 
 
 # ------------------------------------------------------------------ PyTorch oracle
