@@ -26,7 +26,9 @@ Three tables, float32, every row timed as forward and backward passes:
    autograd backward asked for dx only / dw only.
 3. pooling (max / avg, k2 s2), batch norm (``batch_norm3d`` /
    ``batch_norm3d_backward``, training mode with running statistics, against
-   ``torch.nn.functional.batch_norm``), activations (relu, leaky_relu with
+   ``torch.nn.functional.batch_norm``), group norm (``GROUP_NORM_GROUPS`` groups) and instance
+   norm (``group_norm3d`` with one group per channel, against ``F.group_norm`` and
+   ``F.instance_norm``), activations (relu, leaky_relu with
    slope 0.3) and dropout (p 0.5) on CosmoFlow / U-Net-like shapes, and the softmax
    cross-entropy of the U-Net's output (forward: the softmax and the loss's sums; backward:
    the gradient): times and ratios as above.
@@ -109,6 +111,7 @@ from refimpl.kernels import _im2col  # noqa: E402
 from refimpl.functional.activations import (leaky_relu, leaky_relu_backward, relu,  # noqa: E402
                                             relu_backward)
 from refimpl.functional.batch_norm import batch_norm3d, batch_norm3d_backward  # noqa: E402
+from refimpl.functional.group_norm import group_norm3d, group_norm3d_backward  # noqa: E402
 from refimpl.functional.dropout import dropout, dropout_backward  # noqa: E402
 from refimpl.functional.losses import (SoftmaxParts, cross_entropy_backward,  # noqa: E402
                                        cross_entropy_local_sums)
@@ -165,6 +168,8 @@ def synchronize():
 REPEATS = args.repeats or (2 if args.quick else 4)
 LEAKY_SLOPE = 0.3
 DROPOUT_P = 0.5
+#: Groups of the group norm rows (C / G >= 8 channels per group at every shape here).
+GROUP_NORM_GROUPS = 4
 
 
 # ---------------------------------------------------------------------------- conv algorithm
@@ -415,6 +420,8 @@ def layer_case(op, nb, c, n):
         label += f" slope {LEAKY_SLOPE}"
     if op == "dropout":
         label += f" p {DROPOUT_P}"
+    if op == "group_norm3d":
+        label += f" G {GROUP_NORM_GROUPS}"
 
     def build():
         rng = numpy.random.default_rng(0)
@@ -458,6 +465,19 @@ def layer_case(op, nb, c, n):
                 extra = (tg, tbeta)
                 theirs = lambda t: F.batch_norm(t, trm, trv, tg, tbeta, training=True,  # noqa: E731
                                                 momentum=0.1, eps=1e-5)
+        elif op in ("group_norm3d", "instance_norm3d"):
+            groups = GROUP_NORM_GROUPS if op == "group_norm3d" else c
+            gamma, beta = 1 + 0.1 * rng.standard_normal((2, c), dtype=numpy.float32)
+            beta -= 1
+            dgamma, dbeta = dev(gamma, beta)
+            ours_f = lambda: group_norm3d(x, groups, dgamma, dbeta)  # noqa: E731
+            cache = ours_f()[1]
+            ours_b = lambda: group_norm3d_backward(dy, cache)  # noqa: E731
+            if F:
+                tg, tbeta = tt(gamma.copy(), grad=True), tt(beta.copy(), grad=True)
+                extra = (tg, tbeta)
+                theirs = ((lambda t: F.group_norm(t, groups, tg, tbeta, eps=1e-5)) if op == "group_norm3d"
+                          else (lambda t: F.instance_norm(t, weight=tg, bias=tbeta, eps=1e-5)))
         else:
             raise ValueError(op)
         passes = {"fwd": (ours_f, None), "bwd": (ours_b, None)}
@@ -474,7 +494,7 @@ def layer_case(op, nb, c, n):
 
 def layer_cases(quick):
     ops = (["max_pool3d", "avg_pool3d"] if max_pool3d is not None else []) + [
-        "batch_norm3d", "relu", "leaky_relu", "dropout"]
+        "batch_norm3d", "group_norm3d", "instance_norm3d", "relu", "leaky_relu", "dropout"]
     for nb, c, n in layer_shapes(quick):
         for op in ops:
             yield layer_case(op, nb, c, n)

@@ -156,7 +156,7 @@ def test_blocks_of_channels_and_voxels_cover_once_and_agree(shape, block, monkey
     blocks = bn.channel_blocks(x)
     assert len(blocks) > shape[0]
     hit = np.zeros(shape, int)
-    for channels, (view,) in blocks:
+    for _, channels, (view,) in blocks:
         assert view.shape[0] == len(range(*channels.indices(shape[1]))) and view.size <= max(block, 1)
         view_hits = hit.reshape(shape[0], shape[1], -1)
         for i in range(shape[0]):

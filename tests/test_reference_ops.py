@@ -190,6 +190,86 @@ def test_batch_norm_dispatch_rule(monkeypatch):
     assert kernel_for(bn.fast, big) is None
 
 
+# ---------------------------------------------------------------- group and instance norm
+from refimpl.functional import group_norm as gn                  # noqa: E402
+from refimpl.kernels import group_norm as gn_kernel               # noqa: E402
+
+# (shape, block, groups): blocks of a few channels, of one channel's part, of several samples' rows
+GN_CASES = [((2, 6, 4, 6, 7), 64, 3), ((3, 4, 2, 3, 4), 50, 1), ((1, 6, 3, 3, 3), 27, 6), ((2, 8, 5, 5, 5), 300, 2)]
+
+
+def gn_passes(x, dy, num_groups, gamma, beta, shift):
+    """Every pass of the split group norm, as the distributed layers run them."""
+    count, s1, s2 = gn.group_norm_local_sums(x, num_groups, shift)
+    mean, var, inv_std = gn.group_norm_stats(count, s1, s2, 1e-5, shift)
+    y, cache = gn.group_norm_forward(x, num_groups, mean, inv_std, gamma, beta)
+    rows = gn.group_norm_backward_row_sums(dy, cache)
+    sums = gn.group_norm_backward_local_sums(dy, cache, row_sums=rows)
+    dx, dgamma, dbeta = gn.group_norm_backward(dy, cache, *sums, count, row_sums=rows)
+    return dict(sums=(s1, s2), stats=(mean, var, inv_std), y=y, rows=rows, bwd_sums=sums, dx=dx,
+                dgamma=dgamma, dbeta=dbeta)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, block, groups", GN_CASES)
+@pytest.mark.parametrize("affine, shifted", [(True, True), (False, False), (True, False)])
+def test_group_norm_blocked_route_equals_reference(monkeypatch, shape, block, groups, dtype, affine, shifted):
+    """kernels.group_norm (batch norm's blocks of channels x voxels on worker threads) vs
+    functional.group_norm's math, every pass of the split (local sums, stats, forward, backward
+    sums, backward), group norm and instance norm (groups = C): float64 sums to 1e-12 (block
+    partials add in another order), float32 within float32 rounding of the stats; at 1 and 2
+    worker threads."""
+    rng = np.random.default_rng(sum(shape) + block)
+    x = (rng.standard_normal(shape) * 3 + 1.5).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma, beta = (rng.standard_normal(shape[1]).astype(dtype) for _ in range(2)) if affine else (None, None)
+    shift = (rng.standard_normal((shape[0], groups)) + 1.5).astype(dtype) if shifted else None
+    for threads in ("1", "2"):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        ref, fast = both_routes(monkeypatch, bn_kernel, block,
+                                lambda: gn_passes(x, dy, groups, gamma, beta, shift))
+        assert gn_kernel.applies(x) and len(bn_kernel.channel_blocks(x)) > shape[0]
+        tol = 1e-12 if dtype == np.float64 else 1e-5
+        for key in ref:
+            for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (ref[key], fast[key]))):
+                if a is None:
+                    assert b is None
+                    continue
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, block, groups", GN_CASES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_blocked_elementwise_passes_bit_for_bit(monkeypatch, shape, block, groups, dtype, affine):
+    """Given the same per-group numbers, the kernel's elementwise passes (forward y, backward dx)
+    and the reference's are the same floats."""
+    rng = np.random.default_rng(4 + block)
+    x, dy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    n, c = shape[:2]
+    mean, inv_std = rng.standard_normal((n, groups)), rng.uniform(0.5, 2, (n, groups))
+    gamma, beta = (rng.standard_normal(c).astype(dtype) for _ in range(2)) if affine else (None, None)
+    sums = rng.standard_normal((n, groups)), rng.standard_normal((n, groups))
+
+    def passes():
+        y, cache = gn.group_norm_forward(x, groups, mean, inv_std, gamma, beta)
+        return y, gn.group_norm_backward(dy, cache, *sums, 40)[0]
+    ref, fast = both_routes(monkeypatch, bn_kernel, block, passes)
+    assert gn_kernel.applies(x)
+    assert_same(ref, fast)
+
+
+def test_group_norm_dispatch_rule(monkeypatch):
+    """functional.group_norm's rule: NumPy arrays of more than batch norm's BLOCK_ELEMENTS,
+    outside reference_only()."""
+    small, big = np.zeros((1, 2, 4, 4, 4)), np.zeros((2, 2, 4, 4, 4))
+    monkeypatch.setattr(bn_kernel, "BLOCK_ELEMENTS", small.size)
+    assert kernel_for(gn.fast, small) is None and kernel_for(gn.fast, big) is gn_kernel
+    reference(monkeypatch)
+    assert kernel_for(gn.fast, big) is None
+
+
 # ---------------------------------------------------------------- activations
 from refimpl.functional import activations as act                 # noqa: E402
 from refimpl.kernels import _threads, pointwise                   # noqa: E402

@@ -17,7 +17,8 @@ from .conv3d import conv3d, conv3d_backward, conv3d_input_grad, conv3d_weight_gr
 from .conv_transpose3d import conv_transpose3d, conv_transpose3d_backward
 from .dropout import dropout, dropout_backward, dropout_mask, fold_seed
 from .group_norm import (group_norm3d, group_norm3d_backward, group_norm_backward,
-                         group_norm_backward_local_sums, group_norm_forward, group_norm_local_sums,
+                         group_norm_backward_local_sums, group_norm_backward_row_sums,
+                         group_norm_forward, group_norm_local_sums,
                          group_norm_stats, instance_norm3d, instance_norm3d_backward)
 from .layer_norm import layer_norm3d, layer_norm3d_backward
 from .linear import flatten, flatten_backward, linear, linear_backward

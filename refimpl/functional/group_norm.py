@@ -22,14 +22,22 @@ The backward, with g = gamma[c] * dy and the sums over the same m values of (n, 
 (differentiate y through xhat, mean and inv_std: d mean / dx = 1/m,
 d inv_std / dx = -inv_std^3 (x - mean) / m; the two corrections are the projections of g
 on the constants and on xhat, which the normalisation removes).  gamma varies inside a
-group, so the sums are of ``gamma * dy``, not of ``dy`` as in batch norm.
+group, so the sums are of ``gamma * dy``, not of ``dy`` as in batch norm.  But gamma is one
+number per channel, so every sum the backward needs comes from two sums per (sample,
+channel), ``r1 = sum(dy)`` and ``r2 = sum(dy * xhat)`` over D, H, W (float64):
+
+    sum(g) = sum over the group's channels of gamma[c] * r1,   sum(g * xhat) likewise of r2
+    dbeta  = sum over n of r1,                                 dgamma = sum over n of r2
+
+one pass over dy and x for all four (``group_norm_backward_row_sums``).
 
 Every per-(n, group) sum is a separate function result, so a spatially partitioned layer
 computes the sums on its block, allreduces them over the spatial group, and finishes with
 the global sums (refimpl/nn/norm.py):
 
     forward:  group_norm_local_sums -> Allreduce -> group_norm_stats -> group_norm_forward
-    backward: group_norm_backward_local_sums -> Allreduce -> group_norm_backward
+    backward: group_norm_backward_row_sums -> group_norm_backward_local_sums -> Allreduce
+              -> group_norm_backward (the row sums passed to both: dgamma, dbeta from them)
 
 Numerical scheme: batch norm's (refimpl/functional/batch_norm.py), one allreduce per
 direction.  The statistics come from the shifted sums ``S1 = sum(x - K)``,
@@ -45,6 +53,13 @@ The sums need every value of a group on the ranks that reduce them: a split of t
 channels (model parallelism) that cuts a group is refused by the layers
 (refimpl/nn/norm.py), one that keeps groups whole reduces nothing over the model axis.
 
+Speed: this file is the reference.  Large NumPy arrays run the same operations block by
+block on worker threads (``refimpl/kernels/group_norm.py``, on batch norm's blocks: the
+elementwise passes give the same bits, the sums differ by float64 rounding).  The one rule
+(``_route.kernel_for``): NumPy arrays of more than ``kernels.batch_norm.BLOCK_ELEMENTS``
+elements take the kernel outside ``functional.reference_only()``; CuPy and small arrays take
+the math below.
+
 Shapes: inside, x is viewed as (N, G, C/G, D*H*W): a per-(n, group) value broadcasts as
 (N, G, 1, 1), a per-channel one as (1, G, C/G, 1).
 """
@@ -54,6 +69,8 @@ import numbers
 from typing import NamedTuple
 
 from ..backend import array_module, check_same_dtype
+from ..kernels import group_norm as fast
+from ._route import kernel_for
 from .args import check_channel_vector, check_float, check_ndim, check_real
 from .batch_norm import batch_norm_stats
 
@@ -124,6 +141,9 @@ def group_norm_local_sums(x, num_groups, shift=None):
     _check_x(x, num_groups)
     _check_group_array(shift, "shift", x.shape[0], num_groups)
     count = (x.shape[1] // num_groups) * x.shape[2] * x.shape[3] * x.shape[4]
+    kernel = kernel_for(fast, x)
+    if kernel is not None:
+        return (count,) + kernel.local_sums(x, num_groups, shift)
     xg = _grouped(x, num_groups)                                     # (N, G, C/G, L)
     xs = xg if shift is None else xg - _per_group(shift.astype(x.dtype))   # x - K
     return count, _sum_per_group(xs), _sum_per_group(xs * xs)
@@ -146,11 +166,15 @@ def group_norm_forward(x, num_groups, mean, inv_std, gamma=None, beta=None):
     check_same_dtype(x=x, gamma=gamma, beta=beta)
     dt = x.dtype
     mean, inv_std = mean.astype(dt), inv_std.astype(dt)
+    cache = GroupNormCache(x, num_groups, mean, inv_std, gamma)
+    kernel = kernel_for(fast, x)
+    if kernel is not None:
+        return kernel.forward(x, num_groups, mean, inv_std, gamma, beta), cache
     xhat = (_grouped(x, num_groups) - _per_group(mean)) * _per_group(inv_std)     # (N, G, C/G, L)
     y = xhat if gamma is None else xhat * _per_channel(gamma, num_groups)
     if beta is not None:
         y = y + _per_channel(beta, num_groups)
-    return y.reshape(x.shape), GroupNormCache(x, num_groups, mean, inv_std, gamma)
+    return y.reshape(x.shape), cache
 
 
 def _xhat(cache):
@@ -168,22 +192,51 @@ def _check_dy(dy, cache):
     check_same_dtype(x=cache.x, dy=dy)
 
 
-def group_norm_backward_local_sums(dy, cache):
-    """(sum(g), sum(g * xhat)) with g = gamma * dy over this block: float64 (N, G) each."""
+def group_norm_backward_row_sums(dy, cache):
+    """(r1, r2) = (sum(dy), sum(dy * xhat)) per (sample, channel) over this block's D, H, W:
+    float64 (N, C) each (module doc: every sum of the backward is made of them)."""
     _check_dy(dy, cache)
-    g = _grouped(dy, cache.num_groups)
-    if cache.gamma is not None:
-        g = g * _per_channel(cache.gamma, cache.num_groups)
-    return _sum_per_group(g), _sum_per_group(g * _xhat(cache))
+    kernel = kernel_for(fast, dy)
+    if kernel is not None:
+        return kernel.backward_row_sums(dy, cache.x, cache.num_groups, cache.mean, cache.inv_std)
+    xp = array_module(dy)
+    n, c = dy.shape[:2]
+    dyc = dy.reshape(n, c, -1)                                       # (N, C, L)
+    xhat = _xhat(cache).reshape(n, c, -1)
+    return xp.sum(dyc, axis=-1, dtype=xp.float64), xp.sum(dyc * xhat, axis=-1, dtype=xp.float64)
 
 
-def group_norm_backward(dy, cache, sum_g, sum_g_xhat, count):
+def _check_row_sums(row_sums, dy):
+    if not (isinstance(row_sums, tuple) and len(row_sums) == 2
+            and all(tuple(getattr(r, "shape", ())) == tuple(dy.shape[:2]) for r in row_sums)):
+        raise ValueError(f"row_sums must be group_norm_backward_row_sums' pair of (N, C) = "
+                         f"{tuple(dy.shape[:2])} arrays")
+
+
+def group_norm_backward_local_sums(dy, cache, row_sums=None):
+    """(sum(g), sum(g * xhat)) with g = gamma * dy over this block: float64 (N, G) each, as
+    ``sum over the group's channels of gamma[c] * r`` of the row sums (module doc).
+    ``row_sums``: ``group_norm_backward_row_sums(dy, cache)`` when the caller has them (the
+    pass over dy and x is not repeated)."""
+    _check_dy(dy, cache)
+    if row_sums is None:
+        row_sums = group_norm_backward_row_sums(dy, cache)
+    _check_row_sums(row_sums, dy)
+    xp = array_module(dy)
+    n, c = dy.shape[:2]
+    gamma = None if cache.gamma is None else cache.gamma.astype(xp.float64)
+    return tuple((r if gamma is None else r * gamma).reshape(n, cache.num_groups, -1).sum(axis=-1)
+                 for r in row_sums)
+
+
+def group_norm_backward(dy, cache, sum_g, sum_g_xhat, count, row_sums=None):
     """(dx, dgamma, dbeta) of group norm.
 
     ``sum_g``, ``sum_g_xhat`` (N, G) and ``count``: the sums over *all* ``count`` values of each
     (sample, group) the statistics were taken over (allreduced when partitioned).  ``dgamma``
     and ``dbeta`` (C,) are this block's *local* contributions (None when gamma is None): the
-    caller sums them over spatial shards like any other weight gradient.
+    caller sums them over spatial shards like any other weight gradient; they are the row
+    sums (``row_sums``, when the caller has them, else computed here) added over the samples.
     """
     _check_dy(dy, cache)
     _check_group_array(sum_g, "sum_g", dy.shape[0], cache.num_groups)
@@ -191,19 +244,23 @@ def group_norm_backward(dy, cache, sum_g, sum_g_xhat, count):
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     dt, G = dy.dtype, cache.num_groups
-    xhat = _xhat(cache)                                              # (N, G, C/G, L)
-    dyg = _grouped(dy, G)
-    g = dyg if cache.gamma is None else dyg * _per_channel(cache.gamma, G)
-    mean_g = _per_group((sum_g / count).astype(dt))
-    mean_g_xhat = _per_group((sum_g_xhat / count).astype(dt))
-    dx = _per_group(cache.inv_std) * (g - mean_g - xhat * mean_g_xhat)   # the formula of the module doc
-    dx = dx.reshape(dy.shape)
+    mean_g, mean_g_xhat = (sum_g / count).astype(dt), (sum_g_xhat / count).astype(dt)   # (N, G)
+    if row_sums is not None:
+        _check_row_sums(row_sums, dy)
+    kernel = kernel_for(fast, dy)
+    if kernel is not None:
+        dx = kernel.backward(dy, cache.x, G, cache.mean, cache.inv_std, cache.gamma, mean_g, mean_g_xhat)
+    else:
+        xhat = _xhat(cache)                                          # (N, G, C/G, L)
+        dyg = _grouped(dy, G)
+        g = dyg if cache.gamma is None else dyg * _per_channel(cache.gamma, G)
+        mean_g, mean_g_xhat = _per_group(mean_g), _per_group(mean_g_xhat)
+        dx = _per_group(cache.inv_std) * (g - mean_g - xhat * mean_g_xhat)   # the formula of the module doc
+        dx = dx.reshape(dy.shape)
     if cache.gamma is None:
         return dx, None, None
-    xp = array_module(dy)
-    dgamma = xp.sum(dyg * xhat, axis=(0, 3), dtype=xp.float64).reshape(-1)   # (G, C/G) -> (C,)
-    dbeta = xp.sum(dyg, axis=(0, 3), dtype=xp.float64).reshape(-1)
-    return dx, dgamma.astype(dt), dbeta.astype(dt)
+    r1, r2 = group_norm_backward_row_sums(dy, cache) if row_sums is None else row_sums
+    return dx, r2.sum(axis=0).astype(dt), r1.sum(axis=0).astype(dt)     # dgamma, dbeta (C,)
 
 
 def group_norm3d(x, num_groups, weight=None, bias=None, eps=1e-5):
@@ -222,10 +279,11 @@ def group_norm3d(x, num_groups, weight=None, bias=None, eps=1e-5):
 
 def group_norm3d_backward(dy, cache):
     """(dx, dweight, dbias) for ``group_norm3d``'s (or ``instance_norm3d``'s) cache."""
-    sums = group_norm_backward_local_sums(dy, cache)
+    rows = group_norm_backward_row_sums(dy, cache)
+    sums = group_norm_backward_local_sums(dy, cache, row_sums=rows)
     x = cache.x
     count = (x.shape[1] // cache.num_groups) * x.shape[2] * x.shape[3] * x.shape[4]
-    return group_norm_backward(dy, cache, *sums, count)
+    return group_norm_backward(dy, cache, *sums, count, row_sums=rows)
 
 
 def instance_norm3d(x, weight=None, bias=None, eps=1e-5):
@@ -243,5 +301,6 @@ def instance_norm3d_backward(dy, cache):
 
 
 __all__ = ["GroupNormCache", "check_num_groups", "group_norm_local_sums", "group_norm_stats",
-           "group_norm_forward", "group_norm_backward_local_sums", "group_norm_backward",
+           "group_norm_forward", "group_norm_backward_row_sums", "group_norm_backward_local_sums",
+           "group_norm_backward",
            "group_norm3d", "group_norm3d_backward", "instance_norm3d", "instance_norm3d_backward"]

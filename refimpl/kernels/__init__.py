@@ -14,7 +14,7 @@ reference (tests/test_reference.py and the ops' own tests):
   operation is a kernel launch);
 - ``_phase_grid``: strided convs as stride-1 problems, one per input phase;
 - ``winograd``: F(4x4x4, 3x3x3), exact in float64, within ``FLOAT32_BOUND`` in float32;
-- ``pooling``, ``batch_norm``, ``pointwise``, ``losses``: the blocked, threaded passes of the
+- ``pooling``, ``batch_norm``, ``group_norm``, ``pointwise``, ``losses``: the blocked, threaded passes of the
   other ops, each behind one dispatch function of its ``refimpl/functional/`` module (which
   hands the kernel the reference's per-block functions: a kernel never imports functional);
 - ``_threads``: the worker threads (NumPy runs a pass on one core) and BLAS holding.

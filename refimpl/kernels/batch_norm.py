@@ -46,25 +46,28 @@ def applies(x) -> bool:
 
 
 def channel_blocks(*arrays):
-    """The arrays (same NCDHW shape) as blocks ``(channels, views)``: ``channels`` a slice of
-    the channel axis, ``views`` the arrays' ``(C', L)`` pieces for it: one sample's channels
-    ``[c0, c1)`` over voxels ``[v0, v1)``, about ``BLOCK_ELEMENTS`` in all, its rows a whole
-    sample's voxels where they fit (fewer channels then)."""
+    """The arrays (same NCDHW shape) as blocks ``(sample, channels, views)``: ``channels`` a
+    slice of the channel axis, ``views`` the arrays' ``(C', L)`` pieces for it: sample
+    ``sample``'s channels ``[c0, c1)`` over voxels ``[v0, v1)``, about ``BLOCK_ELEMENTS`` in
+    all, its rows a whole sample's voxels where they fit (fewer channels then).  Group norm's
+    passes (``kernels.group_norm``) run on the same blocks."""
     n, c = arrays[0].shape[:2]
     flat = [numpy.ascontiguousarray(a).reshape(n, c, -1) for a in arrays]
     size = flat[0].shape[2]
     step = max(1, min(size, BLOCK_ELEMENTS))                          # voxels per row
     rows = max(1, BLOCK_ELEMENTS // step)                             # channels per block
-    return [(slice(c0, min(c0 + rows, c)), tuple(f[i, c0:c0 + rows, v0:v0 + step] for f in flat))
+    return [(i, slice(c0, min(c0 + rows, c)), tuple(f[i, c0:c0 + rows, v0:v0 + step] for f in flat))
             for i in range(n) for c0 in range(0, c, rows) for v0 in range(0, size, step)]
 
 
-def _run_blocks(fn, blocks):
-    """``fn(channels, *views)`` for every block, over the worker threads; results in block order."""
+def run_blocks(fn, blocks):
+    """``fn(sample, channels, *views)`` for every block, over the worker threads; results in
+    block order."""
     results = [None] * len(blocks)
 
     def one(_, i):
-        results[i] = fn(blocks[i][0], *blocks[i][1])
+        sample, channels, views = blocks[i]
+        results[i] = fn(sample, channels, *views)
     _threads.run(one, list(range(len(blocks))), _threads.thread_count(numpy))
     return results
 
@@ -72,7 +75,7 @@ def _run_blocks(fn, blocks):
 def _channel_sums(partials, blocks, c):
     """Per-block float64 row sums ``(C',)`` added per channel, in block order -> (C,)."""
     total = numpy.zeros(c, dtype=numpy.float64)
-    for part, (channels, _) in zip(partials, blocks):
+    for part, (_, channels, _) in zip(partials, blocks):
         total[channels] += part
     return total
 
@@ -82,13 +85,13 @@ def local_sums(x, k):
     None for no shift."""
     if _cuda.on_device(x):
         return device_local_sums(x, k)
-    def sums(ch, xb):
+    def sums(_, ch, xb):
         xs = xb if k is None else xb - k[ch]
         s1 = numpy.sum(xs, axis=-1, dtype=numpy.float64)
         xs = xs * xs if k is None else numpy.multiply(xs, xs, out=xs)
         return s1, numpy.sum(xs, axis=-1, dtype=numpy.float64)
     blocks = channel_blocks(x)
-    parts = _run_blocks(sums, blocks)
+    parts = run_blocks(sums, blocks)
     c = x.shape[1]
     return (_channel_sums([a for a, _ in parts], blocks, c),
             _channel_sums([b for _, b in parts], blocks, c))
@@ -100,10 +103,10 @@ def affine(x, a, c):
         return device_affine(x, a, c)
     y = numpy.empty(x.shape, dtype=x.dtype)
 
-    def normalise(ch, yb, xb):
+    def normalise(_, ch, yb, xb):
         numpy.multiply(xb, a[ch], out=yb)
         yb += c[ch]
-    _run_blocks(normalise, channel_blocks(y, x))
+    run_blocks(normalise, channel_blocks(y, x))
     return y
 
 
@@ -111,12 +114,12 @@ def backward_sums(dy, x, m):
     """``(sum(dy), sum(dy * (x - m)))`` per channel in float64; ``m`` (C, 1) in dy's dtype."""
     if _cuda.on_device(dy):
         return device_backward_sums(dy, x, m)
-    def sums(ch, gb, xb):
+    def sums(_, ch, gb, xb):
         t = numpy.subtract(xb, m[ch])
         t *= gb
         return numpy.sum(gb, axis=-1, dtype=numpy.float64), numpy.sum(t, axis=-1, dtype=numpy.float64)
     blocks = channel_blocks(dy, x)
-    parts = _run_blocks(sums, blocks)
+    parts = run_blocks(sums, blocks)
     c = dy.shape[1]
     return (_channel_sums([s for s, _ in parts], blocks, c),
             _channel_sums([t for _, t in parts], blocks, c))
@@ -128,11 +131,11 @@ def backward_dx(dy, x, a, b, c):
         return device_backward_dx(dy, x, a, b, c)
     dx = numpy.empty(dy.shape, dtype=dy.dtype)
 
-    def grad(ch, db, gb, xb):
+    def grad(_, ch, db, gb, xb):
         numpy.multiply(xb, b[ch], out=db)
         db += c[ch]
         db += gb * a[ch]
-    _run_blocks(grad, channel_blocks(dx, dy, x))
+    run_blocks(grad, channel_blocks(dx, dy, x))
     return dx
 
 
@@ -272,5 +275,5 @@ def device_backward_dx(dy, x, a, b, c):
                  (dy, xp.ascontiguousarray(x), *pc, dx, rows, ch, v), dy.dtype, v, grid_y=_cuda.grid_rows(rows))
     return dx
 
-__all__ = ["BLOCK_ELEMENTS", "applies", "channel_blocks", "local_sums", "affine", "backward_sums",
+__all__ = ["BLOCK_ELEMENTS", "applies", "channel_blocks", "run_blocks", "local_sums", "affine", "backward_sums",
            "backward_dx", "DEVICE_SOURCE", "SIGNATURES"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ..backend import TRAIN_DTYPE
 from ..functional.group_norm import (
-    check_num_groups, group_norm_backward, group_norm_backward_local_sums, group_norm_forward,
-    group_norm_local_sums, group_norm_stats)
+    check_num_groups, group_norm_backward, group_norm_backward_local_sums, group_norm_backward_row_sums,
+    group_norm_forward, group_norm_local_sums, group_norm_stats)
 from .init import constant
 from .module import Module
 
@@ -65,8 +65,9 @@ class GroupNorm3d(Module):
 
     def backward(self, dy):
         cache, count = self._saved()
-        sum_g, sum_g_xhat = self.global_sums(*group_norm_backward_local_sums(dy, cache))
-        dx, dgamma, dbeta = group_norm_backward(dy, cache, sum_g, sum_g_xhat, count)
+        rows = group_norm_backward_row_sums(dy, cache)              # (N, C) float64 each
+        sum_g, sum_g_xhat = self.global_sums(*group_norm_backward_local_sums(dy, cache, row_sums=rows))
+        dx, dgamma, dbeta = group_norm_backward(dy, cache, sum_g, sum_g_xhat, count, row_sums=rows)
         self.weight.accumulate_grad(dgamma)      # local contributions: summed over spatial ranks
         self.bias.accumulate_grad(dbeta)
         return dx

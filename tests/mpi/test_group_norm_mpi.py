@@ -2,7 +2,9 @@
 
 - ``SpatialGroupNorm3d`` / ``SpatialInstanceNorm3d`` on every (Pn, Pd, Ph, Pw) grid, with
   uneven blocks and (where the world allows) empty ones: y and dx blocks, and dw, db summed
-  over the ranks, equal ``functional.group_norm3d`` on the whole tensor (float64, 1e-10);
+  over the ranks, equal ``functional.group_norm3d`` on the whole tensor (float64, 1e-10), the
+  blocks computed by the reference's whole-array math or by the blocked kernel route
+  (``kernels.group_norm`` on tiny blocks), the whole tensor by the reference;
 - with the statistics allreduce removed (``global_sums``/``global_count`` patched to the
   identity) they differ on every grid that splits space, so the test can fail;
 - ``ModelParallelGroupNorm3d`` / ``ModelParallelInstanceNorm3d`` on every grid with a model
@@ -12,7 +14,9 @@
 import numpy as np
 import pytest
 
+from refimpl.functional import reference_only
 from refimpl.functional.group_norm import group_norm3d, group_norm3d_backward
+from refimpl.kernels import batch_norm as bn_kernel
 from refimpl.nn.model_parallel import ModelParallelGroupNorm3d, ModelParallelInstanceNorm3d
 from refimpl.nn.spatial import SpatialGroupNorm3d, SpatialInstanceNorm3d
 from refimpl.parallel.channels import channel_range
@@ -51,8 +55,9 @@ def run_grid(grid, kind, shape, groups, seed, patch_out_allreduce=False):
     """(y, dx, dw, db errors) of this rank's blocks against the unpartitioned op."""
     x, gamma, beta, dy = global_case(shape, grid.dims[0], seed)
     groups = shape[1] if kind == "instance" else groups
-    y_ref, cache = group_norm3d(x, groups, gamma, beta, 1e-5)
-    dx_ref, dw_ref, db_ref = group_norm3d_backward(dy, cache)
+    with reference_only():
+        y_ref, cache = group_norm3d(x, groups, gamma, beta, 1e-5)
+        dx_ref, dw_ref, db_ref = group_norm3d_backward(dy, cache)
     layer = make_layer(kind, grid, shape[1], groups)
     c0, c1 = channel_range(shape[1], grid.model_dims, grid.model_coord)
     layer.weight.data[...] = gamma[c0:c1]
@@ -72,9 +77,15 @@ def run_grid(grid, kind, shape, groups, seed, patch_out_allreduce=False):
             "dw": rel_err(dw, dw_ref[c0:c1]), "db": rel_err(db, db_ref[c0:c1])}
 
 
+@pytest.mark.parametrize("block", [None, 16])
 @pytest.mark.parametrize("kind", ["group", "instance"])
 @pytest.mark.parametrize("shape,groups", SHAPES)
-def test_spatial_norm_equals_unpartitioned(comm, all_ranks_agree, grids, kind, shape, groups):
+def test_spatial_norm_equals_unpartitioned(comm, all_ranks_agree, grids, kind, shape, groups, block,
+                                           monkeypatch):
+    """``block``: None, the default route (the reference, on these small blocks); 16, the
+    kernel's blocks of 16 elements (any block of more than 16 takes the kernel route)."""
+    if block is not None:
+        monkeypatch.setattr(bn_kernel, "BLOCK_ELEMENTS", block)
     for seed, grid in enumerate(grids):
         errors = run_grid(grid, kind, shape, groups, seed)
         all_ranks_agree(max(errors.values()) <= 1e-10, f"grid {grid.dims}, {kind}, {shape}: {errors}")
