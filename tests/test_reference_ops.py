@@ -391,6 +391,61 @@ def test_leaky_relu_layer_reuses_dy_only_when_asked():
     assert [m.reuse_grad for _, m in model.named_modules() if isinstance(m, LeakyReLU)] == [True] * 2 + [False] * 2
 
 
+def test_relu_written_over_x_and_dy(monkeypatch):
+    """``relu(x, out=x)`` and ``relu_backward(dy, x, out=dy)`` equal the reference's new arrays
+    bit for bit on both routes (blocks smaller than the array, 2 threads), zeros of either sign
+    and NaN included; a wrong ``out`` is refused naming the array it must match."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 9, 8, 7)).astype(np.float32)
+    x.reshape(-1)[::13], x.reshape(-1)[1::17], x.reshape(-1)[2::19] = 0.0, -0.0, np.nan
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    with reference_only():
+        want_y, want_dx = act.relu(x), act.relu_backward(dy, x)
+    monkeypatch.setenv("REFIMPL_THREADS", "2")
+    monkeypatch.setattr(_threads, "ELEMENTWISE_BLOCK", 97)
+    for route in (contextlib.nullcontext, reference_only):
+        a, g = x.copy(), dy.copy()
+        with route():
+            assert act.relu_backward(dy, x).tobytes() == want_dx.tobytes()
+            got_dx = act.relu_backward(g, x, out=g)
+            got_y = act.relu(a, out=a)
+        assert got_y is a and np.array_equal(a, want_y, equal_nan=True)
+        assert got_dx is g and np.array_equal(g, want_dx)
+    for out in (np.empty((2, 3, 9, 8, 6), np.float32), np.empty(x.shape), x.copy()[..., ::-1]):
+        with pytest.raises(ValueError, match="out must be a writeable C-contiguous array of x's shape"):
+            act.relu(x, out=out)
+        with pytest.raises(ValueError, match="out must be a writeable C-contiguous array of dy's shape"):
+            act.relu_backward(dy, x, out=out)
+
+
+def test_relu_layer_in_place_and_reusing_dy():
+    """nn.ReLU(in_place=True, reuse_grad=True) returns y in x's memory and dx in dy's, equal to
+    the reference's at the original x bit for bit (y > 0 exactly where x > 0); strided arrays
+    are left alone; the default keeps both; the U-Net's conv blocks build it so."""
+    from refimpl.models import build_model
+    from refimpl.nn import ReLU
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 3, 4, 4, 4))
+    x.reshape(-1)[::9], x.reshape(-1)[1::11] = 0.0, -0.0
+    dy = rng.standard_normal(x.shape)
+    want_y, want_dx = act.relu(x), act.relu_backward(dy, x)
+    for flag in (False, True):
+        layer, a, g = ReLU(in_place=flag, reuse_grad=flag), x.copy(), dy.copy()
+        y = layer.forward(a)
+        dx = layer.backward(g)
+        assert (y is a) == flag and (dx is g) == flag
+        assert np.array_equal(y, want_y) and np.array_equal(dx, want_dx)
+        assert np.array_equal(a, want_y if flag else x) and np.array_equal(g, want_dx if flag else dy)
+    layer = ReLU(in_place=True, reuse_grad=True)
+    strided, g = x.copy()[..., ::-1], dy.copy()[..., ::-1]
+    kept, kept_g = strided.copy(), g.copy()
+    assert np.array_equal(layer.forward(strided), act.relu(kept)) and np.array_equal(strided, kept)
+    assert np.array_equal(layer.backward(g), act.relu_backward(kept_g, kept)) and np.array_equal(g, kept_g)
+    model = build_model("unet3d", "tiny")
+    relus = [m for _, m in model.named_modules() if isinstance(m, ReLU)]
+    assert relus and all(m.in_place and m.reuse_grad for m in relus)
+
+
 def test_pointwise_dispatch_rule(monkeypatch):
     """functional.activations' rule: NumPy arrays (any size), outside reference_only()."""
     x = np.zeros(3)

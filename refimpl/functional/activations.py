@@ -65,24 +65,34 @@ def _check_slope(negative_slope):
         raise ValueError(f"negative_slope must be a real number, got {negative_slope!r}")
 
 
-def relu(x):
-    """max(x, 0)."""
+def relu(x, *, out=None):
+    """max(x, 0).
+
+    ``out``: a C-contiguous array of x's shape and dtype that receives y and is returned; it
+    may be ``x`` itself (``nn.ReLU(in_place=True)``, as ``leaky_relu``)."""
     _check_input(x)
+    if out is not None:
+        _check_out(out, x, "x")
     kernel = kernel_for(fast, x)
     if kernel is not None:
-        return kernel.relu(x)
+        return kernel.relu(x, out)
     xp = array_module(x)
-    return xp.maximum(x, 0)
+    return _written(xp.maximum(x, 0), out)
 
 
-def relu_backward(dy, x):
-    """dy where x > 0, else 0: ``dy * 1[x > 0]`` (relu'(0) = 0, as PyTorch's)."""
+def relu_backward(dy, x, *, out=None):
+    """dy where x > 0, else 0: ``dy * 1[x > 0]`` (relu'(0) = 0, as PyTorch's).
+
+    ``out``: a C-contiguous array of dy's shape and dtype that receives dx and is returned; it
+    may be ``dy`` itself (``nn.ReLU(reuse_grad=True)``, as ``leaky_relu_backward``)."""
     _check_input(x)
     _check_grad(dy, x)
+    if out is not None:
+        _check_out(out, dy)
     kernel = kernel_for(fast, dy, x)
     if kernel is not None:
-        return kernel.relu_backward(dy, x)
-    return dy * (x > 0)
+        return kernel.relu_backward(dy, x, out)
+    return _written(dy * (x > 0), out)
 
 
 def leaky_relu(x, negative_slope=0.01, *, out=None):

@@ -128,12 +128,14 @@ class UNet3D(Model):
         norm, eps, momentum = config["norm"], config["bn_eps"], config["bn_momentum"]
 
         def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d (or the "norm") -> ReLU] x 2
+            # the ReLUs write y over the norm's y (its backward reads its own x) and dx over a dy
+            # no one else reads (a conv's dx, or the pool's dx + the skip's: a new array)
             groups = norm_groups(config, c_out)
             return Sequential(
                 make.conv(c_in, c_out, 3, padding=1, bias=False),
-                make.norm(norm, c_out, groups, eps, momentum), ReLU(),
+                make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True),
                 make.conv(c_out, c_out, 3, padding=1, bias=False),
-                make.norm(norm, c_out, groups, eps, momentum), ReLU())
+                make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True))
 
         self.widths = [base * 2 ** i for i in range(self.levels + 1)]
         self.enc, self.pool, self.up, self.dec = [], [], [None] * self.levels, [None] * self.levels

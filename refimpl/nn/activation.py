@@ -7,18 +7,38 @@ from ..functional.activations import (
 from .module import Module
 
 
+def _writeable(a) -> bool:
+    return a.flags.c_contiguous and getattr(a.flags, "writeable", True)
+
+
 class ReLU(Module):
+    """``in_place=True``: the forward writes y over its input ``x`` (when that is a writeable
+    C-contiguous array), so a caller must not keep ``x``, and saves y for the backward: exact,
+    since y = max(x, 0) > 0 exactly where x > 0 (a NaN is not > 0 in either).
+    ``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when writeable and
+    C-contiguous), so a caller must not keep ``dy``.  Why: as ``LeakyReLU``'s (no new array is
+    allocated and first touched).  The U-Net builds its conv blocks' ReLUs so: x is the norm's
+    output, which the norm's backward does not read, and dy a gradient no one else reads."""
+
+    def __init__(self, in_place=False, reuse_grad=False):
+        super().__init__()
+        self.in_place = bool(in_place)
+        self.reuse_grad = bool(reuse_grad)
+
     def forward(self, x):
+        if self.in_place and _writeable(x):
+            y = relu(x, out=x)
+            self._save(y)                        # y > 0 exactly where x > 0
+            return y
         self._save(x)
         return relu(x)
 
     def backward(self, dy):
-        (x,) = self._saved()
-        return relu_backward(dy, x)
+        (x,) = self._saved()                     # or y, in place: the same sign pattern
+        return relu_backward(dy, x, out=dy if self.reuse_grad and _writeable(dy) else None)
 
-
-def _writeable(a) -> bool:
-    return a.flags.c_contiguous and getattr(a.flags, "writeable", True)
+    def extra_repr(self):
+        return ", ".join(name + "=True" for name in ("in_place", "reuse_grad") if getattr(self, name))
 
 
 class LeakyReLU(Module):
