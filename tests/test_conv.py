@@ -856,3 +856,15 @@ def test_windows_that_tile_the_input_match_torch(n, c, f, size, k, monkeypatch):
                          tuple(a - o * b for a, o, b in zip(size, out, k)), (1, 1, 1))[0]
     op = tuple(a - o * b for a, o, b in zip(size, out, k))
     assert rel_err(conv_transpose3d(dy, w, None, k, 0, op), t_ref) <= RTOL
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_blocked_transpose_is_the_transpose(monkeypatch, rows):
+    """``_im2col.transposed`` (dW^T -> dW in blocks of rows) is ``a.T`` as a C-contiguous copy,
+    whatever the block size against the shape."""
+    monkeypatch.setattr(_im2col, "TRANSPOSE_ROWS", rows)
+    rng = np.random.default_rng(rows)
+    for shape in [(1, 1), (5, 3), (130, 7), (64, 64), (7, 200)]:
+        a = rng.standard_normal(shape).astype(np.float32)
+        t = _im2col.transposed(a)
+        assert t.flags.c_contiguous and t.shape == shape[::-1] and np.array_equal(t, a.T)

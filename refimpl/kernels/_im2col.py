@@ -12,12 +12,12 @@ one sample), with ``K = C*kd*kh*kw``::
 
     col   (K, M)  : col[(c, a, b, e), m] = x[c, i_d(m, a), i_h(m, b), i_w(m, e)]   (im2col)
     y     (F, M)  = W (F, K) @ col                                              forward
-    dW    (F, K) += dy (F, M) @ col^T                                           weight grad
+    dW^T  (K, F) += col @ dy^T (M, F)                                           weight grad
     dcol  (K, M)  = W^T (K, F) @ dy;   dx += col2im(dcol)                       input grad
 
-``W`` is the weight ``(F, C, kd, kh, kw)`` reshaped to ``(F, K)``; ``W^T`` and ``col^T`` are
-transposed views, which BLAS reads as they lie (a transposing copy of a 4 MB weight, or of
-its gradient, took up to 7 ms).  For a
+``W`` is the weight ``(F, C, kd, kh, kw)`` reshaped to ``(F, K)``; ``W^T`` and ``dy^T`` are
+transposed views, which BLAS reads as they lie, and ``dW^T`` becomes ``dW`` by a blocked
+transpose (``transposed``: NumPy's own copy of a transposed 4 MB weight gradient took 7 ms).  For a
 one-sample tile the ``(F, M)`` tile of ``y`` / ``dy`` is the NCDHW array itself
 (the GEMM writes straight into ``y``); a tile of several samples (small
 volumes: one bigger GEMM instead of several small ones) stages ``(F, nb, M)``
@@ -39,7 +39,7 @@ and their size is at most
     max(max_temp_bytes, bytes of one output row's tile)
 
 where one output row's tile is ``(K + F) * Wo * itemsize`` bytes.  Besides
-that the functions allocate only their result (and an ``(F, K)`` weight-grad
+that the functions allocate only their result (and a ``(K, F)`` weight-grad
 accumulator per worker in the backward).  Default:
 ``MAX_TEMP_BYTES`` = 64 MiB, read at call time.
 
@@ -290,7 +290,7 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
         return _forward_depth_taps(x, w, stride, padding, dilation, y, taps, g)
     w2 = xp.ascontiguousarray(w).reshape(f, kk)
     plan = _Plan(xp, x.dtype, n_b, c, f, k, out_spatial, budget, _threads.thread_count(xp))
-    dwts = [None if g is None else xp.zeros((f, kk), dtype=x.dtype)   # dW: g @ col^T, per worker
+    dwts = [None if g is None else xp.zeros((kk, f), dtype=x.dtype)   # dW^T: col @ g^T, per worker
             for _ in range(plan.workers)]
 
     def one(worker, tile):
@@ -300,7 +300,7 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
         col2 = col.reshape(kk, -1)
         m = col2.shape[1] // nb
         if g is not None:                           # reads the staging buffer first ...
-            dwts[worker] += xp.matmul(_fm_read(g, tile, plan, m, worker), col2.T)
+            dwts[worker] += xp.matmul(col2, _fm_read(g, tile, plan, m, worker).T)
         if nb == 1:
             xp.matmul(w2, col2, out=_fm_view(y, tile))
         else:                                       # ... which then takes the GEMM output
@@ -309,7 +309,26 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
             blk = _block(y, tile)
             blk[...] = st.transpose(1, 0, 2).reshape(blk.shape)
     _threads.run(one, plan.tiles, plan.workers)
-    return y if g is None else (y, _threads.sum_in_order(dwts).reshape(tuple(w.shape)))
+    return y if g is None else (y, transposed(_threads.sum_in_order(dwts)).reshape(tuple(w.shape)))
+
+
+#: Rows of the (K, F) array per block of ``transposed``.
+TRANSPOSE_ROWS = 64
+
+
+def transposed(a):
+    """``a.T`` of a 2-D array as a new C-contiguous array, copied ``TRANSPOSE_ROWS`` rows of ``a``
+    at a time.  Why: NumPy's copy of a transposed (2048, 512) float32 array (a weight gradient
+    dW^T of 256 -> 512 channels, k 2) took 7 ms, in blocks 0.8 ms (docs/benchmarks.md, "Kernel
+    choices"); small arrays take the same either way."""
+    xp = array_module(a)
+    if xp is not numpy:
+        return xp.ascontiguousarray(a.T)
+    k, f = a.shape
+    out = numpy.empty((f, k), dtype=a.dtype)
+    for i in range(0, k, TRANSPOSE_ROWS):
+        out[:, i:i + TRANSPOSE_ROWS] = a[i:i + TRANSPOSE_ROWS].T
+    return out
 
 
 def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=True,
@@ -325,10 +344,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     Threads: col2im's tiles overlap in ``dx``, so with ``need_dx`` the worker
     threads split the *input channels* instead of the tiles: worker ``w`` owns
     channels ``[c0, c1)``, i.e. the rows ``[c0*T, c1*T)`` of ``col`` and ``dcol``,
-    the columns ``[c0*T, c1*T)`` of ``dW`` (``T = kd*kh*kw`` taps) and the channels
+    the rows ``[c0*T, c1*T)`` of ``dW^T`` (``T = kd*kh*kw`` taps) and the channels
     ``[c0, c1)`` of ``dx``, and runs every tile for them in order.  Nothing is shared
     between workers, so no partial sums are needed.  Without ``need_dx`` the tiles are
-    independent and split among the workers, each with its own ``dW``.
+    independent and split among the workers, each with its own ``dW^T``.
 
     ``flipped``: whether dx is taken as the conv with the flipped kernel, when the caller
     has decided it already (``flipped_kernel_pays``; None: decided here).
@@ -371,7 +390,7 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         nblocks = min(workers, c)
         blocks = [(c * i // nblocks, c * (i + 1) // nblocks) for i in range(nblocks)]
         plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, nblocks, channel_blocks=nblocks)
-        dw2 = xp.zeros((f, kk), dtype=dy.dtype) if need_dw else None     # dW, columns split
+        dwt = xp.zeros((kk, f), dtype=dy.dtype) if need_dw else None     # dW^T, rows split
 
         def channels(worker, block):
             c0, c1 = block
@@ -383,11 +402,11 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
                 dyt = _fm_read(dy, tile, plan, m, worker)
                 if need_dw:
                     im2col(x[:, c0:c1], col, tile, k, stride, padding, dilation)
-                    dw2[:, rows] += xp.matmul(dyt, col2.T)
+                    dwt[rows] += xp.matmul(col2, dyt.T)
                 xp.matmul(w2[:, rows].T, dyt, out=col2)
                 col2im(dx[:, c0:c1], col, tile, k, stride, padding, dilation)
         _threads.run(channels, blocks, len(blocks))
-        return dx, (dw2.reshape(tuple(w.shape)) if need_dw else None)
+        return dx, (transposed(dwt).reshape(tuple(w.shape)) if need_dw else None)
 
     by_phases = _phase_grid.ForwardPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding, dilation,
                                               out_spatial, budget, workers, FORWARD_TILE_BYTES)
@@ -398,16 +417,16 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     if taps_plan is not None:
         return dx, _weight_grad_depth_taps(dy, x, w.shape, stride, padding, dilation, taps_plan)
     plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, workers)
-    dwts = [xp.zeros((f, kk), dtype=dy.dtype) for _ in range(plan.workers)]  # dW = sum dy @ col^T
+    dwts = [xp.zeros((kk, f), dtype=dy.dtype) for _ in range(plan.workers)]  # dW^T = sum col @ dy^T
 
     def one(worker, tile):
         col = plan.col(tile, worker)
         col2 = col.reshape(kk, -1)
         m = col2.shape[1] // (tile[1] - tile[0])
         im2col(x, col, tile, k, stride, padding, dilation)
-        dwts[worker] += xp.matmul(_fm_read(dy, tile, plan, m, worker), col2.T)
+        dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
-    return dx, _threads.sum_in_order(dwts).reshape(tuple(w.shape))
+    return dx, transposed(_threads.sum_in_order(dwts)).reshape(tuple(w.shape))
 
 
 # ---------------------------------------------- windows that tile the input: no col2im adds
@@ -696,7 +715,7 @@ def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
     if g is None and plan.plane_major:
         return _forward_plane_gemms(x, w, stride, padding, dilation, y, plan)
     wa = xp.ascontiguousarray(w.transpose(2, 0, 1, 3, 4)).reshape(kd, f, plan.rows)   # W[:, :, a]
-    dwts = [None if g is None else xp.zeros((kd, f, plan.rows), dtype=x.dtype)
+    dwts = [None if g is None else xp.zeros((kd, plan.rows, f), dtype=x.dtype)
             for _ in range(plan.workers)]
 
     def one(worker, tile):
@@ -713,7 +732,7 @@ def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
             for a in range(kd):
                 col = plan.tap(hw, i, a, dl, nd)                        # (C*kh*kw, M) view
                 if gv is not None:
-                    dwts[worker][a] += xp.matmul(gv, col.T)
+                    dwts[worker][a] += xp.matmul(col, gv.T)
                 if a == 0:
                     xp.matmul(wa[0], col, out=yv)
                 else:
@@ -728,10 +747,12 @@ def _forward_depth_taps(x, w, stride, padding, dilation, y, plan, g=None):
 
 
 def _depth_taps_weight(dwt, shape):
-    """(kd, F, C*kh*kw) per-tap dW as dW (F, C, kd, kh, kw) (the copy moves runs of kh*kw)."""
+    """(kd, C*kh*kw, F) per-tap dW^T as dW (F, C, kd, kh, kw): the blocked transpose to
+    (F, kd, C*kh*kw), then a copy that moves runs of kh*kw."""
     xp = array_module(dwt)
     f, c, kd, kh, kw = shape
-    return xp.ascontiguousarray(dwt.reshape(kd, f, c, kh, kw).transpose(1, 2, 0, 3, 4))
+    d = transposed(dwt.reshape(-1, f)).reshape(f, kd, c, kh, kw)
+    return xp.ascontiguousarray(d.transpose(0, 2, 1, 3, 4))
 
 
 def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan):
@@ -740,7 +761,7 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
     xp = array_module(dy, x)
     f = weight_shape[0]
     kd, dl = weight_shape[2], dilation[0]
-    dwts = [xp.zeros((kd, f, plan.rows), dtype=dy.dtype) for _ in range(plan.workers)]
+    dwts = [xp.zeros((kd, plan.rows, f), dtype=dy.dtype) for _ in range(plan.workers)]
 
     def one(worker, tile):
         n0, n1, d0, d1, h0, h1 = tile
@@ -748,7 +769,7 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
         for i in range(n1 - n0):
             gv = dy[n0 + i, :, d0:d1, h0:h1, :].reshape(f, -1)          # (F, M) view
             for a in range(kd):
-                dwts[worker][a] += xp.matmul(gv, plan.tap(hw, i, a, dl, d1 - d0).T)
+                dwts[worker][a] += xp.matmul(plan.tap(hw, i, a, dl, d1 - d0), gv.T)
     _threads.run(one, plan.tiles, plan.workers)
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
 
