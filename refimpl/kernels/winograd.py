@@ -58,7 +58,8 @@ Layout: the input is copied once to channels-last ``(N, D', H', W', C)``
 strided copy into ``(6, 6, 6, T, C)`` (T = tiles, C contiguous).  In that
 layout each axis of the transform is one GEMM over the leading axes:
 ``B^T (6x6) @ (6, rest)`` batched over the axes before it (1, 6 and 36
-calls), i.e. a memory-bound pass with no reshuffling.  The output goes the
+calls; on the host each cut into GEMMs of ``TRANSFORM_COLUMNS`` columns), i.e. a
+memory-bound pass with no reshuffling.  The output goes the
 other way: ``(216, T, F)`` -> ``(4, 4, 4, T, F)`` -> channels-last -> NCDHW.
 
 Memory: the tiles are processed in chunks of whole samples, else of depth
@@ -118,8 +119,8 @@ def _transform(mat, src, dst, rest):
     """Apply ``mat`` (r x s) to each of the three leading axes of the (s, s, s, rest)
     array at the start of the flat work buffer ``src``.
 
-    One GEMM per axis: axis 0 is ``mat @ src.reshape(s, -1)``; axis 1 the same
-    batched over axis 0; axis 2 batched over axes 0 and 1.  ``src`` and ``dst``
+    One GEMM per axis (``_column_blocked_matmul``): axis 0 is ``mat @ src.reshape(s, -1)``;
+    axis 1 the same batched over axis 0; axis 2 batched over axes 0 and 1.  ``src`` and ``dst``
     are used in turn (dst, src, dst: each must hold the stage outputs it receives,
     ``src`` also the input), so the result, (r, r, r, rest), ends at the start of
     ``dst``: returned as that exact-size flat view.
