@@ -106,7 +106,10 @@ MODELS = ("cosmoflow", "unet3d")
 DEFAULT_BATCH = {"cosmoflow": 4, "unet3d": 2}
 WEIGHTED = ("Conv3d", "ConvTranspose3d", "Linear")   # labels show their channels as in->out
 FOLDED = ("Flatten",)             # torch leaves folded into the next row (refimpl's FlattenLinear)
-LOSS_LABEL = {"cosmoflow": "loss MSE", "unet3d": "loss cross-entropy"}
+#: The loss row's label.  The U-Net's row holds more than the twin's CrossEntropyLoss: refimpl's
+#: ``UNet3D.loss`` also counts the hard Dice score of every step (argmax and confusion counts,
+#: the metric it reports), a third or so of the row.
+LOSS_LABEL = {"cosmoflow": "loss MSE", "unet3d": "loss cross-entropy + Dice metric"}
 
 
 # ---------------------------------------------------------------------------- imports
@@ -762,7 +765,7 @@ def main(argv=None) -> int:
     load_end = load_average()
     print(f"\n# ms, best of {args.repeats}; torch/ours: torch f+b / ours f+b (> 1: refimpl faster); "
           f"ours % / torch %: share of the side's sum of rows; the loss row's ours fwd holds refimpl's whole "
-          f"loss (value and dL/dout); other: the phase minus its rows; step plain: no instrumentation; "
+          f"loss (value and dL/dout; the U-Net's also its hard Dice metric, which the twin does not compute); other: the phase minus its rows; step plain: no instrumentation; "
           f"load average at the end {' '.join(f'{v:.2f}' for v in load_end or [])}")
     if args.json:
         with open(args.json, "w") as fh:
