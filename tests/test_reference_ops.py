@@ -42,6 +42,21 @@ def assert_same(a, b):
         np.testing.assert_array_equal(a, b)
 
 
+def assert_passes_close(ref, fast, dtype):
+    """Every result of a statistics layer's split passes (dicts of arrays or tuples of them,
+    None for an absent gradient) of the kernel route against the reference's: the same dtype
+    and shape, within 1e-12 (float64: block partials add in another order) or 1e-5 (float32:
+    float32 rounding of the statistics) of the result's magnitude."""
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for key in ref:
+        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (ref[key], fast[key]))):
+            if a is None:
+                assert b is None
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+
+
 # ---------------------------------------------------------------- pooling
 POOL_CASES = [((2, 5, 6, 7, 8), 2, None, 0, 1), ((1, 3, 9, 8, 7), 3, 2, 1, 1),
               ((2, 4, 7, 7, 7), (3, 2, 3), (1, 2, 2), (1, 0, 1), 1), ((1, 6, 9, 9, 9), 2, 1, 0, 2)]
@@ -153,14 +168,7 @@ def test_batch_norm_blocked_route_equals_reference(monkeypatch, shape, block, dt
         ref, fast = both_routes(monkeypatch, bn_kernel, block,
                                 lambda: bn_passes(x, dy, gamma, beta, shift))
         assert bn_kernel.applies(x) and len(bn_kernel.channel_blocks(x)) > shape[0]
-        tol = 1e-12 if dtype == np.float64 else 1e-5
-        for key in ref:
-            for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (ref[key], fast[key]))):
-                if a is None:
-                    assert b is None
-                    continue
-                assert a.dtype == b.dtype and a.shape == b.shape
-                assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+        assert_passes_close(ref, fast, dtype)
 
 
 @pytest.mark.parametrize("shape, block", BN_CASES[:2])
@@ -229,14 +237,7 @@ def test_group_norm_blocked_route_equals_reference(monkeypatch, shape, block, gr
         ref, fast = both_routes(monkeypatch, bn_kernel, block,
                                 lambda: gn_passes(x, dy, groups, gamma, beta, shift))
         assert gn_kernel.applies(x) and len(bn_kernel.channel_blocks(x)) > shape[0]
-        tol = 1e-12 if dtype == np.float64 else 1e-5
-        for key in ref:
-            for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (ref[key], fast[key]))):
-                if a is None:
-                    assert b is None
-                    continue
-                assert a.dtype == b.dtype and a.shape == b.shape
-                assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(a))), key
+        assert_passes_close(ref, fast, dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
