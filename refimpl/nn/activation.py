@@ -11,14 +11,11 @@ def _writeable(a) -> bool:
     return a.flags.c_contiguous and getattr(a.flags, "writeable", True)
 
 
-class ReLU(Module):
-    """``in_place=True``: the forward writes y over its input ``x`` (when that is a writeable
-    C-contiguous array), so a caller must not keep ``x``, and saves y for the backward: exact,
-    since y = max(x, 0) > 0 exactly where x > 0 (a NaN is not > 0 in either).
-    ``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when writeable and
-    C-contiguous), so a caller must not keep ``dy``.  Why: as ``LeakyReLU``'s (no new array is
-    allocated and first touched).  The U-Net builds its conv blocks' ReLUs so: x is the norm's
-    output, which the norm's backward does not read, and dy a gradient no one else reads."""
+class _SignPatternActivation(Module):
+    """An activation whose backward reads only the sign pattern of its input (x > 0), so that
+    the forward may write y over x (``in_place``: y > 0 exactly where x > 0) and the backward dx
+    over dy (``reuse_grad``), each when that array is writeable and C-contiguous; the
+    subclass gives ``_forward(x, out)`` and ``_backward(dy, x, out)``."""
 
     def __init__(self, in_place=False, reuse_grad=False):
         super().__init__()
@@ -27,21 +24,37 @@ class ReLU(Module):
 
     def forward(self, x):
         if self.in_place and _writeable(x):
-            y = relu(x, out=x)
+            y = self._forward(x, out=x)
             self._save(y)                        # y > 0 exactly where x > 0
             return y
         self._save(x)
-        return relu(x)
+        return self._forward(x, out=None)
 
     def backward(self, dy):
         (x,) = self._saved()                     # or y, in place: the same sign pattern
-        return relu_backward(dy, x, out=dy if self.reuse_grad and _writeable(dy) else None)
+        return self._backward(dy, x, out=dy if self.reuse_grad and _writeable(dy) else None)
+
+
+class ReLU(_SignPatternActivation):
+    """``in_place=True``: the forward writes y over its input ``x`` (when that is a writeable
+    C-contiguous array), so a caller must not keep ``x``, and saves y for the backward: exact,
+    since y = max(x, 0) > 0 exactly where x > 0 (a NaN is not > 0 in either).
+    ``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when writeable and
+    C-contiguous), so a caller must not keep ``dy``.  Why: as ``LeakyReLU``'s (no new array is
+    allocated and first touched).  The U-Net builds its conv blocks' ReLUs so: x is the norm's
+    output, which the norm's backward does not read, and dy a gradient no one else reads."""
+
+    def _forward(self, x, out):
+        return relu(x, out=out)
+
+    def _backward(self, dy, x, out):
+        return relu_backward(dy, x, out=out)
 
     def extra_repr(self):
         return ", ".join(name + "=True" for name in ("in_place", "reuse_grad") if getattr(self, name))
 
 
-class LeakyReLU(Module):
+class LeakyReLU(_SignPatternActivation):
     """``reuse_grad=True``: the backward writes dx over the ``dy`` it is given (when that is a
     writeable C-contiguous array), so a caller must not keep ``dy``.  Why: the backward is a
     memory-bound pass, and a new dx array costs a third more memory traffic than writing over
@@ -57,26 +70,17 @@ class LeakyReLU(Module):
     conv's, which the conv's backward does not need)."""
 
     def __init__(self, negative_slope=0.01, reuse_grad=False, in_place=False):
-        super().__init__()
+        super().__init__(in_place=in_place, reuse_grad=reuse_grad)
         self.negative_slope = float(negative_slope)
-        self.reuse_grad = bool(reuse_grad)
-        self.in_place = bool(in_place)
         if self.in_place and not self.negative_slope >= 0:
             raise ValueError(f"LeakyReLU(in_place=True) needs negative_slope >= 0 (the backward reads the sign of "
                              f"y for that of x), got {negative_slope!r}")
 
-    def forward(self, x):
-        if self.in_place and _writeable(x):
-            y = leaky_relu(x, self.negative_slope, out=x)
-            self._save(y)                        # y > 0 exactly where x > 0 (slope >= 0)
-            return y
-        self._save(x)
-        return leaky_relu(x, self.negative_slope)
+    def _forward(self, x, out):
+        return leaky_relu(x, self.negative_slope, out=out)
 
-    def backward(self, dy):
-        (x,) = self._saved()                     # or y, in place: the same sign pattern
-        reuse = self.reuse_grad and _writeable(dy)
-        return leaky_relu_backward(dy, x, self.negative_slope, out=dy if reuse else None)
+    def _backward(self, dy, x, out):
+        return leaky_relu_backward(dy, x, self.negative_slope, out=out)
 
     def extra_repr(self):
         return (f"negative_slope={self.negative_slope}" + (", reuse_grad=True" if self.reuse_grad else "")
