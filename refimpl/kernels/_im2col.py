@@ -309,7 +309,12 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
             blk = _block(y, tile)
             blk[...] = st.transpose(1, 0, 2).reshape(blk.shape)
     _threads.run(one, plan.tiles, plan.workers)
-    return y if g is None else (y, transposed(_threads.sum_in_order(dwts)).reshape(tuple(w.shape)))
+    return y if g is None else (y, _sum_transposed(dwts, w.shape))
+
+
+def _sum_transposed(dwts, shape):
+    """The per-worker dW^T (K, F) accumulators, summed in worker order, as dW of ``shape``."""
+    return transposed(_threads.sum_in_order(dwts)).reshape(tuple(shape))
 
 
 #: Rows of the (K, F) array per block of ``transposed``.
@@ -343,10 +348,10 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
 
     Threads: col2im's tiles overlap in ``dx``, so with ``need_dx`` the worker
     threads split the *input channels* instead of the tiles: worker ``w`` owns
-    channels ``[c0, c1)``, i.e. the rows ``[c0*T, c1*T)`` of ``col`` and ``dcol``,
-    the rows ``[c0*T, c1*T)`` of ``dW^T`` (``T = kd*kh*kw`` taps) and the channels
-    ``[c0, c1)`` of ``dx``, and runs every tile for them in order.  Nothing is shared
-    between workers, so no partial sums are needed.  Without ``need_dx`` the tiles are
+    channels ``[c0, c1)``, i.e. the rows ``[c0*T, c1*T)`` of ``col``, ``dcol``
+    and ``dW^T`` (``T = kd*kh*kw`` taps) and the channels ``[c0, c1)`` of
+    ``dx``, and runs every tile for them in order.  Nothing is shared between
+    workers, so no partial sums are needed.  Without ``need_dx`` the tiles are
     independent and split among the workers, each with its own ``dW^T``.
 
     ``flipped``: whether dx is taken as the conv with the flipped kernel, when the caller
@@ -383,8 +388,8 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     dx = xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None
     if not (dy.size and (need_dw or dx.size) and (not need_dw or x.size)):
         return dx, (xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
-    # W as (F, K): a block of its columns, transposed, is a GEMM operand as it lies (no transposed
-    # copy of W, nor of dW at the end: a transposing copy of a 4 MB weight took up to 7 ms)
+    # W as (F, K): a block of its columns, transposed, is W^T's rows as a GEMM reads them (no
+    # transposed copy of W: NumPy's transposing copy of a 4 MB weight took up to 7 ms)
     if need_dx:
         w2 = xp.ascontiguousarray(w).reshape(f, kk)
         nblocks = min(workers, c)
@@ -426,7 +431,7 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         im2col(x, col, tile, k, stride, padding, dilation)
         dwts[worker] += xp.matmul(col2, _fm_read(dy, tile, plan, m, worker).T)
     _threads.run(one, plan.tiles, plan.workers)
-    return dx, transposed(_threads.sum_in_order(dwts)).reshape(tuple(w.shape))
+    return dx, _sum_transposed(dwts, w.shape)
 
 
 # ---------------------------------------------- windows that tile the input: no col2im adds
@@ -463,7 +468,7 @@ def input_grad_without_overlap(dy, w, input_shape, budget):
     if not (dy.size and dx.size):
         return dx
     workers = _threads.thread_count(xp)
-    wt = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, c * taps).T)   # (C*T, F)
+    wt = xp.ascontiguousarray(w).reshape(f, c * taps).T                # (C*T, F), a transposed view
     per_worker = max(1, budget // max(1, workers))
     positions = max(out[2], min(out[0] * out[1] * out[2], per_worker // (c * taps * dy.dtype.itemsize)))
     positions = min(positions, max(out[2], worker_share(n_b, out, workers)))

@@ -61,6 +61,7 @@ from itertools import product
 
 from ..backend import array_module
 from . import _threads
+from ._im2col import transposed
 
 
 def axis_taps(k, s, dl):
@@ -249,7 +250,8 @@ def weight_grad(dy, x, weight_shape, plan):
     _threads.run(one, plan.tasks, plan.workers)
     dwt = _threads.sum_in_order(dwts)                                   # rows (tap, channel)
     k = tuple(weight_shape[2:])
-    return xp.ascontiguousarray(dwt.T.reshape((f,) + k + (c,)).transpose(0, 4, 1, 2, 3))
+    dw = transposed(dwt).reshape((f,) + k + (c,))                        # the blocked transpose
+    return xp.ascontiguousarray(dw.transpose(0, 4, 1, 2, 3))
 
 
 class InputGradPlan:
