@@ -115,6 +115,34 @@ def test_pair_max_forward_equals_the_reference_stages(dtype, stride, dilation, o
                                         for u, v in zip(first, first_ref, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("stride, dilation, out", [((2, 2, 2), (1, 1, 1), (4, 3, 5)), ((2, 2, 2), (1, 1, 1), (3, 3, 4)),
+                                                   ((3, 2, 4), (2, 1, 3), (2, 3, 2))])
+def test_pair_max_backward_equals_the_reference(dtype, stride, dilation, out):
+    """kernels.pooling.pair_max_backward (the zero fill left out where both taps write every
+    input, the last stage into the caller's array) gives the reference's dx exactly, from the
+    reference's masks and from pair_max_forward's: ties, NaN, -0 and +0, -inf; windows that
+    cover the input (even extents), that leave its last plane or row out (odd), that skip
+    inputs (s > 2 d)."""
+    from refimpl.functional.pooling import max_pool_backward, max_pool_forward
+    rng = np.random.default_rng(11)
+    shape = (2, 3) + tuple(s * (o - 1) + d + 1 + (i % 2) for i, (s, d, o) in enumerate(zip(stride, dilation, out)))
+    x = rng.standard_normal(shape).astype(dtype)
+    flat = x.reshape(-1)
+    x[..., ::3] = np.round(x[..., ::3])
+    flat[::17], flat[5::19], flat[7::23], flat[9::29] = np.nan, -0.0, 0.0, -np.inf
+    dy = rng.standard_normal((2, 3) + out).astype(dtype)
+    dy.reshape(-1)[::13] = -dy.reshape(-1)[::13] * 0.0                  # -0 and +0 gradients
+    pad = ((0, 0),) * 3
+    _, stages = max_pool_forward(x, (2, 2, 2), stride, pad, dilation, out, True)
+    dx_ref = max_pool_backward(dy, x.shape, (2, 2, 2), stride, pad, dilation, stages)
+    for st in (stages, pooling_kernel.pair_max_forward(x, stride, dilation, out, True)[1]):
+        dx = np.full(x.shape, 7.0, dtype=dtype)                          # every element must be written
+        assert pooling_kernel.pair_max_backward(dy, st, stride, dilation, dx) is dx
+        assert np.array_equal(dx, dx_ref, equal_nan=True)
+        assert np.array_equal(np.signbit(dx), np.signbit(dx_ref))
+
+
 def test_pooling_dispatch_rule(monkeypatch):
     """The rule for functional.pooling (``_route.kernel_for``): NumPy arrays of more than
     BLOCK_ELEMENTS, outside reference_only(); masks of one route are refused by the other's

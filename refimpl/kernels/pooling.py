@@ -95,10 +95,41 @@ def pair_max_forward(x, s, d, out, with_masks):
     return y, stages
 
 
+def pair_max_backward(dy, stages, s, d, dx):
+    """The reference's ``max_pool_backward`` for a 2 x 2 x 2 window without padding whose windows
+    do not overlap (``s > d`` on every axis), written into ``dx`` (the block's view of the
+    whole gradient); ``stages`` as ``pair_max_forward`` (or the reference) returns them.
+
+    The same products ``g * first_t`` land in the same places as the reference's
+    (``functional.pooling._spread_along``), so the values are equal bit for bit; two of the
+    reference's passes are left out: the zero fill of a stage whose two taps write every input
+    (``s == 2``, ``d == 1`` and an even extent: CosmoFlow's and the U-Net's pools), and the
+    copy of a block's own gradient into the whole one (the last stage writes there)."""
+    g = dy
+    order = list(reversed(list(zip(STAGE_AXES, stages))))
+    for i, (axis, (first, n_in)) in enumerate(order):
+        a, n_out = axis - 2, g.shape[axis]
+        shape = g.shape[:axis] + (n_in,) + g.shape[axis + 1:]
+        target = dx if i == len(order) - 1 else numpy.empty(shape, dtype=g.dtype)
+        if not (s[a] == 2 and d[a] == 1 and n_in == 2 * n_out):    # some input no tap writes
+            target[...] = 0
+        lead = (slice(None),) * axis
+        for t in range(2):
+            tap = lead + (slice(t * d[a], t * d[a] + s[a] * (n_out - 1) + 1, s[a]),)
+            numpy.multiply(g, first[t], out=target[tap])
+        g = target
+    return dx
+
+
+def _pair_window(k, p):
+    """Whether the window is 2 x 2 x 2 without padding (``pair_max_forward`` applies)."""
+    return tuple(k) == (2, 2, 2) and all(lo == 0 and hi == 0 for lo, hi in p)
+
+
 def _block_forward(forward, k, s, p, d, out):
     """``fn(x_block, with_masks) -> (y, stages)``: ``pair_max_forward`` for a 2 x 2 x 2 window
     without padding, else the reference's ``forward``."""
-    if tuple(k) == (2, 2, 2) and all(lo == 0 and hi == 0 for lo, hi in p):
+    if _pair_window(k, p):
         return lambda xb, with_masks: pair_max_forward(xb, s, d, out, with_masks)
     return lambda xb, with_masks: forward(xb, k, s, p, d, out, with_masks)
 
@@ -130,10 +161,20 @@ def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
 
     block_forward = _block_forward(forward, k, s, p, d, out)
 
+    def stages_of(i, xb):
+        return block_forward(xb, True)[1] if masks is None else masks[i]
+    if _pair_window(k, p) and all(si > di for si, di in zip(s, d)):       # windows apart
+        dx = numpy.empty(x.shape, dtype=dy.dtype)
+
+        def into(_, i):
+            idx = index[i]
+            pair_max_backward(dy[idx], stages_of(i, x[idx]), s, d, dx[idx])
+        _threads.run(into, list(range(len(index))), _threads.thread_count(numpy))
+        return dx
+
     def block(i, idx):
         xb = x[idx]
-        stages = block_forward(xb, True)[1] if masks is None else masks[i]
-        return backward(dy[idx], xb.shape, k, s, p, d, stages), None
+        return backward(dy[idx], xb.shape, k, s, p, d, stages_of(i, xb)), None
     return _per_block(block, x, x.shape, dy.dtype)[0]
 
 
@@ -384,5 +425,5 @@ def device_avg_pool3d_backward(dy, x, k, s, p, divisor):
                    dy.dtype, dx.size)
     return dx
 
-__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
+__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "pair_max_backward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
            "avg_pool3d_backward", "DEVICE_SOURCE", "SIGNATURES", "pool_numbers"]
