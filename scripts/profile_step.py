@@ -26,10 +26,12 @@ Method:
   ``loss.backward()`` to the first layer's backward pre hook (bwd: the loss's
   backward and autograd start-up).  Calls of a shared module (the torch U-Net's
   one MaxPool3d) are told apart by order: backward runs in reverse.
-- Rows are matched by call order (both models run their layers in the same
-  order); torch's Flatten is folded into the Linear after it (refimpl's
+- Rows are matched in the models' written order (refimpl's rows sorted by its leaves'
+  registration order); torch's Flatten is folded into the Linear after it (refimpl's
   FlattenLinear is one layer).  The layer kinds and output shapes of every
-  pair are checked.
+  pair are checked, except the output shape of an activation that refimpl's
+  ``Sequential`` runs after the max pool behind it (``run_order``: the same output, on
+  the pooled block): its row is labelled "after the pool" and shows the block it ran on.
 - ``other``: the forward (zero_grad, forward) minus its layers' times, and the
   backward minus its layers' (and torch's loss backward) times: zero_grad, the
   U-Net's concatenation / gradient split and skip addition, container and hook
@@ -268,6 +270,20 @@ def refimpl_leaves(module, prefix=""):
             yield prefix + name, child
 
 
+def pooled_first(module, prefix="") -> set:
+    """The dotted names of the leaves that a ``Sequential`` of ``module`` runs after the layer
+    written behind them (``Sequential.run_order``: an activation after its max pool)."""
+    out = set()
+    run_order = getattr(module, "run_order", None)
+    if run_order is not None:
+        ran = {id(m): i for i, m in enumerate(run_order())}
+        written = list(module._modules.items())
+        out |= {prefix + name for (name, m), (_, nxt) in zip(written, written[1:]) if ran[id(m)] > ran[id(nxt)]}
+    for name, child in module._modules.items():
+        out |= pooled_first(child, f"{prefix}{name}.")
+    return out
+
+
 class RefimplStep:
     """refimpl's model and batch: plain steps, and steps with every leaf layer's forward / backward timed."""
 
@@ -278,6 +294,8 @@ class RefimplStep:
         from refimpl import backend
         self.x, self.y = backend.asarray(x), backend.asarray(y)        # the device's arrays on a GPU
         self.log, self.wrapped = None, []
+        self.leaf_index = {name: i for i, (name, _) in enumerate(refimpl_leaves(self.model))}
+        self.pooled_first = pooled_first(self.model)
 
     def params(self) -> int:
         return sum(int(p.data.size) for p in self.model.parameters())
@@ -327,6 +345,7 @@ class RefimplStep:
         self.model.backward(dout)
         t3 = now()
         log.fwd_s, log.loss_fwd_s, log.bwd_s = t1 - t0, t2 - t1, t3 - t2
+        log.calls.sort(key=lambda call: self.leaf_index[call[0]])      # the written order (stable)
         return log
 
 
@@ -421,13 +440,15 @@ def fold(layers):
     return out
 
 
-def check_aligned(ours, theirs, model):
-    """Same number of layers, and pairwise the same kind and output shape, or SystemExit."""
+def check_aligned(ours, theirs, model, pooled=frozenset()):
+    """Same number of layers, and pairwise the same kind and output shape (not for the ``pooled``
+    rows of ours: activations run on the pooled block), or SystemExit."""
     def listing(rows):
         return "\n".join(f"  {r['name']} {r['kind']} -> {r['out_shape']}" for r in rows)
 
     bad = len(ours) != len(theirs) or any(
-        not same_kind(a["kind"], b["kind"]) or a["out_shape"] != b["out_shape"] for a, b in zip(ours, theirs))
+        not same_kind(a["kind"], b["kind"]) or (a["out_shape"] != b["out_shape"] and a["name"] not in pooled)
+        for a, b in zip(ours, theirs))
     if bad:
         raise SystemExit(f"profile_step: {model}: the refimpl and torch layers do not match call by call\n"
                          f"refimpl:\n{listing(ours)}\ntorch:\n{listing(theirs)}")
@@ -478,18 +499,20 @@ def measure(sides, repeats):
     return plain, logs
 
 
-def make_rows(name, ours_logs, torch_logs, torch_loss):
-    """The table's rows (layers in forward order, loss, other) with their best times, f+b sums,
-    ratios and shares; and the sums of the rows."""
+def make_rows(name, ours_logs, torch_logs, torch_loss, pooled=frozenset()):
+    """The table's rows (layers in written order, loss, other) with their best times, f+b sums,
+    ratios and shares; and the sums of the rows.  ``pooled``: the names of refimpl's layers
+    run after the pool written behind them (labelled so)."""
     o_rows, o_loss, o_other = best_rows(ours_logs)
     if torch_logs:
         t_rows, t_loss, t_other = best_rows(torch_logs, folded=True)
-        check_aligned(o_rows, t_rows, name)
+        check_aligned(o_rows, t_rows, name, pooled)
     else:
         t_rows, t_loss, t_other = [None] * len(o_rows), None, None
     rows = [dict(layer=o["name"], kind=o["kind"], out_shape=list(o["out_shape"]),
                  label=f"{o['name']} {o['kind']} "
-                       f"{describe(o['in_shape'], o['out_shape'], weighted=o['kind'].endswith(WEIGHTED))}",
+                       f"{describe(o['in_shape'], o['out_shape'], weighted=o['kind'].endswith(WEIGHTED))}"
+                       + (" after the pool" if o["name"] in pooled else ""),
                  torch_layer=t and t["name"], ours=o, torch=t) for o, t in zip(o_rows, t_rows)]
     rows.append(dict(layer="loss", kind="loss", out_shape=None, label=LOSS_LABEL[name], torch_layer=torch_loss,
                      ours=dict(o_loss, bwd_s=None), torch=t_loss))   # refimpl: value and dL/dout in one call
@@ -528,7 +551,7 @@ def profile_model(name, config, notes, args, bench_train, use_torch) -> dict:
     plain, logs = measure(sides, args.repeats)
     if theirs is None:                                    # the torch columns read n/a
         plain, logs = plain + [None], logs + [None]
-    rows, sums = make_rows(name, logs[0], logs[1], theirs and type(theirs.loss_fn).__name__)
+    rows, sums = make_rows(name, logs[0], logs[1], theirs and type(theirs.loss_fn).__name__, ours.pooled_first)
     step = [min(p) if p else None for p in plain]
     instrumented = [best(log.fwd_s + log.loss_fwd_s + log.bwd_s for log in side) if side else None
                     for side in logs]

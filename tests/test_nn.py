@@ -113,6 +113,98 @@ def test_names_order_and_state_dict_keys_match_torch():
     assert [p.name for p in model.parameters()] == [n for n, _ in model.named_parameters()]
 
 
+# ------------------------------------------------ Sequential: max pooling before a monotone activation
+
+def test_sequential_pools_before_a_non_decreasing_activation_unless_told_or_last():
+    """run_order swaps (activation, max pool) where the activation is non-decreasing (ReLU,
+    LeakyReLU with a slope >= 0) and the pool is not the last layer; never an average pool, a
+    negative slope, or with pool_first=False; pool_first takes only a bool."""
+    def order(*layers, **kw):
+        seq = Sequential(*layers, **kw)
+        return [type(m).__name__ for m in seq.run_order()], [type(m).__name__ for m in seq]
+    pool = lambda: MaxPool3d(2)                                          # noqa: E731
+    assert order(LeakyReLU(0.1), pool(), Tanh())[0] == ["MaxPool3d", "LeakyReLU", "Tanh"]
+    assert order(ReLU(), pool(), ReLU(), pool(), Tanh())[0] == ["MaxPool3d", "ReLU", "MaxPool3d", "ReLU", "Tanh"]
+    assert order(LeakyReLU(0.0), pool(), Tanh())[0][:2] == ["MaxPool3d", "LeakyReLU"]
+    for layers, kw in (((LeakyReLU(-0.5), pool(), Tanh()), {}), ((ReLU(), AvgPool3d(2), Tanh()), {}),
+                       ((ReLU(), pool()), {}), ((Tanh(), pool(), ReLU()), {}),
+                       ((ReLU(), pool(), Tanh()), {"pool_first": False})):
+        ran, written = order(*layers, **kw)
+        assert ran == written
+    with pytest.raises(ValueError, match="pool_first must be True or False"):
+        Sequential(ReLU(), pool_first=1)
+
+
+def _both_orders(make, x, dy):
+    """(y, dx) of Sequential(*make()) in its run order and in the written order."""
+    out = []
+    for pool_first in (True, False):
+        seq = Sequential(*make(), pool_first=pool_first)
+        y = seq.forward(x.copy())
+        out.append((y.copy(), seq.backward(dy.copy())))
+    return out
+
+
+POOLS = [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(1, 2, 2), padding=(1, 0, 1)),
+         dict(kernel_size=2, stride=(2, 1, 2), dilation=(1, 2, 1), ceil_mode=True)]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("act", ["relu", "leaky", "leaky_steep"])
+def test_pool_first_gives_the_written_orders_output_bits_and_its_gradient(pool, dtype, act):
+    """The same y bit for bit (ties, NaN, -0 and +0, -inf, negatives a ReLU maps to one 0), in
+    place and dy-reusing activations included; the same dx: bit for bit for ReLU (ties too), for
+    LeakyReLU where windows do not overlap, else to rounding (a slope times a sum against a sum
+    of slope times each).  Large enough that the pooling kernel's blocks run."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 70, 33, 34)).astype(dtype)
+    flat = x.reshape(-1)
+    x[..., ::3] = np.round(x[..., ::3])                                  # ties, and zeros
+    flat[::1013], flat[5::1019], flat[7::1021], flat[9::1031] = np.nan, -0.0, 0.0, -np.inf
+    if act == "relu":
+        make = lambda: [ReLU(in_place=True, reuse_grad=True), MaxPool3d(**pool), Tanh()]     # noqa: E731
+    else:
+        slope = 0.01 if act == "leaky" else 2.5
+        make = lambda: [LeakyReLU(slope, in_place=True, reuse_grad=True), MaxPool3d(**pool), Tanh()]  # noqa: E731
+    y_shape = Sequential(*make()).forward(x.copy()).shape
+    dy = rng.standard_normal(y_shape).astype(dtype)
+    (y, dx), (y_written, dx_written) = _both_orders(make, x, dy)
+    assert y.dtype == dtype and np.array_equal(y, y_written, equal_nan=True)
+    assert np.array_equal(np.signbit(y), np.signbit(y_written))
+    overlapping = pool is not POOLS[0]                    # (POOLS[2]: stride 1 < 2 taps along H)
+    if act == "relu" or not overlapping:           # (LeakyReLU's ties by rounding: none in these inputs)
+        assert np.array_equal(dx, dx_written, equal_nan=True)
+    else:
+        finite = np.isfinite(dx_written)
+        assert np.array_equal(finite, np.isfinite(dx))
+        tol = 1e-6 if dtype == np.float32 else 1e-15
+        assert np.max(np.abs(dx - dx_written)[finite]) <= tol * np.max(np.abs(dx_written[finite]))
+
+
+def test_pool_first_sends_a_rounding_tie_to_the_larger_input():
+    """The one documented difference: two negative inputs of one window that LeakyReLU rounds to
+    one float32 are a tie in the written order (the first gets the gradient) but not in the pool's
+    (the larger does); the window's gradient is the same, only its place differs."""
+    s = np.float32(0.01)
+    a = np.float32(-1.0)
+    for _ in range(100):             # an input whose next float32 LeakyReLU rounds to the same value
+        b = np.nextafter(a, np.float32(0))
+        if np.float32(s * b) == np.float32(s * a):
+            break
+        a = b
+    assert a < b and np.float32(s * a) == np.float32(s * b)
+    x = np.full((1, 1, 2, 2, 2), -5.0, dtype=np.float32)
+    x[0, 0, 0, 0, 0], x[0, 0, 0, 0, 1] = a, b                          # the smaller first in scan order
+    dy = np.full((1, 1, 1, 1, 1), 3.0, dtype=np.float32)
+    make = lambda: [LeakyReLU(0.01), MaxPool3d(2), Tanh()]                # noqa: E731
+    (y, dx), (y_written, dx_written) = _both_orders(make, x, dy)
+    assert np.array_equal(y, y_written)
+    assert dx_written[0, 0, 0, 0, 0] != 0 and dx_written[0, 0, 0, 0, 1] == 0
+    assert dx[0, 0, 0, 0, 0] == 0 and dx[0, 0, 0, 0, 1] == dx_written[0, 0, 0, 0, 0]
+    assert np.count_nonzero(dx) == np.count_nonzero(dx_written) == 1
+
+
 def test_default_init_bounds_dtype_and_reproducibility():
     conv = Conv3d(4, 8, (3, 3, 2), rng=np.random.default_rng(0))
     deconv = ConvTranspose3d(4, 8, 3, rng=np.random.default_rng(0))

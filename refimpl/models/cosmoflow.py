@@ -113,9 +113,11 @@ class CosmoFlow(Model):
             conv = make.conv(c_in, c_out, k, padding="same") if i < split_from else \
                 make.model_conv(c_in, c_out, k, "same", mode, first=i == split_from)
             blocks += [conv,                                          # (B, c_out, s, s, s)
-                       LeakyReLU(slope, reuse_grad=True, in_place=slope >= 0),   # y over the conv's y, dx over
-                                                                      # the pool's dx: no one else reads either
+                       LeakyReLU(slope, reuse_grad=True, in_place=slope >= 0),   # y over its x, dx over its dy:
+                                                                      # no one else reads either
                        make.max_pool(2)]                              # (B, c_out, s/2, s/2, s/2)
+            # (Sequential runs the pool first, then the activation on the pooled block: the same
+            # output, an eighth of the activation's cost; x is then the pool's y, dy the next conv's dx)
             c_in = c_out
         if mode != "none":
             blocks.append(make.gather(c_in))                          # channel-split -> replicated

@@ -44,6 +44,9 @@ class ReLU(_SignPatternActivation):
     allocated and first touched).  The U-Net builds its conv blocks' ReLUs so: x is the norm's
     output, which the norm's backward does not read, and dy a gradient no one else reads."""
 
+    #: max(relu(a), relu(b)) == relu(max(a, b)) bit for bit: ``Sequential`` may pool first
+    commutes_with_max = True
+
     def _forward(self, x, out):
         return relu(x, out=out)
 
@@ -75,6 +78,12 @@ class LeakyReLU(_SignPatternActivation):
         if self.in_place and not self.negative_slope >= 0:
             raise ValueError(f"LeakyReLU(in_place=True) needs negative_slope >= 0 (the backward reads the sign of "
                              f"y for that of x), got {negative_slope!r}")
+
+    @property
+    def commutes_with_max(self) -> bool:
+        """Whether the activation is non-decreasing (a slope >= 0), so that ``Sequential`` may run
+        a max pool behind it first (the same output bits; see ``Sequential``)."""
+        return self.negative_slope >= 0
 
     def _forward(self, x, out):
         return leaky_relu(x, self.negative_slope, out=out)

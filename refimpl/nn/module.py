@@ -150,21 +150,56 @@ class Module:
 
 
 class Sequential(Module):
-    """Layers applied in order; backward runs them in reverse."""
+    """Layers applied in order; backward runs them in reverse.
 
-    def __init__(self, *layers: Module):
+    **Max pooling before the activation in front of it.**  Where a max-pooling layer
+    (``pools_by_max``) directly follows an activation ``f`` that is non-decreasing
+    (``commutes_with_max``: ReLU, LeakyReLU with a slope >= 0), the pair runs pool first,
+    then ``f`` on the pooled block (backward: ``f``'s, then the pool's).  Why it is the same
+    function: for a non-decreasing ``f``, ``max(f(a), f(b)) = f(max(a, b))``, and in floating
+    point too, since ``f`` is ``x`` or a rounded ``slope * x`` and rounding is monotone; so
+    the output is the same bits (NaN, -0 and +0 included), and ``f`` costs an eighth of what
+    it did behind a 2 x 2 x 2 pool (CosmoFlow's activations; docs/benchmarks.md).  The
+    gradient is the same wherever ``f`` keeps the window's inputs apart; where it maps two
+    different inputs of one window to one value -- LeakyReLU rounding ``slope * x`` of two
+    negative inputs within about an ulp to one float32 (a few windows in millions), never ReLU
+    (its ties among inputs <= 0 carry a zero gradient either way) -- the written order sends
+    the gradient to the first of the tie and this order to the larger input.  The pair keeps
+    the written order when the pool is the container's last layer (the activation's
+    ``reuse_grad`` would then write over the caller's gradient), and everywhere with
+    ``pool_first=False``.  ``setup``, ``state_dict`` and the layers' names keep the written
+    order; so do the oracle's traces, which run the layers one by one.
+    """
+
+    def __init__(self, *layers: Module, pool_first: bool = True):
         super().__init__()
+        if not isinstance(pool_first, bool):
+            raise ValueError(f"pool_first must be True or False, got {pool_first!r}")
+        self.pool_first = pool_first
         for i, layer in enumerate(layers):
             self.add_module(str(i), layer)
 
+    def run_order(self) -> list:
+        """The layers in the order ``forward`` runs them (see the class docstring)."""
+        layers, order, i = list(self._modules.values()), [], 0
+        while i < len(layers):
+            if (self.pool_first and i + 2 < len(layers) and getattr(layers[i], "commutes_with_max", False)
+                    and getattr(layers[i + 1], "pools_by_max", False)):
+                order += [layers[i + 1], layers[i]]
+                i += 2
+            else:
+                order.append(layers[i])
+                i += 1
+        return order
+
     def forward(self, x):
-        for layer in self._modules.values():
+        for layer in self.run_order():
             phase("forward of {layer}", layer)        # for the watchdog's stall messages
             x = layer.forward(x)
         return x
 
     def backward(self, dy):
-        for layer in reversed(list(self._modules.values())):
+        for layer in reversed(self.run_order()):
             phase("backward of {layer}", layer)
             dy = layer.backward(dy)
         return dy

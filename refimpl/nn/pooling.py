@@ -47,6 +47,10 @@ class MaxPool3d(_Pool3d):
     """Max pooling; forward keeps the first-maximum masks for backward (no recompute).
     ``local_*``'s ``ceil_mode`` None: the layer's own."""
 
+    #: each output is the maximum of its window: ``Sequential`` may run it before a
+    #: non-decreasing activation (``commutes_with_max``)
+    pools_by_max = True
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
         super().__init__(kernel_size, stride, padding, dilation, ceil_mode)
         self._masks = None

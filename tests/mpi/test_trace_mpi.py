@@ -34,6 +34,9 @@ def recorded_step(model, grid, trace, x, target):
     """This rank's (layer, tensor, block, offset) of one step of ``model`` (y, dx, and dw, db
     after the gradient synchroniser), the loss, and its parameters after the update."""
     records = []
+    for _, m in model.named_modules():         # each layer on its written input: no max pool run
+        if hasattr(m, "pool_first"):           # ahead of the activation in front of it (Sequential)
+            m.pool_first = False
     leaves = {name: m for name, m in model.named_modules() if name and not m.children()}
     for name, module in leaves.items():
         def forward(inp, name=name, original=module.forward):
