@@ -153,7 +153,8 @@ POOLS = [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(1, 2, 2), padd
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("act", ["relu", "leaky", "leaky_steep"])
 def test_pool_first_gives_the_written_orders_output_bits_and_its_gradient(pool, dtype, act):
-    """The same y bit for bit (ties, NaN, -0 and +0, -inf, negatives a ReLU maps to one 0), in
+    """The same y bit for bit (ties, NaN, -0 and +0, -inf, negatives a ReLU maps to one 0; no input
+    LeakyReLU rounds to zero, see the next test), in
     place and dy-reusing activations included; the same dx: bit for bit for ReLU (ties too), for
     LeakyReLU where windows do not overlap, else to rounding (a slope times a sum against a sum
     of slope times each).  Large enough that the pooling kernel's blocks run."""
@@ -183,9 +184,10 @@ def test_pool_first_gives_the_written_orders_output_bits_and_its_gradient(pool, 
 
 
 def test_pool_first_sends_a_rounding_tie_to_the_larger_input():
-    """The one documented difference: two negative inputs of one window that LeakyReLU rounds to
+    """The documented differences: two negative inputs of one window that LeakyReLU rounds to
     one float32 are a tie in the written order (the first gets the gradient) but not in the pool's
-    (the larger does); the window's gradient is the same, only its place differs."""
+    (the larger does); the window's gradient is the same, only its place differs.  And a negative
+    input it rounds to -0 next to a +0: the same zero output, its sign may differ."""
     s = np.float32(0.01)
     a = np.float32(-1.0)
     for _ in range(100):             # an input whose next float32 LeakyReLU rounds to the same value
@@ -203,6 +205,10 @@ def test_pool_first_sends_a_rounding_tie_to_the_larger_input():
     assert dx_written[0, 0, 0, 0, 0] != 0 and dx_written[0, 0, 0, 0, 1] == 0
     assert dx[0, 0, 0, 0, 0] == 0 and dx[0, 0, 0, 0, 1] == dx_written[0, 0, 0, 0, 0]
     assert np.count_nonzero(dx) == np.count_nonzero(dx_written) == 1
+    # a negative input LeakyReLU rounds to -0 next to a +0: the same value, the zero's sign may differ
+    x[0, 0, 0, 0, 0], x[0, 0, 0, 0, 1] = 0.0, -1e-45
+    (y, _), (y_written, _) = _both_orders(make, x, dy)
+    assert y == y_written == 0 and np.signbit(y) != np.signbit(y_written)
 
 
 def test_default_init_bounds_dtype_and_reproducibility():

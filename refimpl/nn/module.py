@@ -158,13 +158,14 @@ class Sequential(Module):
     then ``f`` on the pooled block (backward: ``f``'s, then the pool's).  Why it is the same
     function: for a non-decreasing ``f``, ``max(f(a), f(b)) = f(max(a, b))``, and in floating
     point too, since ``f`` is ``x`` or a rounded ``slope * x`` and rounding is monotone; so
-    the output is the same bits (NaN, -0 and +0 included), and ``f`` costs an eighth of what
-    it did behind a 2 x 2 x 2 pool (CosmoFlow's activations; docs/benchmarks.md).  The
-    gradient is the same wherever ``f`` keeps the window's inputs apart; where it maps two
-    different inputs of one window to one value -- LeakyReLU rounding ``slope * x`` of two
-    negative inputs within about an ulp to one float32 (a few windows in millions), never ReLU
-    (its ties among inputs <= 0 carry a zero gradient either way) -- the written order sends
-    the gradient to the first of the tie and this order to the larger input.  The pair keeps
+    the output has the same values (NaN included), and ``f`` costs an eighth of what it did
+    behind a 2 x 2 x 2 pool (CosmoFlow's activations; docs/benchmarks.md).  They are the same
+    bits wherever ``f`` keeps the window's inputs apart; where it maps two different inputs of
+    one window to one value -- LeakyReLU rounding ``slope * x`` of two negative inputs within
+    about an ulp to one float32 (a few windows in millions), or a negative input below about
+    1e-43 to -0 next to a +0 (the output is then a zero whose sign may differ) -- the written
+    order sends the gradient to the first of the tie and this order to the larger input; ReLU's
+    ties (inputs <= 0) carry a zero gradient either way (docs/derivations.md, "Pooling").  The pair keeps
     the written order when the pool is the container's last layer (the activation's
     ``reuse_grad`` would then write over the caller's gradient), and everywhere with
     ``pool_first=False``.  ``setup``, ``state_dict`` and the layers' names keep the written
