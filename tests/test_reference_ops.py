@@ -116,7 +116,8 @@ def test_pair_max_forward_equals_the_reference_stages(dtype, stride, dilation, o
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("stride, dilation, out", [((2, 2, 2), (1, 1, 1), (4, 3, 5)), ((2, 2, 2), (1, 1, 1), (3, 3, 4)),
+@pytest.mark.parametrize("stride, dilation, out", [((2, 2, 2), (1, 1, 1), (4, 3, 5)),
+                                                   ((2, 2, 2), (1, 1, 1), (3, 3, 4)),
                                                    ((3, 2, 4), (2, 1, 3), (2, 3, 2))])
 def test_pair_max_backward_equals_the_reference(dtype, stride, dilation, out):
     """kernels.pooling.pair_max_backward (the zero fill left out where both taps write every

@@ -425,5 +425,5 @@ def device_avg_pool3d_backward(dy, x, k, s, p, divisor):
                    dy.dtype, dx.size)
     return dx
 
-__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "pair_max_backward", "max_pool3d", "max_pool3d_backward", "avg_pool3d",
-           "avg_pool3d_backward", "DEVICE_SOURCE", "SIGNATURES", "pool_numbers"]
+__all__ = ["BLOCK_ELEMENTS", "applies", "blocks", "pair_max_forward", "pair_max_backward", "max_pool3d",
+           "max_pool3d_backward", "avg_pool3d", "avg_pool3d_backward", "DEVICE_SOURCE", "SIGNATURES", "pool_numbers"]

@@ -82,7 +82,7 @@ class LeakyReLU(_SignPatternActivation):
     @property
     def commutes_with_max(self) -> bool:
         """Whether the activation is non-decreasing (a slope >= 0), so that ``Sequential`` may run
-        a max pool behind it first (the same output bits; see ``Sequential``)."""
+        a max pool behind it first (the same output values; see ``Sequential``)."""
         return self.negative_slope >= 0
 
     def _forward(self, x, out):

@@ -165,11 +165,12 @@ class Sequential(Module):
     about an ulp to one float32 (a few windows in millions), or a negative input below about
     1e-43 to -0 next to a +0 (the output is then a zero whose sign may differ) -- the written
     order sends the gradient to the first of the tie and this order to the larger input; ReLU's
-    ties (inputs <= 0) carry a zero gradient either way (docs/derivations.md, "Pooling").  The pair keeps
-    the written order when the pool is the container's last layer (the activation's
-    ``reuse_grad`` would then write over the caller's gradient), and everywhere with
-    ``pool_first=False``.  ``setup``, ``state_dict`` and the layers' names keep the written
-    order; so do the oracle's traces, which run the layers one by one.
+    ties (inputs <= 0) carry a zero gradient either way, and its outputs are the same bits
+    (docs/derivations.md, "Pooling").  The pair keeps the written order when the pool is the
+    container's last layer (the activation's ``reuse_grad`` would then write over the caller's
+    gradient), and everywhere with ``pool_first=False``.  ``setup``, ``state_dict`` and the
+    layers' names keep the written order; so do the oracle's traces, which run the layers one
+    by one.
     """
 
     def __init__(self, *layers: Module, pool_first: bool = True):
