@@ -115,10 +115,10 @@ def test_names_order_and_state_dict_keys_match_torch():
 
 # ------------------------------------------------ Sequential: max pooling before a monotone activation
 
-def test_sequential_pools_before_a_non_decreasing_activation_unless_told_or_last():
+def test_sequential_pools_before_a_non_decreasing_activation_unless_told():
     """run_order swaps (activation, max pool) where the activation is non-decreasing (ReLU,
-    LeakyReLU with a slope >= 0) and the pool is not the last layer; never an average pool, a
-    negative slope, or with pool_first=False; pool_first takes only a bool."""
+    LeakyReLU with a slope >= 0); never an average pool, a negative slope, or with
+    pool_first=False; pool_first takes only a bool."""
     def order(*layers, **kw):
         seq = Sequential(*layers, **kw)
         return [type(m).__name__ for m in seq.run_order()], [type(m).__name__ for m in seq]
@@ -126,13 +126,31 @@ def test_sequential_pools_before_a_non_decreasing_activation_unless_told_or_last
     assert order(LeakyReLU(0.1), pool(), Tanh())[0] == ["MaxPool3d", "LeakyReLU", "Tanh"]
     assert order(ReLU(), pool(), ReLU(), pool(), Tanh())[0] == ["MaxPool3d", "ReLU", "MaxPool3d", "ReLU", "Tanh"]
     assert order(LeakyReLU(0.0), pool(), Tanh())[0][:2] == ["MaxPool3d", "LeakyReLU"]
+    assert order(Tanh(), ReLU(), pool())[0] == ["Tanh", "MaxPool3d", "ReLU"]          # the pool last
     for layers, kw in (((LeakyReLU(-0.5), pool(), Tanh()), {}), ((ReLU(), AvgPool3d(2), Tanh()), {}),
-                       ((ReLU(), pool()), {}), ((Tanh(), pool(), ReLU()), {}),
-                       ((ReLU(), pool(), Tanh()), {"pool_first": False})):
+                       ((Tanh(), pool(), ReLU()), {}), ((ReLU(), pool(), Tanh()), {"pool_first": False})):
         ran, written = order(*layers, **kw)
         assert ran == written
     with pytest.raises(ValueError, match="pool_first must be True or False"):
         Sequential(ReLU(), pool_first=1)
+
+
+def test_a_swapped_activation_at_the_end_leaves_the_callers_gradient_alone():
+    """With the pool last, the activation's backward runs first: a dy-reusing one gets a copy of
+    the caller's dy (which the written order, the pool's backward first, never writes either)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 6, 6, 6))
+    dy = rng.standard_normal((2, 3, 3, 3, 3))
+    kept = dy.copy()
+    seqs = [Sequential(Tanh(), LeakyReLU(0.2, reuse_grad=True), MaxPool3d(2), pool_first=flag)
+            for flag in (True, False)]
+    assert [type(m).__name__ for m in seqs[0].run_order()] == ["Tanh", "MaxPool3d", "LeakyReLU"]
+    dxs = []
+    for seq in seqs:
+        seq.forward(x.copy())
+        dxs.append(seq.backward(dy))
+        assert np.array_equal(dy, kept)
+    assert np.array_equal(dxs[0], dxs[1])
 
 
 def _both_orders(make, x, dy):

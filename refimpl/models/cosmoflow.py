@@ -174,8 +174,11 @@ class CosmoFlow(Model):
                               weights=c_out * c_in * k ** 3 + c_out, split=split, split_in=split_in,
                               input_grad=i > 0))
             split_in = split != "none"
-            out.append(_layer(f"features.{3 * i + 1}", "leaky_relu", c_out, c_out, dhw, dhw, split_in=split_in))
             half = tuple(n // 2 for n in dhw)
+            # the activation runs after the pool, on its output (nn.Sequential.run_order): priced there
+            act_dhw = half if float(cfg["leaky_slope"]) >= 0 else dhw
+            out.append(_layer(f"features.{3 * i + 1}", "leaky_relu", c_out, c_out, act_dhw, act_dhw,
+                              split_in=split_in))
             out.append(_layer(f"features.{3 * i + 2}", "max_pool3d", c_out, c_out, dhw, half, (2, 2, 2),
                               (2, 2, 2), split_in=split_in))
             c_in, dhw = c_out, half

@@ -166,11 +166,12 @@ class Sequential(Module):
     1e-43 to -0 next to a +0 (the output is then a zero whose sign may differ) -- the written
     order sends the gradient to the first of the tie and this order to the larger input; ReLU's
     ties (inputs <= 0) carry a zero gradient either way, and its outputs are the same bits
-    (docs/derivations.md, "Pooling").  The pair keeps the written order when the pool is the
-    container's last layer (the activation's ``reuse_grad`` would then write over the caller's
-    gradient), and everywhere with ``pool_first=False``.  ``setup``, ``state_dict`` and the
-    layers' names keep the written order; so do the oracle's traces, which run the layers one
-    by one.
+    (docs/derivations.md, "Pooling").  When the pool is the container's last layer the
+    activation's backward gets a copy of the caller's gradient (an eighth of its size), so that
+    its ``reuse_grad`` never writes over an array the caller holds.  ``pool_first=False`` keeps
+    the written order.  ``setup``, ``state_dict`` and the layers' names keep the written order;
+    so do the oracle's traces, which run the layers one by one; the models' ``describe()`` (the
+    planner's layer list) prices such an activation on the pooled extent.
     """
 
     def __init__(self, *layers: Module, pool_first: bool = True):
@@ -185,7 +186,7 @@ class Sequential(Module):
         """The layers in the order ``forward`` runs them (see the class docstring)."""
         layers, order, i = list(self._modules.values()), [], 0
         while i < len(layers):
-            if (self.pool_first and i + 2 < len(layers) and getattr(layers[i], "commutes_with_max", False)
+            if (self.pool_first and i + 1 < len(layers) and getattr(layers[i], "commutes_with_max", False)
                     and getattr(layers[i + 1], "pools_by_max", False)):
                 order += [layers[i + 1], layers[i]]
                 i += 2
@@ -201,7 +202,10 @@ class Sequential(Module):
         return x
 
     def backward(self, dy):
-        for layer in reversed(self.run_order()):
+        order = self.run_order()
+        if order and order[-1] is not next(reversed(self._modules.values())):
+            dy = dy.copy()              # a swapped activation runs first: the caller's dy stays as given
+        for layer in reversed(order):
             phase("backward of {layer}", layer)
             dy = layer.backward(dy)
         return dy
