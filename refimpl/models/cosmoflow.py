@@ -176,7 +176,7 @@ class CosmoFlow(Model):
             split_in = split != "none"
             half = tuple(n // 2 for n in dhw)
             # the activation runs after the pool, on its output (nn.Sequential.run_order): priced there
-            act_dhw = half if float(cfg["leaky_slope"]) >= 0 else dhw
+            act_dhw = half if LeakyReLU(cfg["leaky_slope"]).commutes_with_max else dhw
             out.append(_layer(f"features.{3 * i + 1}", "leaky_relu", c_out, c_out, act_dhw, act_dhw,
                               split_in=split_in))
             out.append(_layer(f"features.{3 * i + 2}", "max_pool3d", c_out, c_out, dhw, half, (2, 2, 2),
