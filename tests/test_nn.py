@@ -172,10 +172,10 @@ POOLS = [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(1, 2, 2), padd
 @pytest.mark.parametrize("act", ["relu", "leaky", "leaky_steep"])
 def test_pool_first_gives_the_written_orders_output_bits_and_its_gradient(pool, dtype, act):
     """The same y bit for bit (ties, NaN, -0 and +0, -inf, negatives a ReLU maps to one 0; no input
-    LeakyReLU rounds to zero, see the next test), in
-    place and dy-reusing activations included; the same dx: bit for bit for ReLU (ties too), for
-    LeakyReLU where windows do not overlap, else to rounding (a slope times a sum against a sum
-    of slope times each).  Large enough that the pooling kernel's blocks run."""
+    LeakyReLU rounds to zero, see the next test), in place and dy-reusing activations included;
+    the same dx: bit for bit for ReLU (ties too), for LeakyReLU where windows do not overlap,
+    else to rounding (a slope times a sum against a sum of slope times each).  Large enough that
+    the pooling kernel's blocks run."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 3, 70, 33, 34)).astype(dtype)
     flat = x.reshape(-1)

@@ -58,6 +58,15 @@ def assert_passes_close(ref, fast, dtype):
 
 
 # ---------------------------------------------------------------- pooling
+def with_special_values(x):
+    """``x`` with a pair max pool's hard cases written in: ties (every third value rounded), NaN
+    (no tap holds it), -0 against +0, -inf."""
+    flat = x.reshape(-1)
+    x[..., ::3] = np.round(x[..., ::3])
+    flat[::17], flat[5::19], flat[7::23], flat[9::29] = np.nan, -0.0, 0.0, -np.inf
+    return x
+
+
 POOL_CASES = [((2, 5, 6, 7, 8), 2, None, 0, 1), ((1, 3, 9, 8, 7), 3, 2, 1, 1),
               ((2, 4, 7, 7, 7), (3, 2, 3), (1, 2, 2), (1, 0, 1), 1), ((1, 6, 9, 9, 9), 2, 1, 0, 2)]
 
@@ -100,9 +109,7 @@ def test_pair_max_forward_equals_the_reference_stages(dtype, stride, dilation, o
     from refimpl.functional.pooling import max_pool_forward
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 3, 8, 6, 10)).astype(dtype)
-    flat = x.reshape(-1)
-    x[..., ::3] = np.round(x[..., ::3])
-    flat[::17], flat[5::19], flat[7::23], flat[9::29] = np.nan, -0.0, 0.0, -np.inf
+    with_special_values(x)
     pad = ((0, 0),) * 3
     for masks in (True, False):
         (y_ref, st_ref), (y, st) = (max_pool_forward(x, (2, 2, 2), stride, pad, dilation, out, masks),
@@ -129,9 +136,7 @@ def test_pair_max_backward_equals_the_reference(dtype, stride, dilation, out):
     rng = np.random.default_rng(11)
     shape = (2, 3) + tuple(s * (o - 1) + d + 1 + (i % 2) for i, (s, d, o) in enumerate(zip(stride, dilation, out)))
     x = rng.standard_normal(shape).astype(dtype)
-    flat = x.reshape(-1)
-    x[..., ::3] = np.round(x[..., ::3])
-    flat[::17], flat[5::19], flat[7::23], flat[9::29] = np.nan, -0.0, 0.0, -np.inf
+    with_special_values(x)
     dy = rng.standard_normal((2, 3) + out).astype(dtype)
     dy.reshape(-1)[::13] = -dy.reshape(-1)[::13] * 0.0                  # -0 and +0 gradients
     pad = ((0, 0),) * 3
