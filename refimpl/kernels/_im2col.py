@@ -66,7 +66,7 @@ import numpy
 from .. import settings
 from ..backend import array_module
 from . import _threads
-from .routes import flipped_kernel_pays, plane_gemms_pay
+from .routes import flipped_kernel_pays, plane_gemms_pay, width_taps_pay
 
 #: Default bound, in bytes, on the temporary column (+ GEMM output) buffers.
 MAX_TEMP_BYTES = 64 * 2**20
@@ -284,6 +284,11 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
         xp, x.dtype, n_b, c, f, k, stride, padding, dilation, out_spatial, budget, workers, tile_bytes)
     if phases is not None:
         return _phase_grid.forward(x, w, y, phases)
+    widths = None if g is not None or not width_taps_pay(c, f, k, dilation, out_spatial) else \
+        _width_taps.ForwardPlan.build(xp, x.dtype, n_b, c, f, k, stride, padding, dilation, out_spatial,
+                                      budget, workers)
+    if widths is not None:
+        return _width_taps.forward(x, w, y, widths)
     taps = _DepthTapPlan.build(xp, x.dtype, n_b, c, f, k, stride, dilation, out_spatial, budget,
                                workers, tile_bytes, forward_only=g is None)
     if taps is not None:
@@ -779,4 +784,4 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
 
 
-from . import _im2col_device, _phase_grid  # noqa: E402  (the first imports ``tiles`` from here)
+from . import _im2col_device, _phase_grid, _width_taps  # noqa: E402  (the first imports ``tiles`` from here)

@@ -14,6 +14,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
 |                           | ... one GEMM per output plane   | ``_im2col``        | a forward alone, depth dilation 1, ``plane_gemms_pay``        |
+|                           | width taps as column offsets    | ``_width_taps``    | a forward alone, stride 1, depth dilation 1, ``width_taps_pay`` |
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
@@ -140,6 +141,28 @@ def plane_gemms_pay(plane_positions):
     return plane_positions >= MIN_PLANE_GEMM_POSITIONS
 
 
+# ---------------------------------------------------------------- width taps as column offsets
+
+#: The forward of a stride-1 conv computes its width taps as shifted GEMM outputs
+#: (``_width_taps``) where F is at most this many times C: its columns copy C*kh per output
+#: instead of the depth-tap schedule's C*kh*kw, while its GEMM output (and the shifted adds over
+#: it) is kw*F per output; with F >= 8 C the adds cost what the copies saved.
+MAX_WIDTH_TAPS_FILTER_RATIO = 4
+#: ... and where the padded width adds at most this fraction of GEMM columns (Wp / Wo - 1):
+#: an 8-wide output of a 3-wide kernel computes 25 % more columns than it keeps, and lost.
+MAX_WIDTH_TAPS_EXTRA_COLUMNS = 1 / 8
+
+
+def width_taps_pay(c, f, k, dilation, out):
+    """Whether the forward of a stride-1 conv (``c`` -> ``f`` channels, kernel ``k``, output
+    ``out``) takes ``_width_taps`` rather than the depth-tap schedule: at least 3 width taps
+    (with 2 the copies saved are half), ``f <= MAX_WIDTH_TAPS_FILTER_RATIO * c``, and a padded
+    width of at most ``1 + MAX_WIDTH_TAPS_EXTRA_COLUMNS`` times the output's
+    (``(k[2] - 1) * dilation[2]`` more columns)."""
+    return (k[2] >= 3 and f <= MAX_WIDTH_TAPS_FILTER_RATIO * c
+            and (k[2] - 1) * dilation[2] <= MAX_WIDTH_TAPS_EXTRA_COLUMNS * out[2])
+
+
 # ---------------------------------------------------------------- im2col's input gradient
 
 def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
@@ -163,4 +186,5 @@ def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
 __all__ = ["ALGORITHMS", "ENV_ALGORITHM", "MIN_CHANNEL_PRODUCT_RATIO", "MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED",
            "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "winograd_applicable", "winograd_tiles",
            "winograd_products_per_output", "wide_enough", "worthwhile", "resolve_algorithm",
-           "flipped_kernel_pays", "MIN_PLANE_GEMM_POSITIONS", "plane_gemms_pay"]
+           "flipped_kernel_pays", "MIN_PLANE_GEMM_POSITIONS", "plane_gemms_pay",
+           "MAX_WIDTH_TAPS_FILTER_RATIO", "MAX_WIDTH_TAPS_EXTRA_COLUMNS", "width_taps_pay"]
