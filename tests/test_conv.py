@@ -612,6 +612,54 @@ def test_width_taps_pay_where_measured():
                                              dilation, (16, 16, 16), 2**26, 1) is None
 
 
+# ------------------------------------------------- 1x1x1 kernels (_pointwise_conv)
+
+@needs_torch
+@pytest.mark.parametrize("n, c, f, size", [(2, 3, 5, (4, 5, 6)), (1, 8, 3, (6, 7, 9)), (3, 1, 2, (1, 1, 7))])
+def test_pointwise_conv_matches_torch(n, c, f, size, monkeypatch):
+    """A 1x1x1 conv of stride 1 without padding runs as GEMMs on views of the arrays (forward,
+    dx, dW, each alone and together, and conv_transpose3d's forward, which is dx) and equals
+    torch to 1e-10 in float64, in blocks of 7 positions too (several per sample, the last
+    short); with the same blocks 1, 2 and 3 worker threads give the same forward and dx bits
+    (a block's GEMM does not depend on the thread that runs it), dW to rounding."""
+    from refimpl.kernels import _pointwise_conv
+    ran = []
+    for name in ("forward", "backward"):
+        real = getattr(_pointwise_conv, name)
+        monkeypatch.setattr(_pointwise_conv, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+    rng = np.random.default_rng(sum(size) + c)
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c, 1, 1, 1))
+    b = rng.standard_normal(f)
+    dy = rng.standard_normal((n, f) + size)
+    y_ref, dx_ref, dw_ref, db_ref = torch_conv(x, w, b, dy, (1, 1, 1), (0, 0, 0), (1, 1, 1))
+    runs = []
+    for threads, columns in (("1", 16384), ("1", 7), ("2", 7), ("3", 7)):
+        monkeypatch.setenv("REFIMPL_THREADS", threads)
+        monkeypatch.setattr(_pointwise_conv, "COLUMNS", columns)
+        y = conv3d(x, w, b, algorithm="im2col")
+        dx, dw, db = conv3d_backward(dy, x, w, algorithm="im2col")
+        assert rel_err(y, y_ref) <= RTOL and rel_err(dx, dx_ref) <= RTOL
+        assert rel_err(dw, dw_ref) <= RTOL and rel_err(db, db_ref) <= RTOL
+        assert rel_err(conv3d_input_grad(dy, w, x.shape, algorithm="im2col"), dx_ref) <= RTOL
+        assert rel_err(conv3d_weight_grad(dy, x, w.shape, algorithm="im2col"), dw_ref) <= RTOL
+        runs.append((y, dx))
+    assert all(np.array_equal(y, runs[1][0]) and np.array_equal(dx, runs[1][1]) for y, dx in runs[1:])
+    t_ref = torch_conv_t(dy, w, np.zeros(c), x, (1, 1, 1), (0, 0, 0), (0, 0, 0), (1, 1, 1))[0]
+    assert rel_err(conv_transpose3d(dy, w, None, algorithm="im2col"), t_ref) <= RTOL
+    assert "forward" in ran and "backward" in ran
+
+
+def test_pointwise_conv_applies_to_1x1x1_stride_1_unpadded_only():
+    """``_pointwise_conv.applies``: a 1x1x1 kernel with stride 1 and no padding; a stride, a
+    padding or a wider kernel takes the other routes."""
+    from refimpl.kernels import _pointwise_conv
+    assert _pointwise_conv.applies((1, 1, 1), (1, 1, 1), (0, 0, 0))
+    assert not _pointwise_conv.applies((1, 1, 1), (2, 1, 1), (0, 0, 0))
+    assert not _pointwise_conv.applies((1, 1, 1), (1, 1, 1), (0, 1, 0))
+    assert not _pointwise_conv.applies((1, 1, 3), (1, 1, 1), (0, 0, 0))
+
+
 # ------------------------------------------------- BLAS held to one thread (_threads)
 
 def _blas_threads():

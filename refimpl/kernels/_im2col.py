@@ -278,6 +278,8 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if not (y.size and x.size):
         y[...] = 0
         return y if g is None else (y, xp.zeros(w.shape, dtype=x.dtype))
+    if g is None and _pointwise_conv.applies(k, stride, padding):
+        return _pointwise_conv.forward(x, w, y)
     workers = _threads.thread_count(xp)
     tile_bytes = FORWARD_TILE_BYTES if g is None else TARGET_TILE_BYTES
     phases = None if g is not None else _phase_grid.ForwardPlan.build(
@@ -364,6 +366,9 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     """
     xp = array_module(dy, x, w)
     on_device = device_schedule(xp)
+    if (not on_device and _pointwise_conv.applies(tuple(w.shape[2:]), stride, padding)
+            and tuple(dy.shape[2:]) == tuple(x.shape[2:])):
+        return _pointwise_conv.backward(dy, x, w, need_dx, need_dw)
     if flipped is None:
         flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, stride, budget, on_device)
 
@@ -784,4 +789,4 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
 
 
-from . import _im2col_device, _phase_grid, _width_taps  # noqa: E402  (the first imports ``tiles`` from here)
+from . import _im2col_device, _phase_grid, _pointwise_conv, _width_taps  # noqa: E402  (the first imports ``tiles`` from here)

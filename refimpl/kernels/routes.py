@@ -15,6 +15,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
 |                           | ... one GEMM per output plane   | ``_im2col``        | a forward alone, depth dilation 1, ``plane_gemms_pay``        |
 |                           | width taps as column offsets    | ``_width_taps``    | a forward alone, stride 1, depth dilation 1, ``width_taps_pay`` |
+|                           | 1x1x1 kernels: GEMMs on views   | ``_pointwise_conv``| kernel 1, stride 1, no padding, on the host (``applies``)     |
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
