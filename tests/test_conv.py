@@ -536,6 +536,7 @@ WIDTH_TAP_CASES = [   # n, c, f, size, k, p, d
     (2, 2, 4, (5, 7, 33), (2, 3, 3), (2, 1, 3), (1, 1, 2)),     # dilated columns, depth padding past the reach
     (1, 4, 9, (4, 6, 32), (3, 3, 4), "same", (1, 1, 1)),        # even kw 'same': asymmetric width padding
     (2, 1, 2, (3, 5, 24), (1, 3, 3), (0, 1, 1), (1, 1, 1)),     # one depth tap
+    (1, 5, 3, (4, 5, 24), (3, 3, 3), (1, 1, 1), (1, 1, 1)),     # F <= C: dx by the flipped kernel
 ]
 
 
@@ -544,29 +545,50 @@ WIDTH_TAP_CASES = [   # n, c, f, size, k, p, d
 @pytest.mark.parametrize("n, c, f, size, k, p, d", WIDTH_TAP_CASES)
 def test_width_tap_forward_matches_torch(n, c, f, size, k, p, d, monkeypatch):
     """The forward with the width taps as column offsets (one GEMM of kw*F rows per output
-    plane over contiguous rows of the padded planes, kw - 1 shifted adds) runs for these
-    shapes and equals torch to 1e-10 in float64: dilated rows and columns, padding wider
-    than the kernel's reach (slots of depth padding), asymmetric padding, one depth tap;
-    tasks of one plane (slots zeroed for padding, then refilled with planes of the next
-    sample) give the same bits, and 1, 2 and 3 worker threads give the same bits."""
+    plane over contiguous rows of the padded planes, kw - 1 shifted adds) and the weight
+    gradient on the same planes (one GEMM with kw shifted copies of dy per plane) run for these
+    shapes and equal torch to 1e-10 in float64: dilated rows and columns, padding wider than
+    the kernel's reach (slots of depth padding), asymmetric padding, one depth tap; a backward
+    whose dx goes by the flipped kernel takes its dW here too.  Tasks of one plane (slots zeroed
+    for padding, then refilled with planes of the next sample) give the same bits, and so do 1,
+    2 and 3 worker threads (dW: the same bits for the same count)."""
     from refimpl.kernels import _width_taps
     built = _taken(monkeypatch, _width_taps.ForwardPlan)
+    ran = []
+    real = _width_taps.weight_grad
+    monkeypatch.setattr(_width_taps, "weight_grad", lambda *a: ran.append(1) or real(*a))
     rng = np.random.default_rng(sum(size) + f)
     x = rng.standard_normal((n, c) + size)
     w = rng.standard_normal((f, c) + k)
-    y_ref = torch.nn.functional.conv3d(torch.tensor(x), torch.tensor(w), padding=p, dilation=d).numpy()
+    y_t = torch.nn.functional.conv3d(xt := torch.tensor(x, requires_grad=True), wt := torch.tensor(w, requires_grad=True),
+                                     padding=p, dilation=d)
+    dy = rng.standard_normal(tuple(y_t.shape))
+    y_t.backward(torch.tensor(dy))
+    y_ref, dx_ref, dw_ref = y_t.detach().numpy(), xt.grad.numpy(), wt.grad.numpy()
     runs = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("REFIMPL_THREADS", threads)
-        runs.append(conv3d(x, w, padding=p, dilation=d, algorithm="im2col"))
-        assert built[-1] is not None, "the width-tap route was not taken"
+        del built[:], ran[:]
+        y = conv3d(x, w, padding=p, dilation=d, algorithm="im2col")
+        assert built and built[-1] is not None, "the width-tap route was not taken"
+        dw = conv3d_weight_grad(dy, x, w.shape, padding=p, dilation=d, algorithm="im2col")
+        assert ran, "the width-tap weight gradient was not taken"
+        assert np.array_equal(dw, conv3d_weight_grad(dy, x, w.shape, padding=p, dilation=d, algorithm="im2col"))
+        assert rel_err(dw, dw_ref) <= RTOL
+        runs.append(y)
     assert rel_err(runs[0], y_ref) <= RTOL
     assert all(np.array_equal(y, runs[0]) for y in runs)
+    del ran[:]
+    dx, dw, _ = conv3d_backward(dy, x, w, padding=p, dilation=d, algorithm="im2col")
+    assert rel_err(dx, dx_ref) <= RTOL and rel_err(dw, dw_ref) <= RTOL
+    assert bool(ran) == (f <= c)              # dx by the flipped kernel: dW alone, here
     monkeypatch.setenv("REFIMPL_THREADS", "1")
+    dw_1 = conv3d_weight_grad(dy, x, w.shape, padding=p, dilation=d, algorithm="im2col")
     monkeypatch.setattr(_width_taps, "TASK_BYTES", 1)        # tasks of one output plane
     y = conv3d(x, w, padding=p, dilation=d, algorithm="im2col")
     assert all(task[2] - task[1] == 1 for task in built[-1].tasks)
     assert np.array_equal(y, runs[0])
+    assert rel_err(conv3d_weight_grad(dy, x, w.shape, padding=p, dilation=d, algorithm="im2col"), dw_1) <= 1e-13
 
 
 def test_width_tap_forward_stays_within_the_budget():
@@ -582,13 +604,13 @@ def test_width_tap_forward_stays_within_the_budget():
     one_plane = ((1 + 2) * 3 * 3 + 3 * 6) * 10 * 26 * 8       # 3 padded planes (C*kh rows) + Z
     for budget in (one_plane, 3 * one_plane, 64 * 2**20):
         plan = _width_taps.ForwardPlan.build(np, x.dtype, 2, 3, 6, (3, 3, 3), (1, 1, 1), (1, 1, 1),
-                                             (1, 1, 1), out, budget, 1)
+                                             (1, 1, 1), x.shape[2:], out, budget, 1)
         assert plan is not None and (len(plan.tasks) > 2) == (budget < 64 * 2**20)
         y, tmp = _traced(lambda: conv3d(x, w, padding=1, max_temp_bytes=budget, algorithm="im2col"))
         assert rel_err(y, y0) <= 1e-13
         assert tmp <= budget + 2 * w.nbytes + 32 * 1024, (tmp, budget)
     assert _width_taps.ForwardPlan.build(np, x.dtype, 2, 3, 6, (3, 3, 3), (1, 1, 1), (1, 1, 1),
-                                         (1, 1, 1), out, one_plane - 8, 1) is None
+                                         (1, 1, 1), x.shape[2:], out, one_plane - 8, 1) is None
     assert rel_err(conv3d(x, w, padding=1, max_temp_bytes=one_plane - 8, algorithm="im2col"), y0) <= 1e-13
 
 
@@ -596,7 +618,8 @@ def test_width_taps_pay_where_measured():
     """routes.width_taps_pay: CosmoFlow's first conv (4 -> 16, k3 at 64^3 and 128^3) and the
     U-Net's (1 -> 4) take the route; F more than 4x C (1 -> 16, 2 -> 32), two width taps, and
     outputs so narrow that the padded width adds more than an eighth of GEMM columns (8 wide)
-    do not; stride 2 and a dilated depth never build a plan."""
+    do not, nor a weight gradient of more than 32 input channels; stride 2, a dilated depth
+    and a gradient covering only the first outputs never build a plan."""
     from refimpl.kernels import _width_taps
     k3 = (3, 3, 3)
     assert routes.width_taps_pay(4, 16, k3, (1, 1, 1), (64, 64, 64))
@@ -607,9 +630,15 @@ def test_width_taps_pay_where_measured():
     assert not routes.width_taps_pay(4, 16, (2, 2, 2), (1, 1, 1), (64, 64, 64))
     assert not routes.width_taps_pay(64, 64, k3, (1, 1, 1), (8, 8, 8))
     assert not routes.width_taps_pay(4, 16, k3, (1, 1, 2), (24, 24, 24))   # 4 more columns of 24
+    assert routes.width_taps_pay(32, 64, k3, (1, 1, 1), (16, 16, 16), weight_grad=True)
+    assert not routes.width_taps_pay(64, 128, k3, (1, 1, 1), (16, 16, 16), weight_grad=True)
+    assert routes.width_taps_pay(64, 128, k3, (1, 1, 1), (16, 16, 16))
     for stride, dilation in (((2, 2, 2), (1, 1, 1)), ((1, 1, 1), (2, 1, 1))):
         assert _width_taps.ForwardPlan.build(np, np.dtype(np.float64), 1, 4, 16, k3, stride, (1, 1, 1),
-                                             dilation, (16, 16, 16), 2**26, 1) is None
+                                             dilation, (16, 16, 16), (16, 16, 16), 2**26, 1) is None
+    # a gradient covering only the first outputs (conv_transpose3d with output padding)
+    assert _width_taps.ForwardPlan.build(np, np.dtype(np.float64), 1, 4, 16, k3, (1, 1, 1), (1, 1, 1),
+                                         (1, 1, 1), (16, 16, 16), (15, 16, 16), 2**26, 1) is None
 
 
 # ------------------------------------------------- 1x1x1 kernels (_pointwise_conv)

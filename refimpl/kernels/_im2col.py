@@ -287,8 +287,8 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if phases is not None:
         return _phase_grid.forward(x, w, y, phases)
     widths = None if g is not None or not width_taps_pay(c, f, k, dilation, out_spatial) else \
-        _width_taps.ForwardPlan.build(xp, x.dtype, n_b, c, f, k, stride, padding, dilation, out_spatial,
-                                      budget, workers)
+        _width_taps.ForwardPlan.build(xp, x.dtype, n_b, c, f, k, stride, padding, dilation,
+                                      tuple(x.shape[2:]), out_spatial, budget, workers)
     if widths is not None:
         return _width_taps.forward(x, w, y, widths)
     taps = _DepthTapPlan.build(xp, x.dtype, n_b, c, f, k, stride, dilation, out_spatial, budget,
@@ -427,6 +427,11 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
                                               out_spatial, budget, workers, FORWARD_TILE_BYTES)
     if by_phases is not None:
         return dx, _phase_grid.weight_grad(dy, x, w.shape, by_phases)
+    widths = None if not width_taps_pay(c, f, k, dilation, out_spatial, weight_grad=True) else \
+        _width_taps.ForwardPlan.build(xp, dy.dtype, n_b, c, f, k, stride, padding, dilation, tuple(x.shape[2:]),
+                                      out_spatial, budget, workers)
+    if widths is not None:
+        return dx, _width_taps.weight_grad(dy, x, w.shape, widths)
     taps_plan = _DepthTapPlan.build(xp, dy.dtype, n_b, c, f, k, stride, dilation, out_spatial,
                                     budget, workers)
     if taps_plan is not None:

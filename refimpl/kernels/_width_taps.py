@@ -30,11 +30,25 @@ plane ``d0 + s`` of the task: output plane ``d0 + i`` reads slots ``i .. i + kd 
 zero padding is written once per buffer: a slot's valid rows and columns are the same in every
 task (whole planes), and a slot that falls in the depth padding is zeroed where it does.
 
+The weight gradient takes the same padded planes.  From the forward's sums,
+
+    dW[f, c, a, b, e] = sum_j B[(a, c, b), j + e*dl_w] dy_ext[f, j]
+                      = sum_j B[(a, c, b), j] dZ[(e, f), j],    dZ[(e, f), j] = dy_ext[f, j - e*dl_w]
+
+with ``dy_ext`` the output plane's gradient at the padded width (zero at the ``Wp - Wo``
+positions of each row past ``Wo``, which the forward dropped).  So per output plane one GEMM
+``dW^T (kd*C*kh, kw*F) += B @ dZ^T`` (L, kw*F), and ``dZ[e]`` is ``dy_ext`` shifted by
+``e*dl_w`` along the flat index: the positions it shifts in at a row's start are the previous
+row's dropped ones (``Wp - e*dl_w >= Wo``) or before the plane, zero in both cases.  ``dZ`` is
+one copy of the plane of ``dy`` into ``dZ[0]``'s valid positions (the rest stays zero), then
+``kw - 1`` contiguous copies of ``dZ[0]``'s flat rows.
+
 Cost per output position, against the depth-tap schedule's ``C*kh*kw`` copies: ``C*kh`` long
 contiguous copies, the GEMM's ``kd*C*kh*kw*F`` products (the same, times ``Wp / Wo``) with
 ``kw*F`` rows instead of ``F`` (faster for a narrow F), ``(kw - 1)*F`` cached adds and an
-``F`` copy; ``routes.width_taps_pay`` says where that is faster (docs/benchmarks.md, "Kernel
-choices").  Exact: the same products, summed in another order.
+``F`` copy (the weight gradient: ``kw*F`` cached copies instead of the adds);
+``routes.width_taps_pay`` says where that is faster (docs/benchmarks.md, "Kernel choices").
+Exact: the same products, summed in another order.
 """
 from __future__ import annotations
 
@@ -45,19 +59,21 @@ from . import _threads
 TASK_BYTES = 4 * 2**20
 
 
-def _shape_fits(k, stride, dilation):
-    """The route computes stride-1 convs of depth dilation 1 with more than one width tap."""
-    return tuple(stride) == (1, 1, 1) and dilation[0] == 1 and k[2] > 1
+def _shape_fits(k, stride, padding, dilation, in_spatial, out):
+    """The route computes stride-1 convs of depth dilation 1 with more than one width tap, for
+    all their outputs (not the first ones of a gradient covering only those)."""
+    full = all(o == n + 2 * p - dl * (kk - 1) for o, n, p, dl, kk in zip(out, in_spatial, padding, dilation, k))
+    return tuple(stride) == (1, 1, 1) and dilation[0] == 1 and k[2] > 1 and full
 
 
 class ForwardPlan:
     """Tasks (whole output planes ``[d0, d1)`` of one sample) and per-worker buffers: the
-    task's padded planes ``B`` and one plane's ``Z``.  ``build`` returns None where the route
+    task's padded planes ``B`` and one plane's ``Z`` (the weight gradient's ``dZ``).  ``build`` returns None where the route
     does not apply (``_shape_fits``) or one plane's work does not fit the budget share."""
 
     @classmethod
-    def build(cls, xp, dtype, n_batch, c, f, k, stride, padding, dilation, out, budget, workers):
-        if not _shape_fits(k, stride, dilation):
+    def build(cls, xp, dtype, n_batch, c, f, k, stride, padding, dilation, in_spatial, out, budget, workers):
+        if not _shape_fits(k, stride, padding, dilation, in_spatial, out):
             return None
         reach = k[0] - 1
         wp = out[2] + dilation[2] * (k[2] - 1)                # the padded width
@@ -79,6 +95,7 @@ class ForwardPlan:
         # zeros: the padding columns and rows of every slot are never written again
         plan.b_bufs = [xp.zeros((nd + reach, c, k[1], length), dtype=dtype) for _ in range(plan.workers)]
         plan.z_bufs = [xp.empty((k[2], f, length), dtype=dtype) for _ in range(plan.workers)]
+        plan.z_zeroed = [False] * plan.workers                 # weight_grad: dZ's zeros written
         plan.zeroed = [set(range(nd + reach)) for _ in range(plan.workers)]   # slots all zero now
         return plan
 
@@ -129,3 +146,30 @@ def forward(x, w, y, plan):
             y[n, :, d0 + i] = z[0].reshape(f, plan.out[1], plan.wp)[:, :, :wo]
     _threads.run(one, plan.tasks, plan.workers)
     return y
+
+
+def weight_grad(dy, x, weight_shape, plan):
+    """``dW`` of ``y = conv3d(x, w)`` by the same padded planes (see above): per output plane
+    ``dW^T (kd*C*kh, kw*F) += B @ dZ^T``, each worker its own ``dW^T``, added in worker order."""
+    xp = array_module(dy, x)
+    f, c, kd, kh, kw = weight_shape
+    rows = c * kh
+    length, wo, dl_w = plan.length, plan.out[2], plan.dilation[2]
+    dwts = [xp.zeros((kd * rows, kw * f), dtype=dy.dtype) for _ in range(plan.workers)]
+
+    def one(worker, task):
+        n, d0, d1 = task
+        flat = plan.padded_planes(x, n, d0, d1, worker)        # (slots*C*kh, L)
+        dz = plan.z_bufs[worker]                                # (kw, F, L)
+        if not plan.z_zeroed[worker]:                           # once: the shifts keep the zeros
+            dz[...] = 0
+            plan.z_zeroed[worker] = True
+        valid = dz[0].reshape(f, plan.out[1], plan.wp)[:, :, :wo]
+        for i in range(d1 - d0):
+            valid[...] = dy[n, :, d0 + i]                       # dy_ext: zero past Wo
+            for e in range(1, kw):
+                dz[e, :, e * dl_w:] = dz[0, :, :length - e * dl_w]
+            dwts[worker] += xp.matmul(flat[i * rows:(i + kd) * rows], dz.reshape(kw * f, length).T)
+    _threads.run(one, plan.tasks, plan.workers)
+    dwt = _threads.sum_in_order(dwts)                           # rows (a, c, b), columns (e, f)
+    return xp.ascontiguousarray(dwt.reshape(kd, c, kh, kw, f).transpose(4, 1, 0, 2, 3))

@@ -14,7 +14,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
 |                           | ... one GEMM per output plane   | ``_im2col``        | a forward alone, depth dilation 1, ``plane_gemms_pay``        |
-|                           | width taps as column offsets    | ``_width_taps``    | a forward alone, stride 1, depth dilation 1, ``width_taps_pay`` |
+|                           | width taps as column offsets    | ``_width_taps``    | a forward or dW alone, stride 1, depth dilation 1, ``width_taps_pay`` |
 |                           | 1x1x1 kernels: GEMMs on views   | ``_pointwise_conv``| kernel 1, stride 1, no padding, on the host (``applies``)     |
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
@@ -154,14 +154,21 @@ MAX_WIDTH_TAPS_FILTER_RATIO = 4
 MAX_WIDTH_TAPS_EXTRA_COLUMNS = 1 / 8
 
 
-def width_taps_pay(c, f, k, dilation, out):
-    """Whether the forward of a stride-1 conv (``c`` -> ``f`` channels, kernel ``k``, output
-    ``out``) takes ``_width_taps`` rather than the depth-tap schedule: at least 3 width taps
-    (with 2 the copies saved are half), ``f <= MAX_WIDTH_TAPS_FILTER_RATIO * c``, and a padded
-    width of at most ``1 + MAX_WIDTH_TAPS_EXTRA_COLUMNS`` times the output's
-    (``(k[2] - 1) * dilation[2]`` more columns)."""
+#: ... and a weight gradient only for at most this many input channels: with more, its GEMM
+#: (every column of the padded width computed) outweighs the copies saved.
+MAX_WIDTH_TAPS_WEIGHT_GRAD_CHANNELS = 32
+
+
+def width_taps_pay(c, f, k, dilation, out, weight_grad=False):
+    """Whether the forward (or with ``weight_grad`` the weight gradient) of a stride-1 conv
+    (``c`` -> ``f`` channels, kernel ``k``, output ``out``) takes ``_width_taps`` rather than
+    the depth-tap schedule: at least 3 width taps (with 2 the copies saved are half),
+    ``f <= MAX_WIDTH_TAPS_FILTER_RATIO * c``, a padded width of at most
+    ``1 + MAX_WIDTH_TAPS_EXTRA_COLUMNS`` times the output's (``(k[2] - 1) * dilation[2]`` more
+    columns), and for a weight gradient ``c <= MAX_WIDTH_TAPS_WEIGHT_GRAD_CHANNELS``."""
     return (k[2] >= 3 and f <= MAX_WIDTH_TAPS_FILTER_RATIO * c
-            and (k[2] - 1) * dilation[2] <= MAX_WIDTH_TAPS_EXTRA_COLUMNS * out[2])
+            and (k[2] - 1) * dilation[2] <= MAX_WIDTH_TAPS_EXTRA_COLUMNS * out[2]
+            and (not weight_grad or c <= MAX_WIDTH_TAPS_WEIGHT_GRAD_CHANNELS))
 
 
 # ---------------------------------------------------------------- im2col's input gradient
@@ -188,4 +195,5 @@ __all__ = ["ALGORITHMS", "ENV_ALGORITHM", "MIN_CHANNEL_PRODUCT_RATIO", "MIN_CHAN
            "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "winograd_applicable", "winograd_tiles",
            "winograd_products_per_output", "wide_enough", "worthwhile", "resolve_algorithm",
            "flipped_kernel_pays", "MIN_PLANE_GEMM_POSITIONS", "plane_gemms_pay",
-           "MAX_WIDTH_TAPS_FILTER_RATIO", "MAX_WIDTH_TAPS_EXTRA_COLUMNS", "width_taps_pay"]
+           "MAX_WIDTH_TAPS_FILTER_RATIO", "MAX_WIDTH_TAPS_EXTRA_COLUMNS",
+           "MAX_WIDTH_TAPS_WEIGHT_GRAD_CHANNELS", "width_taps_pay"]
