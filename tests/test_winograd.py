@@ -269,21 +269,33 @@ def test_auto_choice():
     assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3) == W           # 4.0
     assert resolve_algorithm("auto", (8, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.4 < 4
     # a weight gradient also takes Winograd for narrow layers whose dy is not much wider than x
-    assert resolve_algorithm("auto", (8, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
-    assert resolve_algorithm("auto", (2, 2, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W
-    assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
-    assert resolve_algorithm("auto", (32, 4, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"
+    # (8 wide: im2col's dW takes no width taps there)
+    assert resolve_algorithm("auto", (8, 4, 3, 3, 3), s1, d1, (8,) * 3, weight_grad=True) == W
+    assert resolve_algorithm("auto", (2, 2, 3, 3, 3), s1, d1, (8,) * 3, weight_grad=True) == W
+    assert resolve_algorithm("auto", (8, 1, 3, 3, 3), s1, d1, (8,) * 3, weight_grad=True) == "im2col"
+    assert resolve_algorithm("auto", (32, 4, 3, 3, 3), s1, d1, (8,) * 3, weight_grad=True) == "im2col"
     # an input gradient against im2col's flipped-kernel dx (F <= C) needs C*F/(C+F) >= 3 where
     # Winograd's dx is its forward with the flipped kernel, >= 6 where it is the adjoint
-    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3) == "im2col"    # 3.0
-    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (16,) * 3,
+    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (8,) * 3) == "im2col"    # 3.0
+    assert resolve_algorithm("auto", (6, 6, 3, 3, 3), s1, d1, (8,) * 3,
                              versus_flipped="forward") == W
-    assert resolve_algorithm("auto", (4, 8, 3, 3, 3), s1, d1, (16,) * 3,
+    assert resolve_algorithm("auto", (4, 8, 3, 3, 3), s1, d1, (8,) * 3,
                              versus_flipped="forward") == "im2col"                      # 2.7
-    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (16,) * 3,
+    assert resolve_algorithm("auto", (8, 16, 3, 3, 3), s1, d1, (8,) * 3,
                              versus_flipped="adjoint") == "im2col"                      # 5.3
-    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3,
+    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (8,) * 3,
                              versus_flipped="adjoint") == W                             # 8.0
+    # against an im2col pass that takes the width taps (a forward, the flipped-kernel dx, a dW
+    # of at most 32 input channels; F <= 4C, 16 wide or more) every pass needs 10
+    assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (16,) * 3, forward=True) == "im2col"    # 4.0
+    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3, forward=True) == "im2col"  # 8.0
+    assert resolve_algorithm("auto", (16, 32, 3, 3, 3), s1, d1, (16,) * 3, forward=True) == W         # 10.7
+    assert resolve_algorithm("auto", (8, 8, 3, 3, 3), s1, d1, (8,) * 3, forward=True) == W            # 8 wide
+    assert resolve_algorithm("auto", (16, 16, 3, 3, 3), s1, d1, (16,) * 3,
+                             versus_flipped="adjoint") == "im2col"                                   # 8.0
+    assert resolve_algorithm("auto", (8, 32, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == "im2col"  # 6.4
+    assert resolve_algorithm("auto", (8, 40, 3, 3, 3), s1, d1, (16,) * 3, weight_grad=True) == W       # C > 32
+    assert resolve_algorithm("auto", (40, 8, 3, 3, 3), s1, d1, (16,) * 3, forward=True) == W          # F > 4C
     assert resolve_algorithm("auto", w, (2, 1, 1), d1, (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", w, s1, (1, 2, 1), (16, 16, 16)) == "im2col"
     assert resolve_algorithm("auto", (16, 8, 3, 3, 1), s1, d1, (16, 16, 16)) == "im2col"

@@ -48,7 +48,7 @@ def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
         x, p, _ = asymmetric(x, p)
     if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0],
-                         on_device=on_device(x)) == "winograd":
+                         on_device=on_device(x), forward=True) == "winograd":
         return winograd.forward(x, w, p, out, budget, bias)
     y = _im2col.forward(x, w, s, p, dl, out, budget)
     if bias is not None:

@@ -55,6 +55,10 @@ MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED = {"adjoint": 6.0, "forward": 3.0}
 MAX_FILTER_RATIO_WEIGHT_GRAD = 2.0
 #: ... and only for at least this many tiles: on one tile the weight transform outweighs the GEMMs.
 MIN_TILES = 2
+#: Against an im2col pass that takes the width taps as column offsets (``width_taps_pay``: a
+#: forward, the flipped-kernel input gradient, which is a forward, or a weight gradient), every
+#: pass needs C*F/(C+F) at least this: those passes copy kw x less than the depth-tap schedule.
+MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS = 10.0
 
 
 def winograd_applicable(kernel, stride, dilation):
@@ -74,25 +78,40 @@ def winograd_products_per_output(out_spatial):
     return (WINOGRAD_TILE + 2) ** 3 * td * th * tw / (out_spatial[0] * out_spatial[1] * out_spatial[2])
 
 
-def wide_enough(c, f, versus_flipped=None, weight_grad=False):
+def wide_enough(c, f, versus_flipped=None, weight_grad=False, versus_width_taps=False):
     """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
-    for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``."""
+    for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``; against im2col's width
+    taps (``versus_width_taps``) ``MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS`` for every pass."""
+    if versus_width_taps:
+        return c * f / (c + f) >= MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS
     least = (MIN_CHANNEL_PRODUCT_RATIO if versus_flipped is None
              else MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED[versus_flipped])
     return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
 
 
-def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False):
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False, versus_width_taps=False):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per output,
     the channels are wide enough (``wide_enough``), and there are ``MIN_TILES`` tiles or more
     (deep layers of few tiles run by channel blocks, ``winograd.by_channel_blocks``)."""
     td, th, tw = winograd_tiles(out_spatial)
     return (winograd_products_per_output(out_spatial) <= IM2COL_PRODUCTS / 2
-            and n_batch * td * th * tw >= MIN_TILES and wide_enough(c, f, versus_flipped, weight_grad))
+            and n_batch * td * th * tw >= MIN_TILES
+            and wide_enough(c, f, versus_flipped, weight_grad, versus_width_taps))
+
+
+def im2col_takes_width_taps(weight_shape, dilation, out_spatial, forward=False, versus_flipped=None,
+                            weight_grad=False):
+    """Whether the im2col pass a choice is weighed against runs the width taps (``_width_taps``):
+    a ``forward``, the flipped-kernel input gradient (``versus_flipped``: the forward of the
+    F -> C conv) or a ``weight_grad``, where ``width_taps_pay`` says so."""
+    f, c, kernel = weight_shape[0], weight_shape[1], tuple(weight_shape[2:])
+    return ((forward and width_taps_pay(c, f, kernel, dilation, out_spatial))
+            or (versus_flipped is not None and width_taps_pay(f, c, kernel, dilation, out_spatial))
+            or (weight_grad and width_taps_pay(c, f, kernel, dilation, out_spatial, weight_grad=True)))
 
 
 def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, full_dy=True,
-                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False):
+                      n_batch=1, on_device=False, versus_flipped=None, weight_grad=False, forward=False):
     """``"im2col"`` or ``"winograd"`` for this conv (weight ``(F, C, kd, kh, kw)``):
     ``algorithm`` (None: the ``REFIMPL_CONV_ALGORITHM`` variable, default "auto")
     validated against the shape.
@@ -102,7 +121,9 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     ``versus_flipped`` ("adjoint" or "forward": Winograd's route for it) when the choice is for
     an input gradient that im2col would compute as the conv with the flipped kernel
     (``flipped_kernel_pays``): "auto" then asks Winograd to beat that; ``weight_grad=True``
-    when it is for a weight gradient (its own threshold).  On a device "auto" is im2col:
+    when it is for a weight gradient (its own threshold); ``forward=True`` when it is for a
+    forward alone.  Where the im2col pass so named takes the width taps
+    (``im2col_takes_width_taps``) the bar is ``MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS``.  On a device "auto" is im2col:
     Winograd's many small passes lose 10-20x there (docs/gpu.md).
     """
     source = "algorithm"
@@ -122,8 +143,10 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     if algorithm == "auto":
         if on_device:
             return "im2col"
+        width = fits and im2col_takes_width_taps(weight_shape, dilation, out_spatial, forward, versus_flipped,
+                                                 weight_grad)
         wide = worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch, versus_flipped,
-                          weight_grad)
+                          weight_grad, width)
         return "winograd" if fits and wide else "im2col"
     return algorithm
 
@@ -192,7 +215,8 @@ def flipped_kernel_pays(dy, w, input_shape, stride, budget, on_device=False):
 
 
 __all__ = ["ALGORITHMS", "ENV_ALGORITHM", "MIN_CHANNEL_PRODUCT_RATIO", "MIN_CHANNEL_PRODUCT_RATIO_VS_FLIPPED",
-           "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "winograd_applicable", "winograd_tiles",
+           "MAX_FILTER_RATIO_WEIGHT_GRAD", "MIN_TILES", "MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS",
+           "im2col_takes_width_taps", "winograd_applicable", "winograd_tiles",
            "winograd_products_per_output", "wide_enough", "worthwhile", "resolve_algorithm",
            "flipped_kernel_pays", "MIN_PLANE_GEMM_POSITIONS", "plane_gemms_pay",
            "MAX_WIDTH_TAPS_FILTER_RATIO", "MAX_WIDTH_TAPS_EXTRA_COLUMNS",
