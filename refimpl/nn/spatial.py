@@ -12,10 +12,9 @@ each rank needs (``partition.conv_halo_plan``): outputs ``[o0, o1)`` read inputs
 per-side or 'same' padding changes only that and the output extent); the part outside
 the domain is the layer's own padding (zeros, or -inf for max pooling), never a
 neighbour's data, so the local op runs with padding 0 on an explicitly padded block.
-Two layers give the local op the exchanged block and that padding itself instead: the conv
-(zeros are its padding, and a symmetric padding costs no copy: ``SpatialConv3d``), and
-average pooling, whose divisor depends on which cells are padding (``count_include_pad``,
-the ceil-mode overhang: ``SpatialAvgPool3d``).
+Average pooling is the exception: its divisor depends on which cells are padding
+(``count_include_pad``, the ceil-mode overhang), so its local op gets the exchanged
+block and that padding itself (``SpatialAvgPool3d``).
 
 ``setup(global_in_shape) -> global_out_shape`` builds the plan from the global
 (D, H, W) extent; models call it once for the whole network (pure index math,
@@ -123,39 +122,28 @@ class _WindowHalo(_Halo):
 
 
 class SpatialConv3d(_WindowHalo, Conv3d):
-    """Conv3d on this rank's output block; halo exchange gathers the input it needs.
-
-    The domain edge's zeros are the local conv's own padding, per side (``edge_sides``), not
-    a padded copy of the block: a conv's padding *is* zeros, and the kernels take a symmetric
-    padding (every side of a one-rank grid) without any copy.  So a rank saves the exchanged
-    block (on one spatial rank: the input itself), and its input gradient comes back at the
-    exchanged block's extent, with nothing to crop."""
-
-    def _plan(self, plan):
-        out = super()._plan(plan)
-        self.edge_sides = tuple(v for pair in self.edge_padding for v in pair)   # (d_lo, d_hi, h_lo, ...)
-        return out
+    """Conv3d on this rank's output block; halo exchange gathers the input it needs."""
 
     def forward(self, x):
-        x_ext = self._exchange(x)                        # (N, C, needed range within the domain)
-        self._save(x_ext)
+        x_pad = self._gather_padded(x, 0)                # (N, C, needed + edge padding)
+        self._save(x_pad)
         if self.empty_output:
             xp = array_module(x)
             return xp.zeros((x.shape[0], self.out_channels) + _extent(self.out_block), dtype=x.dtype)
-        return self.local_forward(x_ext, self.edge_sides)     # (N, F, out block)
+        return self.local_forward(x_pad, NO_PADDING)     # (N, F, out block)
 
     def backward(self, dy):
-        (x_ext,) = self._saved()
+        (x_pad,) = self._saved()
         xp = array_module(dy)
         if self.empty_output:
-            dx_ext, dw = xp.zeros_like(x_ext), xp.zeros_like(self.weight.data)
+            dx_pad, dw = xp.zeros_like(x_pad), xp.zeros_like(self.weight.data)
             db = xp.zeros((self.out_channels,), dtype=dy.dtype)
         else:
-            dx_ext, dw, db = self.local_backward(dy, x_ext, self.edge_sides)
+            dx_pad, dw, db = self.local_backward(dy, x_pad, NO_PADDING)
         self.accumulate_weight_and_bias(dw, db)
         if not self.needs_input_grad:        # the same on every rank: no adjoint exchange at all
             return None
-        return self._adjoint_exchange(dx_ext)
+        return self._return_to_owners(dx_pad)
 
 
 class SpatialMaxPool3d(_WindowHalo, MaxPool3d):
