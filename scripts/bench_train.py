@@ -36,6 +36,12 @@ ratio = refimpl samples/s / torch samples/s for matching configs, per model:
 optional: n/a without it.  tracemalloc does not see torch's allocator: torch rows
 report ru_maxrss only.
 
+Rounds (``--rounds R``): every run R times, interleaved -- round 1 in the plan's order,
+round 2 in reverse, and so on -- so that a machine drifting faster or slower between runs
+weighs on both sides of a ratio; each row carries the 1-minute load average at its start,
+and a second table gives every ratio per round (with the refimpl and torch runs' load
+averages beside it), their median and range.
+
 Threads: one BLAS thread per process when P > 1 (OMP/OPENBLAS/MKL_NUM_THREADS=1);
 the 1-rank grid runs with 1 thread and, for a fair comparison with 2 ranks on a
 2-core machine, with ``cores`` threads too.  Grids with more ranks than cores
@@ -58,6 +64,7 @@ CPU sizes.
     python scripts/bench_train.py [--grids 1,1,1,1 2,1,1,1 1,2,1,1 2,2,1,1 1,2,2,1]
                                   [--model cosmoflow,unet3d] [--quick] [--json FILE]
                                   [--device cpu|cuda|strict] [--tf32 off|on] [--kernel 2|3]
+                                  [--rounds R]
 """
 from __future__ import annotations
 
@@ -67,6 +74,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -500,22 +508,61 @@ def mib(nbytes) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
-def print_table(reports, models, torch_note) -> None:
-    head = (f"{'impl':>7} {'model':>9} {'grid / config':>15} {'params':>10} {'P':>2} {'thr':>3} "
+def config_label(r) -> str:
+    return ",".join(map(str, r["grid"])) if r["grid"] else r["label"]
+
+
+def print_table(reports, models, torch_note, rounds=1) -> None:
+    """One row per run, model by model and round by round; ``load``: the 1-minute load average
+    when the run started."""
+    head = (("round " if rounds > 1 else "") +
+            f"{'impl':>7} {'model':>9} {'grid / config':>15} {'params':>10} {'P':>2} {'thr':>3} "
             f"{'samples/s':>9} {'step s':>7} {'cpu s':>6} {'numpy peak MiB':>14} {'maxrss MiB':>10} "
-            f"{'refimpl/torch':>13}  note")
+            f"{'refimpl/torch':>13} {'load':>5}  note")
     print(head)
     print("-" * len(head))
-    for r in reports:
-        config = ",".join(map(str, r["grid"])) if r["grid"] else r["label"]
+    for r in sorted(reports, key=lambda r: (models.index(r["model"]), r["round"], r["plan_index"])):
         ratio = f"{r['ratio_vs_torch']:.2f}" if r.get("ratio_vs_torch") is not None else ""
         note = "oversubscribed" if r["oversubscribed"] else ""
-        print(f"{r['impl']:>7} {r['model']:>9} {config:>15} {r['params']:>10,} {r['ranks']:>2} {r['threads']:>3} "
-              f"{r['samples_per_s']:9.2f} {r['step_s']:7.3f} {r['cpu_s']:6.2f} {mib(r['numpy_peak_bytes']):>14} "
-              f"{mib(r['maxrss_bytes']):>10} {ratio:>13}  {note}")
+        print((f"{r['round']:>5} " if rounds > 1 else "") +
+              f"{r['impl']:>7} {r['model']:>9} {config_label(r):>15} {r['params']:>10,} {r['ranks']:>2} "
+              f"{r['threads']:>3} {r['samples_per_s']:9.2f} {r['step_s']:7.3f} {r['cpu_s']:6.2f} "
+              f"{mib(r['numpy_peak_bytes']):>14} {mib(r['maxrss_bytes']):>10} {ratio:>13} "
+              f"{r['load_1min']:5.2f}  {note}")
     if torch_note:
         for model in models:
             print(f"{'torch':>7} {model:>9} {'n/a':>15}  ({torch_note})")
+
+
+def ratio_summary(reports) -> list:
+    """Per model and matched config, refimpl/torch in every round with both runs' load averages
+    beside it, and the median and range over the rounds."""
+    rows = {}
+    for r in reports:
+        if r.get("ratio_vs_torch") is None:
+            continue
+        key = (r["model"], config_label(r), r["threads"], r["torch_match"])
+        torch_load = next(t["load_1min"] for t in reports if t["impl"] == "torch" and t["round"] == r["round"]
+                          and t["model"] == r["model"] and t["label"] == r["torch_match"]
+                          and t["threads"] == r["threads"])
+        rows.setdefault(key, []).append({"round": r["round"], "ratio": r["ratio_vs_torch"],
+                                         "load_refimpl": r["load_1min"], "load_torch": torch_load})
+    return [{"model": m, "config": c, "threads": t, "torch": tm, "rounds": rs,
+             "median": statistics.median(x["ratio"] for x in rs), "min": min(x["ratio"] for x in rs),
+             "max": max(x["ratio"] for x in rs)} for (m, c, t, tm), rs in rows.items()]
+
+
+def print_ratio_summary(summary, rounds) -> None:
+    print(f"\n## refimpl/torch per round (load averages when the refimpl / torch runs started)")
+    head = f"{'model':>9} {'config':>9} {'vs torch':>12} {'thr':>3} " + " ".join(
+        f"{f'round {i}':>17}" for i in range(1, rounds + 1)) + f" {'median':>6} {'min':>5} {'max':>5}"
+    print(head)
+    print("-" * len(head))
+    for row in summary:
+        cells = " ".join(f"{x['ratio']:5.2f} ({x['load_refimpl']:.1f}/{x['load_torch']:.1f})".rjust(17)
+                         for x in row["rounds"])
+        print(f"{row['model']:>9} {row['config']:>9} {row['torch']:>12} {row['threads']:>3} {cells} "
+              f"{row['median']:6.2f} {row['min']:5.2f} {row['max']:5.2f}")
 
 
 def driver(args) -> int:
@@ -559,12 +606,24 @@ def driver(args) -> int:
             plan.append((f"torch {model} DDP-2 threads 1", lambda tmp, m=model: launch_torch(args, m, 2, 1, tmp)))
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
-        for what, run in plan:
-            reports.append(run(tmp))
-            print(f"#   {what}: {reports[-1]['samples_per_s']:.2f} samples/s "
-                  f"({reports[-1]['wall_total_s']:.0f} s)", flush=True)
-    add_ratios(reports)
-    print_table(reports, args.models, torch_note)
+        for round_no in range(1, args.rounds + 1):
+            # interleaved: every run once per round, the order reversed every other round, so that a
+            # drift of the machine's speed falls on both sides of a ratio, not on whichever runs last
+            order = list(enumerate(plan))
+            for index, (what, run) in (order if round_no % 2 else order[::-1]):
+                load = os.getloadavg()[0]
+                report = run(tmp)
+                report.update(round=round_no, load_1min=load, plan_index=index)
+                reports.append(report)
+                print(f"#   {'' if args.rounds == 1 else f'round {round_no}: '}{what}: "
+                      f"{report['samples_per_s']:.2f} samples/s ({report['wall_total_s']:.0f} s, load "
+                      f"{load:.2f})", flush=True)
+    for round_no in range(1, args.rounds + 1):
+        add_ratios([r for r in reports if r["round"] == round_no])
+    print_table(reports, args.models, torch_note, args.rounds)
+    summary = ratio_summary(reports) if args.rounds > 1 else []
+    if summary:
+        print_ratio_summary(summary, args.rounds)
     load_end = os.getloadavg()
     print(f"# params: trainable parameters; samples/s: global batch x timed steps / slowest rank's wall "
           f"time; thr: BLAS/torch threads per process; oversubscribed: processes x threads > {cores} cores "
@@ -577,10 +636,11 @@ def driver(args) -> int:
             json.dump({"settings": {k: getattr(args, k) for k in
                                     ("models", "grids", "size", "width", "layers", "unet_width", "unet_layers",
                                      "fc1", "fc2", "batch", "warmup", "steps", "seed", "torch_layout",
-                                     "device", "tf32", "kernel")},
+                                     "device", "tf32", "kernel", "rounds")},
                        "gpu": gpu, "torch_ddp_backend": ddp, "cores": cores,
                        "load_average": {"start": list(load_start), "end": list(load_end)},
-                       "torch": "ok" if use_torch else torch_note, "rows": reports}, fh, indent=1)
+                       "torch": "ok" if use_torch else torch_note, "rows": reports,
+                       "ratio_summary": summary}, fh, indent=1)
     return 0
 
 
@@ -666,6 +726,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-threads-run", action="store_true",
                     help="skip the 1-process runs with one thread per core (never run with --device cuda)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed per launched run")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="run every configuration R times, interleaved: round by round, the order of the "
+                         "runs reversed every other round; then each ratio per round, with the load "
+                         "averages, and their median (default 1)")
     ap.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
     ap.add_argument("--watchdog", action="store_true",
                     help="measure the cost per step of the fail-stop machinery (watchdog, signal thread, run lock) instead (grids default 2,1,1,1 "
@@ -682,6 +746,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.tf32 == "on" and args.device != "cuda":
         ap.error("--tf32 on needs --device cuda (NumPy's BLAS and PyTorch CPU have no TF32)")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if args.watchdog and args.rounds != 1:
+        ap.error("--rounds is for the throughput table; --watchdog takes --watchdog-rounds")
     if args.watchdog_rounds < 0:
         ap.error("--watchdog-rounds must be >= 0")
     if args.watchdog and not args.watchdog_rounds:

@@ -66,6 +66,43 @@ def test_quick_run_one_and_two_ranks(tmp_path, model):
     assert "samples/s" in proc.stdout and "load average" in proc.stdout
 
 
+@pytest.mark.skipif(not TORCH, reason="PyTorch is not installed")
+def test_interleaved_rounds(tmp_path):
+    """--rounds 2: every run twice, the second round in reverse order; each row with its round and
+    the load average at its start; the per-round ratio table and its median."""
+    out = tmp_path / "rounds.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--model", "cosmoflow", "--grids", "1,1,1,1",
+           "--size", "8", "--steps", "1", "--no-threads-run", "--rounds", "2", "--json", str(out)] + TINY["cosmoflow"]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["rounds"] == 2
+    runs = [line.split(": ", 2)[1] for line in proc.stdout.splitlines() if line.startswith("#   round ")]
+    assert runs == ["refimpl cosmoflow 1,1,1,1 threads 1", "torch cosmoflow 1 process threads 1",
+                    "torch cosmoflow 1 process threads 1", "refimpl cosmoflow 1,1,1,1 threads 1"], runs
+    assert sorted((r["round"], r["impl"]) for r in report["rows"]) == [
+        (1, "refimpl"), (1, "torch"), (2, "refimpl"), (2, "torch")]
+    assert all(r["load_1min"] >= 0 for r in report["rows"])
+    (row,) = report["ratio_summary"]
+    ours = {r["round"]: r for r in report["rows"] if r["impl"] == "refimpl"}
+    theirs = {r["round"]: r for r in report["rows"] if r["impl"] == "torch"}
+    ratios = [x["ratio"] for x in row["rounds"]]
+    assert ratios == pytest.approx([ours[i]["samples_per_s"] / theirs[i]["samples_per_s"] for i in (1, 2)])
+    assert row["median"] == pytest.approx(sum(ratios) / 2) and row["min"] == min(ratios)
+    assert [x["load_torch"] for x in row["rounds"]] == [theirs[i]["load_1min"] for i in (1, 2)]
+    assert "refimpl/torch per round" in proc.stdout and "median" in proc.stdout
+
+
+def test_bad_rounds_are_rejected(capsys):
+    for argv, message in ((["--rounds", "0"], "--rounds must be >= 1"),
+                          (["--rounds", "x"], "invalid int value"),
+                          (["--watchdog", "--rounds", "2"], "--watchdog takes --watchdog-rounds")):
+        with pytest.raises(SystemExit) as exit_info:
+            load_script().parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_model_selection():
     parse = load_script().parse_args
     assert parse([]).models == ["cosmoflow", "unet3d"]
