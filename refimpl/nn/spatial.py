@@ -12,9 +12,10 @@ each rank needs (``partition.conv_halo_plan``): outputs ``[o0, o1)`` read inputs
 per-side or 'same' padding changes only that and the output extent); the part outside
 the domain is the layer's own padding (zeros, or -inf for max pooling), never a
 neighbour's data, so the local op runs with padding 0 on an explicitly padded block.
-Average pooling is the exception: its divisor depends on which cells are padding
-(``count_include_pad``, the ceil-mode overhang), so its local op gets the exchanged
-block and that padding itself (``SpatialAvgPool3d``).
+Two layers give the local op the exchanged block and that padding itself instead: the conv
+(zeros are its padding, and a symmetric padding costs no copy: ``SpatialConv3d``), and
+average pooling, whose divisor depends on which cells are padding (``count_include_pad``,
+the ceil-mode overhang: ``SpatialAvgPool3d``).
 
 ``setup(global_in_shape) -> global_out_shape`` builds the plan from the global
 (D, H, W) extent; models call it once for the whole network (pure index math,
@@ -122,28 +123,49 @@ class _WindowHalo(_Halo):
 
 
 class SpatialConv3d(_WindowHalo, Conv3d):
-    """Conv3d on this rank's output block; halo exchange gathers the input it needs."""
+    """Conv3d on this rank's output block; halo exchange gathers the input it needs.
+
+    The domain edge's zeros are the local conv's own padding, per side (``edge_sides``), not
+    a padded copy of the block: a conv's padding *is* zeros, and the kernels take a symmetric
+    padding (every side of a one-rank grid) without any copy.  So a rank saves the exchanged
+    block (on one spatial rank: the input itself), and its input gradient comes back at the
+    exchanged block's extent, with nothing to crop.  The exception is a rank whose outputs
+    read padding alone along some axis (an empty needed range: a wide padding on a small
+    block): the conv's gradients take no empty input, so that rank pads a copy, as the
+    pooling layers do (``edge_sides`` None) -- decided from the plan, the same at every step."""
+
+    def _plan(self, plan):
+        out = super()._plan(plan)
+        reads_input = all(b > a for a, b in self.in_needed)
+        self.edge_sides = tuple(v for pair in self.edge_padding for v in pair) if reads_input else None
+        return out                                       # edge_sides: (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)
+
+    def _local_padding(self):
+        return NO_PADDING if self.edge_sides is None else self.edge_sides
 
     def forward(self, x):
-        x_pad = self._gather_padded(x, 0)                # (N, C, needed + edge padding)
-        self._save(x_pad)
+        if self.edge_sides is None:
+            x_in = self._gather_padded(x, 0)             # (N, C, needed + edge padding)
+        else:
+            x_in = self._exchange(x)                     # (N, C, needed range within the domain)
+        self._save(x_in)
         if self.empty_output:
             xp = array_module(x)
             return xp.zeros((x.shape[0], self.out_channels) + _extent(self.out_block), dtype=x.dtype)
-        return self.local_forward(x_pad, NO_PADDING)     # (N, F, out block)
+        return self.local_forward(x_in, self._local_padding())     # (N, F, out block)
 
     def backward(self, dy):
-        (x_pad,) = self._saved()
+        (x_in,) = self._saved()
         xp = array_module(dy)
         if self.empty_output:
-            dx_pad, dw = xp.zeros_like(x_pad), xp.zeros_like(self.weight.data)
+            dx_in, dw = xp.zeros_like(x_in), xp.zeros_like(self.weight.data)
             db = xp.zeros((self.out_channels,), dtype=dy.dtype)
         else:
-            dx_pad, dw, db = self.local_backward(dy, x_pad, NO_PADDING)
+            dx_in, dw, db = self.local_backward(dy, x_in, self._local_padding())
         self.accumulate_weight_and_bias(dw, db)
         if not self.needs_input_grad:        # the same on every rank: no adjoint exchange at all
             return None
-        return self._return_to_owners(dx_pad)
+        return self._return_to_owners(dx_in) if self.edge_sides is None else self._adjoint_exchange(dx_in)
 
 
 class SpatialMaxPool3d(_WindowHalo, MaxPool3d):

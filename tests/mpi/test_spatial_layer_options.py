@@ -128,6 +128,11 @@ def test_fixed_cases(comm, all_ranks_agree):
              padding=(9, 3, 0, 0, 0, 0), dilation=(2, 1, 1), out_channels=2),
         dict(layer="conv3d", input=(1, 1, 2 * p + 1, 3, 3), grid=split_d, kernel=(4, 3, 2),
              padding=(0, 3, 1, 1, 1, 0), stride=(2, 1, 1), out_channels=2),
+        # W padding p before a W extent of p, kernel 1 in W: the first ranks' outputs read padding
+        # alone (an empty needed range), so SpatialConv3d pads their block instead of passing it on
+        # (grouped: conv3d_input_grad takes no empty input shape)
+        dict(layer="conv3d", input=(1, 4, 3, 3, p), grid=(1, 1, 1, p), kernel=(3, 2, 1),
+             padding=(1, 1, 0, 1, p, 0), out_channels=2, groups=2),
         # ceil_mode: the last window hangs past the domain, on the last rank
         dict(layer="max_pool3d", input=(1, 2, 2 * p + 1, 5, 4), grid=split_d, kernel=2, stride=2, ceil_mode=True),
         dict(layer="avg_pool3d", input=(1, 2, 3 * p + 2, 5, 4), grid=split_d, kernel=3, stride=3, padding=1,
