@@ -149,6 +149,55 @@ def test_pair_max_backward_equals_the_reference(dtype, stride, dilation, out):
         assert np.array_equal(np.signbit(dx), np.signbit(dx_ref))
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 6, 8), (1, 1, 2, 2, 2), (3, 2, 6, 4, 2)])
+@pytest.mark.parametrize("values", ["special", "ties"])
+def test_pair_tap_route_equals_the_reference(dtype, shape, values):
+    """The small-array route of a 2 x 2 x 2 max pool that tiles its input (first-maximum
+    indices, then a scatter) gives the reference's y bit for bit and its dx (zeros of either
+    sign compared equal), with the forward's masks and without: NaN, -0 and +0, -inf, and
+    windows full of ties (values in {0, 1}: the first maximum in (d, h, w) order must win)."""
+    rng = np.random.default_rng(13)
+    if values == "ties":
+        x = rng.integers(0, 2, shape).astype(dtype)
+    else:
+        x = with_special_values(rng.standard_normal(shape).astype(dtype))
+    out = tuple(n // 2 for n in shape[2:])
+    dy = (1.0 + rng.standard_normal(shape[:2] + out)).astype(dtype)
+    dy.reshape(-1)[::7] = -0.0
+    with reference_only():
+        y_ref, masks_ref = pooling.max_pool3d(x, 2, return_masks=True)
+        dx_ref = pooling.max_pool3d_backward(dy, x, 2, masks=masks_ref)
+    assert pooling_kernel.applies(x, ((2, 2, 2), (2, 2, 2), ((0, 0),) * 3, (1, 1, 1)))
+    y, masks = pooling.max_pool3d(x, 2, return_masks=True)
+    assert len(masks) == 1 and isinstance(masks[0], tuple)            # the tap route's masks
+    assert y.dtype == y_ref.dtype and np.array_equal(y, y_ref, equal_nan=True)
+    assert np.array_equal(np.signbit(y), np.signbit(y_ref))
+    for dx in (pooling.max_pool3d_backward(dy, x, 2, masks=masks), pooling.max_pool3d_backward(dy, x, 2)):
+        assert dx.dtype == dx_ref.dtype and np.array_equal(dx, dx_ref)
+    if values == "ties":          # each window's gradient lands on one input: its first maximum
+        first = pooling_kernel.pair_tap_forward(x)[1][0]
+        assert np.count_nonzero(pooling.max_pool3d_backward(np.ones_like(dy), x, 2)) == dy.size
+        assert np.array_equal(x.reshape(-1)[first], y)
+
+
+def test_pair_tap_route_applies_where_the_windows_tile():
+    """Only a small NumPy array whose 2 x 2 x 2, stride-2, unpadded windows tile it takes the
+    tap route; odd extents, stride 1, padding or dilation keep the reference; average pooling
+    (no window passed) and a larger array keep their rules."""
+    pad0 = ((0, 0),) * 3
+    window = ((2, 2, 2), (2, 2, 2), pad0, (1, 1, 1))
+    x = np.ones((1, 2, 4, 4, 4))
+    assert pooling_kernel.applies(x, window) and not pooling_kernel.applies(x)
+    assert not pooling_kernel.applies(np.ones((1, 2, 4, 5, 4)), window)
+    assert not pooling_kernel.applies(x, ((2, 2, 2), (1, 1, 1), pad0, (1, 1, 1)))
+    assert not pooling_kernel.applies(x, ((2, 2, 2), (2, 2, 2), ((1, 1), (0, 0), (0, 0)), (1, 1, 1)))
+    assert not pooling_kernel.applies(x, ((2, 2, 2), (2, 2, 2), pad0, (1, 2, 1)))
+    assert not pooling_kernel.applies(np.ones((0, 2, 4, 4, 4)), window)
+    with reference_only():
+        assert kernel_for(pooling.fast, x, window) is None
+
+
 def test_pooling_dispatch_rule(monkeypatch):
     """The rule for functional.pooling (``_route.kernel_for``): NumPy arrays of more than
     BLOCK_ELEMENTS, outside reference_only(); masks of one route are refused by the other's

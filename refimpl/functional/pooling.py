@@ -16,8 +16,9 @@ Speed: this file is the reference.  Large NumPy arrays run the same stages
 block by block on worker threads (``refimpl/kernels/pooling.py``: one sample, a
 few channels a block, each block exactly this math, so the same bits); the one
 rule (``_route.kernel_for``): NumPy arrays of more than ``kernels.pooling.BLOCK_ELEMENTS``
-elements take the kernel, outside ``functional.reference_only()``; CuPy and small arrays take
-the math below.
+elements take the kernel, outside ``functional.reference_only()``, and so do smaller ones of a
+max pool whose 2 x 2 x 2 windows tile them (their first-maximum taps, then a scatter); CuPy
+arrays take the kernel's CUDA passes; other small arrays take the math below.
 
 Padding: an int, ``(pd, ph, pw)``, a per-side ``(d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)``,
 ``'valid'`` or ``'same'`` (stride 1; the forms and the 'same' rules are in
@@ -248,7 +249,7 @@ def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=Fal
     of the same ``x`` takes the same route.
     """
     k, s, _, d, out, p = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode)
-    kernel = kernel_for(fast, x)
+    kernel = kernel_for(fast, x, (k, s, p, d))
     if kernel is not None:
         y, masks = kernel.max_pool3d(max_pool_forward, x, k, s, p, d, out, return_masks)
     else:
@@ -265,7 +266,7 @@ def max_pool3d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     ``x`` and these arguments; without it the forward runs again to find them."""
     k, s, _, d, out, p = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode)
     _check_dy(dy, x, out)
-    kernel = kernel_for(fast, x)
+    kernel = kernel_for(fast, x, (k, s, p, d))
     if kernel is not None:
         return kernel.max_pool3d_backward(max_pool_forward, max_pool_backward, dy, x, k, s, p, d, out,
                                           masks)

@@ -20,6 +20,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
 | max/avg pooling           | blocked passes on threads       | ``pooling``        | NumPy arrays of more than one block, unless the reference is asked for (``functional._route``) |
+|                           | max: first-max index, scatter   | ``pooling``        | smaller NumPy arrays whose 2x2x2 stride-2 windows tile them (``tiles_in_pairs``) |
 |                           | one CUDA kernel per pass        | ``pooling``        | CuPy arrays (``DEVICE_SOURCE``, launched by ``_cuda``)        |
 | batch norm                | blocked passes on threads       | ``batch_norm``     | NumPy arrays of more than one block (the same rule)          |
 |                           | one CUDA kernel per pass        | ``batch_norm``     | CuPy arrays (``DEVICE_SOURCE``)                               |
