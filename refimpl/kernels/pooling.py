@@ -21,9 +21,9 @@ Small NumPy arrays of a 2 x 2 x 2 max pool whose windows tile the input (stride 
 padding, even extents: CosmoFlow's deepest pools) take a third route, ``pair_tap_forward`` /
 ``pair_tap_backward``: the forward records the flat index of each window's first maximum,
 the backward scatters dy to those inputs.  On so small a block every stage's pass runs over rows
-of a few elements, where NumPy's per-row cost dominates (the reference's six products of the
-backward took 0.34-0.47 ms at 4 x 128 x 8^3, PyTorch's scatter 0.08); one scatter by index
-costs about what writing dx does.  The values are the reference's, zeros of either sign
+of a few elements, where NumPy's per-row cost dominates the reference's six products of the
+backward; one scatter by index costs about what writing dx does (docs/benchmarks.md, "Kernel
+choices").  The values are the reference's, zeros of either sign
 compared equal (as on the GPU); a non-finite dy reaches its window's maximum alone (PyTorch's
 rule), where the reference's products spread a NaN over the window.
 
