@@ -9,6 +9,11 @@ partitioned layer forward and backward; rank 0 gathers y and dx, sums dw and db 
 ranks (the unpartitioned gradient sums over the whole batch) and compares each with the
 kind's reference on the whole tensor by ``max|a - b| / max|b|``.
 
+A bad request raises on every rank before any message.  The partitioned layer's forward and
+backward exchange messages, so an exception there on some ranks alone would leave the others
+waiting in an exchange for ever: on a communicator of several ranks it ends every rank
+(``MPI_Abort``, exit 70) after printing the failing rank's traceback (``_every_rank_or_abort``).
+
 ``refimpl check-layer`` (refimpl/commands/check_layer.py) is this plus its flags;
 tests/mpi/ drives it directly over Hypothesis-drawn layers and grids.  Field names, and the
 error messages, are check-layer's flags (``--kernel``, ...).
@@ -226,6 +231,26 @@ def _conv_algorithm(algorithm):
             os.environ[ENV_ALGORITHM] = before
 
 
+def _every_rank_or_abort(comm, what: str, fn, *args):
+    """``fn(*args)``; if it raises on a communicator of several ranks, print this rank's
+    traceback and end every rank (the others may be waiting in one of ``fn``'s messages, and
+    no agreement could reach them there).  On one rank the exception propagates."""
+    try:
+        return fn(*args)
+    except Exception:
+        if comm.Get_size() == 1:
+            raise
+        import sys
+        import traceback
+        from .errors import EXIT_INTERNAL
+        from .watchdog import abort
+        sys.stderr.write(f"check_layer: rank {comm.Get_rank()} of {comm.Get_size()} raised in the partitioned "
+                         f"layer's {what}; ending every rank (the others could be waiting in its messages):\n"
+                         f"{traceback.format_exc()}")
+        sys.stderr.flush()
+        abort(EXIT_INTERNAL)
+
+
 def check_layer(check: LayerCheck, comm, keep_arrays: bool = False):
     """Run ``check`` on ``comm`` (collective); the report dict on rank 0, None elsewhere.
     ``keep_arrays``: the report also holds the gathered global arrays (x, dy, y, dx, w, b, dw, db)."""
@@ -265,8 +290,8 @@ def _run(check, comm, keep_arrays):
     out_channels = slice(*channel_range(n_out, pm, m)) if split_in else slice(None)
     in_block = (samples, in_channels) + tuple(grid.local_block(check.input[2:]))
     out_block = (samples, out_channels) + tuple(grid.local_block(out_dhw))
-    y_local = layer.forward(asarray(x[in_block]))
-    dx_local = layer.backward(asarray(dy[out_block]))
+    y_local = _every_rank_or_abort(comm, "forward", layer.forward, asarray(x[in_block]))
+    dx_local = _every_rank_or_abort(comm, "backward", layer.backward, asarray(dy[out_block]))
 
     def whole(p, a):
         """A parameter-shaped array of this rank placed into the unsplit shape (zeros elsewhere)."""

@@ -61,3 +61,29 @@ def test_help_explains():
     proc = subprocess.run([sys.executable, "-m", "refimpl", "check-layer", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--grid" in proc.stdout and "mpiexec" in proc.stdout
+
+
+def test_a_rank_failing_alone_in_the_layer_ends_every_rank(tmp_path):
+    """``check_layer`` (the Python API, as tests/mpi drives it): a partitioned layer that raises
+    on one rank only, after the others have entered its messages, ends every rank with that
+    rank's traceback and exit 70 -- never a hang.  (The halo exchange of a spatial conv split
+    over 3 ranks: rank 1's local backward raises.)"""
+    script = tmp_path / "fail_alone.py"
+    script.write_text(
+        "from mpi4py import MPI\n"
+        "from refimpl.check import LayerCheck, check_layer\n"
+        "from refimpl.nn import spatial\n"
+        "original = spatial.SpatialConv3d.local_backward\n"
+        "def local_backward(self, *args):\n"
+        "    if MPI.COMM_WORLD.rank == 1:\n"
+        "        raise RuntimeError('rank 1 alone')\n"
+        "    return original(self, *args)\n"
+        "spatial.SpatialConv3d.local_backward = local_backward\n"
+        "check_layer(LayerCheck(layer='conv3d', input=(1, 2, 9, 4, 4), grid=(1, 3, 1, 1), kernel=3,\n"
+        "                       padding=1, out_channels=2), MPI.COMM_WORLD)\n"
+        "print('not reached')\n")
+    cmd = [shutil.which("mpiexec"), "--oversubscribe", "-n", "3", sys.executable, str(script)]
+    proc = run_launched(cmd, env=ENV, timeout=120)
+    assert proc.returncode == 70, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert "check_layer: rank 1 of 3 raised in the partitioned layer's backward" in proc.stderr
+    assert "RuntimeError: rank 1 alone" in proc.stderr and "not reached" not in proc.stdout
