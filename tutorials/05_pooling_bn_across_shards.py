@@ -161,7 +161,10 @@ assert err_y == 0.0 and err_dx == 0.0
 # map "this tap held the first maximum". Exactly one tap is true per output of a stage. With
 # $k = s = 2$ that is 2 booleans per output of each stage: the W stage has $n/2$ outputs for $n$
 # inputs, H $n/4$, D $n/8$, so $2(1/2 + 1/4 + 1/8) = 1.75$ bytes per input read — kept instead of
-# a second pass over the input in backward.
+# a second pass over the input in backward. Those are the reference's masks, the math as this
+# page writes it, so the cell below asks for the reference alone (`F.reference_only()`); the
+# fast routes keep the same information in their own form (a small pool whose windows tile its
+# input keeps the flat index of each window's first maximum: 8 bytes per output, 1 per input).
 #
 # On a block, the masks are taken on the **halo-extended** input. So when the maximum of a
 # boundary window sits in a ghost plane, backward writes the gradient onto the ghost, and the
@@ -172,11 +175,12 @@ assert err_y == 0.0 and err_dx == 0.0
 # %%
 x_ext = pool.halo.forward(x_local)                       # own block + ghosts: the needed range
 assert x_ext.shape[2:] == tuple(b - a for a, b in pool.in_needed)
-y_hand, masks = F.max_pool3d(x_ext, 2, 2, return_masks=True)
-for stages in masks:                                     # one entry per block of the work
-    for first, _ in stages:                              # stages W, H, D: k = 2 boolean maps each
-        assert np.all(sum(m.astype(int) for m in first) == 1)
-dx_ext = F.max_pool3d_backward(dy_local, x_ext, 2, 2, masks=masks)
+with F.reference_only():                                 # the math as written: its stage masks
+    y_hand, masks = F.max_pool3d(x_ext, 2, 2, return_masks=True)
+    for stages in masks:                                 # one entry per block of the work
+        for first, _ in stages:                          # stages W, H, D: k = 2 boolean maps each
+            assert np.all(sum(m.astype(int) for m in first) == 1)
+    dx_ext = F.max_pool3d_backward(dy_local, x_ext, 2, 2, masks=masks)
 dx_hand = pool.halo.adjoint(dx_ext)                      # ghost gradients -> their owners
 assert np.array_equal(y_hand, y_local) and np.array_equal(dx_hand, dx_local)
 

@@ -246,7 +246,9 @@ def max_pool3d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=Fal
     take ``k`` booleans per input of each stage (for k = 2: 1.75 bytes per input).  They are
     a list with one entry per block of the work, each the list of that block's stages: one
     block (the whole array) for the math, several for the kernel (``_route.kernel_for``); the backward
-    of the same ``x`` takes the same route.
+    of the same ``x`` takes the same route.  (The kernel's route for a small array whose
+    2 x 2 x 2 stride-2 windows tile it keeps one entry of its own form instead: each window's
+    first-maximum index, ``kernels.pooling.pair_tap_forward``.)
     """
     k, s, _, d, out, p = _pool_args(x, kernel_size, stride, padding, dilation, ceil_mode)
     kernel = kernel_for(fast, x, (k, s, p, d))
