@@ -50,11 +50,17 @@ def reduction_terms(entry: dict, tensor: str, module) -> tuple[int, str]:
             return y[1] * k, "F·kd·kh·kw terms per input"
         vol = x if (kind == "conv_transpose3d" and tensor == "dw") else y
         return vol[0] * int(numpy.prod(vol[2:])), "N·(volume) terms per weight"
-    if kind == "batch_norm3d":
-        return x[0] * int(numpy.prod(x[2:])), "N·D·H·W (per-channel statistics)"
-    if kind in ("group_norm3d", "instance_norm3d"):
-        groups = x[1] if kind == "instance_norm3d" else module.num_groups
-        return x[1] // groups * int(numpy.prod(x[2:])), "(C/G)·D·H·W (per-sample, per-group statistics)"
+    if kind in ("batch_norm3d", "group_norm3d", "instance_norm3d"):
+        if kind == "batch_norm3d":
+            k, what = x[0] * int(numpy.prod(x[2:])), "N·D·H·W (per-channel statistics)"
+        else:
+            groups = x[1] if kind == "instance_norm3d" else module.num_groups
+            k, what = x[1] // groups * int(numpy.prod(x[2:])), "(C/G)·D·H·W (per-sample, per-group statistics)"
+        if tensor == "dx":
+            # dx = (gamma/sigma)(dy - mean(dy) - xhat mean(dy xhat)) carries four sums of K terms:
+            # the forward's mean and variance (through sigma and xhat) and the backward's two
+            return 4 * k, f"4·{what.split(' ', 1)[0]}: the mean, the variance, sum(dy), sum(dy·xhat)"
+        return k, what
     if kind in ("linear", "flatten_linear"):
         if tensor == "y":
             return int(numpy.prod(x[1:])), "input features per output"
