@@ -501,7 +501,7 @@ def add_ratios(reports) -> None:
         if r["impl"] == "refimpl" and r["grid"] in ([1, 1, 1, 1], [2, 1, 1, 1]) and key in torch_rows:
             match = torch_rows[key]
             r["ratio_vs_torch"] = r["samples_per_s"] / match["samples_per_s"]
-            r["torch_match"] = match["label"]
+            r["torch_match"], r["torch_load_1min"] = match["label"], match.get("load_1min")
 
 
 def mib(nbytes) -> str:
@@ -542,11 +542,8 @@ def ratio_summary(reports) -> list:
         if r.get("ratio_vs_torch") is None:
             continue
         key = (r["model"], config_label(r), r["threads"], r["torch_match"])
-        torch_load = next(t["load_1min"] for t in reports if t["impl"] == "torch" and t["round"] == r["round"]
-                          and t["model"] == r["model"] and t["label"] == r["torch_match"]
-                          and t["threads"] == r["threads"])
         rows.setdefault(key, []).append({"round": r["round"], "ratio": r["ratio_vs_torch"],
-                                         "load_refimpl": r["load_1min"], "load_torch": torch_load})
+                                         "load_refimpl": r["load_1min"], "load_torch": r["torch_load_1min"]})
     return [{"model": m, "config": c, "threads": t, "torch": tm, "rounds": rs,
              "median": statistics.median(x["ratio"] for x in rs), "min": min(x["ratio"] for x in rs),
              "max": max(x["ratio"] for x in rs)} for (m, c, t, tm), rs in rows.items()]

@@ -62,8 +62,8 @@ def applies(x, window=None) -> bool:
 def tiles_in_pairs(shape, k, s, p, d) -> bool:
     """A 2 x 2 x 2 window, stride 2, dilation 1, no padding, on even extents: every input lies
     in exactly one window (``pair_tap_forward`` applies)."""
-    return (tuple(k) == (2, 2, 2) and tuple(s) == (2, 2, 2) and tuple(d) == (1, 1, 1)
-            and all(lo == 0 and hi == 0 for lo, hi in p) and all(n % 2 == 0 for n in shape[2:]))
+    return (_pair_window(k, p) and tuple(s) == (2, 2, 2) and tuple(d) == (1, 1, 1)
+            and all(n % 2 == 0 for n in shape[2:]))
 
 
 def _small(x) -> bool:
@@ -235,16 +235,13 @@ def max_pool3d_backward(forward, backward, dy, x, k, s, p, d, out, masks):
     ``masks`` or, without them, the masks ``forward`` finds again."""
     if _cuda.on_device(x):
         return device_max_pool3d_backward(dy, x, k, s, p, d, out, masks)
-    if _small(x):                                       # the tap route's one block
-        if masks is not None and len(masks) != 1:
-            raise ValueError(f"masks has {len(masks)} blocks, x has 1: pass the masks of "
-                             "max_pool3d(x, ..., return_masks=True) for this very x")
-        first = pair_tap_forward(x)[1] if masks is None else masks[0]
-        return pair_tap_backward(dy, first, x.shape)
-    index = blocks(x)
+    index = [None] if _small(x) else blocks(x)           # the tap route's one block, or the blocks
     if masks is not None and len(masks) != len(index):
         raise ValueError(f"masks has {len(masks)} blocks, x has {len(index)}: pass the masks of "
                          "max_pool3d(x, ..., return_masks=True) for this very x")
+    if _small(x):
+        first = pair_tap_forward(x)[1] if masks is None else masks[0]
+        return pair_tap_backward(dy, first, x.shape)
 
     block_forward = _block_forward(forward, k, s, p, d, out)
 

@@ -125,26 +125,24 @@ class _WindowHalo(_Halo):
 class SpatialConv3d(_WindowHalo, Conv3d):
     """Conv3d on this rank's output block; halo exchange gathers the input it needs.
 
-    The domain edge's zeros are the local conv's own padding, per side (``edge_sides``), not
+    The domain edge's zeros are the local conv's own padding, per side (``local_padding``), not
     a padded copy of the block: a conv's padding *is* zeros, and the kernels take a symmetric
     padding (every side of a one-rank grid) without any copy.  So a rank saves the exchanged
     block (on one spatial rank: the input itself), and its input gradient comes back at the
     exchanged block's extent, with nothing to crop.  The exception is a rank whose outputs
     read padding alone along some axis (an empty needed range: a wide padding on a small
     block): the conv's gradients take no empty input, so that rank pads a copy, as the
-    pooling layers do (``edge_sides`` None) -- decided from the plan, the same at every step."""
+    pooling layers do (``pads_copy``) -- decided from the plan, the same at every step."""
 
     def _plan(self, plan):
         out = super()._plan(plan)
-        reads_input = all(b > a for a, b in self.in_needed)
-        self.edge_sides = tuple(v for pair in self.edge_padding for v in pair) if reads_input else None
-        return out                                       # edge_sides: (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi)
-
-    def _local_padding(self):
-        return NO_PADDING if self.edge_sides is None else self.edge_sides
+        self.pads_copy = any(b == a for a, b in self.in_needed)
+        # the local conv's padding: (d_lo, d_hi, h_lo, h_hi, w_lo, w_hi), or none on a padded copy
+        self.local_padding = NO_PADDING if self.pads_copy else tuple(v for pair in self.edge_padding for v in pair)
+        return out
 
     def forward(self, x):
-        if self.edge_sides is None:
+        if self.pads_copy:
             x_in = self._gather_padded(x, 0)             # (N, C, needed + edge padding)
         else:
             x_in = self._exchange(x)                     # (N, C, needed range within the domain)
@@ -152,7 +150,7 @@ class SpatialConv3d(_WindowHalo, Conv3d):
         if self.empty_output:
             xp = array_module(x)
             return xp.zeros((x.shape[0], self.out_channels) + _extent(self.out_block), dtype=x.dtype)
-        return self.local_forward(x_in, self._local_padding())     # (N, F, out block)
+        return self.local_forward(x_in, self.local_padding)     # (N, F, out block)
 
     def backward(self, dy):
         (x_in,) = self._saved()
@@ -161,11 +159,11 @@ class SpatialConv3d(_WindowHalo, Conv3d):
             dx_in, dw = xp.zeros_like(x_in), xp.zeros_like(self.weight.data)
             db = xp.zeros((self.out_channels,), dtype=dy.dtype)
         else:
-            dx_in, dw, db = self.local_backward(dy, x_in, self._local_padding())
+            dx_in, dw, db = self.local_backward(dy, x_in, self.local_padding)
         self.accumulate_weight_and_bias(dw, db)
         if not self.needs_input_grad:        # the same on every rank: no adjoint exchange at all
             return None
-        return self._return_to_owners(dx_in) if self.edge_sides is None else self._adjoint_exchange(dx_in)
+        return self._return_to_owners(dx_in) if self.pads_copy else self._adjoint_exchange(dx_in)
 
 
 class SpatialMaxPool3d(_WindowHalo, MaxPool3d):
