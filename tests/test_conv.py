@@ -269,11 +269,32 @@ def _xw(dtype=np.float64):
      r"kernel of weight_shape"),
     (lambda x, w: conv3d_weight_grad(np.zeros((1, 3, 3, 3, 3)), x, w.shape, stride=(1, 0, 1)),
      r"\bstride\b"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 3, 3, 3)), w, (1, 2, -1, 5, 5)),
+     r"input_shape must be a 5-tuple .* of non-negative ints"),
+    (lambda x, w: conv3d_input_grad(np.zeros((1, 3, 3, 3, 3)), w, "abcde"),
+     r"input_shape must be a 5-tuple \(N, C, D, H, W\), got 'abcde'"),
 ])
 def test_conv3d_bad_arguments(call, match):
     x, w = _xw()
     with pytest.raises(ValueError, match=match):
         call(x, w)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_input_extent_of_zero_is_accepted_with_any_groups(groups):
+    """A block that reads only padding along an axis (input extent 0, output from the padding):
+    conv3d and conv3d_backward accept it with groups > 1 as with groups == 1 (each group's
+    input gradient takes its slice's shape), dx empty, dW zero, the same as group by group."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 0, 3, 5))
+    w = rng.standard_normal((6, 4 // groups, 1, 3, 3))
+    y = conv3d(x, w, padding=(1, 1, 1), groups=groups)
+    assert y.shape == (2, 6, 2, 3, 5) and not y.any()
+    dy = rng.standard_normal(y.shape)
+    dx, dw, db = conv3d_backward(dy, x, w, padding=(1, 1, 1), groups=groups)
+    assert dx.shape == x.shape and dw.shape == w.shape and not dw.any()
+    np.testing.assert_allclose(db, dy.sum(axis=(0, 2, 3, 4)), rtol=1e-13)
+    assert conv3d_input_grad(dy, w, x.shape, padding=(1, 1, 1), groups=groups).shape == x.shape
 
 
 @pytest.mark.parametrize("call, match", [

@@ -1,9 +1,10 @@
-"""Winograd F(4x4x4, 3x3x3) (refimpl/kernels/winograd.py).
+"""Winograd F(4x4x4, 3x3x3) and F(4x4x4, 2x2x2) (refimpl/kernels/winograd.py).
 
-- the 1-D F(4, 3) identity, exactly, and the transforms as Kronecker products;
+- the 1-D F(4, 3) and F(4, 2) identities, exactly, and the transforms as Kronecker products;
 - conv3d / conv_transpose3d with ``algorithm="winograd"`` vs PyTorch float64 (<= 1e-10)
-  over Hypothesis shapes, paddings (0..3 per axis) and budgets (chunks of samples, of
-  depth rows, one row); the input gradient by the flipped kernel's forward where it is taken;
+  over Hypothesis shapes, kernels 3 and 2, paddings (0..3 per axis; kernel 2 also (lo, hi)
+  per side and 'same') and budgets (chunks of samples, of depth rows, one row); the input
+  gradient by the flipped kernel's forward where it is taken;
 - the float32 error bound ``FLOAT32_BOUND`` of the module docstring, forward and backward;
 - worker threads: any ``REFIMPL_THREADS`` gives the same numbers; the same count gives the
   same bits; bad values refused;
@@ -26,28 +27,34 @@ W = "winograd"
 
 # ------------------------------------------------------------------------ the algebra
 
-def test_one_dimensional_identity_is_exact():
-    """y = A^T [(G g) * (B^T d)] is the 3-tap correlation of d (6 inputs -> 4 outputs)."""
+@pytest.mark.parametrize("r", [3, 2])
+def test_one_dimensional_identity_is_exact(r):
+    """y = A^T [(G g) * (B^T d)] is the r-tap correlation of d (4 + r - 1 inputs -> 4 outputs)."""
+    bt, g_mat, at = winograd.SCHEMES[r]
+    assert bt.shape == (3 + r, 3 + r) and g_mat.shape == (3 + r, r) and at.shape == (4, 3 + r)
     rng = np.random.default_rng(0)
     for _ in range(20):
-        g, d = rng.standard_normal(3), rng.standard_normal(6)
-        y = winograd._AT @ ((winograd._G @ g) * (winograd._BT @ d))
-        direct = np.array([g @ d[i:i + 3] for i in range(4)])
+        g, d = rng.standard_normal(r), rng.standard_normal(3 + r)
+        y = at @ ((g_mat @ g) * (bt @ d))
+        direct = np.array([g @ d[i:i + r] for i in range(4)])
         np.testing.assert_allclose(y, direct, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("r", [3, 2])
 @pytest.mark.parametrize("columns", [1, 7, 180, 4096])
-def test_transform_is_the_kronecker_product(monkeypatch, columns):
+def test_transform_is_the_kronecker_product(monkeypatch, columns, r):
     """... whichever way the passes cut their columns into GEMMs (``TRANSFORM_COLUMNS``: one
     column each, blocks with a leftover, exactly one block of axis 0's 36 x 5, one call)."""
     monkeypatch.setattr(winograd, "TRANSFORM_COLUMNS", columns)
+    bt = winograd.SCHEMES[r][0]
+    alpha = bt.shape[0]
     rng = np.random.default_rng(1)
     rest = 5
-    src = rng.standard_normal(6 ** 3 * rest)
+    src = rng.standard_normal(alpha ** 3 * rest)
     dst = np.empty_like(src)
-    got = winograd._transform(winograd._BT, src.copy(), dst, rest).reshape(216, rest)
-    kron = np.kron(np.kron(winograd._BT, winograd._BT), winograd._BT)      # (216, 216)
-    np.testing.assert_allclose(got, kron @ src.reshape(216, rest), rtol=1e-13, atol=1e-12)
+    got = winograd._transform(bt, src.copy(), dst, rest).reshape(alpha ** 3, rest)
+    kron = np.kron(np.kron(bt, bt), bt)                                    # (216, 216)
+    np.testing.assert_allclose(got, kron @ src.reshape(alpha ** 3, rest), rtol=1e-13, atol=1e-12)
 
 
 def test_column_blocks_give_the_same_conv(monkeypatch):
@@ -72,6 +79,7 @@ def test_column_blocks_give_the_same_conv(monkeypatch):
 @st.composite
 def wino_case(draw):
     return dict(n=draw(st.integers(1, 3)), c=draw(st.integers(1, 4)), f=draw(st.integers(1, 4)),
+                k=draw(st.sampled_from([3, 2])),
                 size=tuple(draw(st.integers(1, 13)) for _ in range(3)),
                 p=tuple(draw(st.integers(0, 3)) for _ in range(3)),
                 budget=draw(st.sampled_from([1, 20_000, 200_000, 64 * 2**20])),
@@ -81,7 +89,7 @@ def wino_case(draw):
 def _arrays(case, dtype=np.float64):
     rng = np.random.default_rng(case["seed"])
     x = rng.standard_normal((case["n"], case["c"]) + case["size"]).astype(dtype)
-    w = rng.standard_normal((case["f"], case["c"], 3, 3, 3)).astype(dtype)
+    w = rng.standard_normal((case["f"], case["c"]) + (case["k"],) * 3).astype(dtype)
     b = rng.standard_normal(case["f"]).astype(dtype)
     return rng, x, w, b
 
@@ -90,7 +98,7 @@ def _arrays(case, dtype=np.float64):
 @given(case=wino_case())
 def test_conv3d_winograd_matches_torch(case):
     rng, x, w, b = _arrays(case)
-    out = tuple(n + 2 * p - 2 for n, p in zip(case["size"], case["p"]))
+    out = tuple(n + 2 * p - case["k"] + 1 for n, p in zip(case["size"], case["p"]))
     if min(out) < 1:
         with pytest.raises(ValueError, match="kernel of w is larger"):
             conv3d(x, w, b, 1, case["p"], algorithm=W)
@@ -114,16 +122,16 @@ def test_conv3d_winograd_matches_torch(case):
 @needs_torch
 @given(case=wino_case())
 def test_conv_transpose3d_winograd_matches_torch(case):
-    """k=3, stride 1: the transposed conv is Winograd's input-adjoint; its backward
+    """k=3 or 2, stride 1: the transposed conv is Winograd's input-adjoint; its backward
     is Winograd's forward (dx) and weight gradient (dw)."""
     rng = np.random.default_rng(case["seed"])
-    n, c_in, c_out = case["n"], case["c"], case["f"]
-    p = tuple(min(pp, 2) for pp in case["p"])
-    out = tuple(m - 2 * pp + 2 for m, pp in zip(case["size"], p))
+    n, c_in, c_out, k = case["n"], case["c"], case["f"], case["k"]
+    p = tuple(min(pp, k - 1) for pp in case["p"])
+    out = tuple(m - 2 * pp + k - 1 for m, pp in zip(case["size"], p))
     if min(out) < 1:
         return
     x = rng.standard_normal((n, c_in) + case["size"])
-    w = rng.standard_normal((c_in, c_out, 3, 3, 3))
+    w = rng.standard_normal((c_in, c_out) + (k,) * 3)
     b = rng.standard_normal(c_out)
     dy = rng.standard_normal((n, c_out) + out)
     xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
@@ -135,30 +143,62 @@ def test_conv_transpose3d_winograd_matches_torch(case):
         assert rel_err(got, ref.detach().numpy()) <= RTOL
 
 
+@needs_torch
+@given(n=st.integers(1, 2), c=st.integers(1, 4), f=st.integers(1, 4),
+       size=st.tuples(*[st.integers(1, 11)] * 3),
+       sides=st.one_of(st.just("same"), st.tuples(*[st.integers(0, 3)] * 6)),
+       budget=st.sampled_from([1, 200_000, 64 * 2**20]), seed=st.integers(0, 2**16))
+def test_kernel_2_asymmetric_padding_matches_torch(n, c, f, size, sides, budget, seed):
+    """A 2x2x2 kernel with (lo, hi) padding per axis ('same': 0 before, 1 after) takes Winograd
+    with ``lo`` as its padding and no padded copy (``kernels.conv.before``); the dx of the
+    flipped-kernel route is taken only where neither side exceeds 1 (else the adjoint)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c) + size)
+    w = rng.standard_normal((f, c, 2, 2, 2))
+    pairs = ((0, 1),) * 3 if sides == "same" else tuple(zip(sides[0::2], sides[1::2]))
+    out = tuple(m + lo + hi - 1 for m, (lo, hi) in zip(size, pairs))
+    if min(out) < 1:
+        return
+    dy = rng.standard_normal((n, f) + out)
+    xt, wt = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    torch_pad = tuple(q for lo, hi in reversed(pairs) for q in (lo, hi))    # (W lo, W hi, H ..., D ...)
+    yt = torch.nn.functional.conv3d(torch.nn.functional.pad(xt, torch_pad), wt)
+    yt.backward(torch.tensor(dy))
+    y = conv3d(x, w, padding=sides, max_temp_bytes=budget, algorithm=W)
+    dx, dw, _ = conv3d_backward(dy, x, w, padding=sides, max_temp_bytes=budget, algorithm=W)
+    assert rel_err(y, yt.detach().numpy()) <= RTOL
+    assert rel_err(dx, xt.grad.numpy()) <= RTOL
+    assert rel_err(dw, wt.grad.numpy()) <= RTOL
+    assert rel_err(conv3d_input_grad(dy, w, x.shape, padding=sides, algorithm=W), dx) <= 1e-13
+
+
 # --------------------------------------------------------------- float32 error bound
 
-def float32_errors(n, c, f, size, seed=0):
-    """max|err| / max(sum |w x|) of y, dx, dw in float32 against float64 (module docstring)."""
+def float32_errors(n, c, f, size, seed=0, k=3):
+    """max|err| / max(sum |w x|) of y, dx, dw in float32 against float64 (module docstring);
+    a ``k``-wide kernel with 'same' padding (k = 3: 1 on each side; k = 2: 0 before, 1 after)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, c) + (size,) * 3)
-    w = rng.standard_normal((f, c, 3, 3, 3))
+    w = rng.standard_normal((f, c, k, k, k))
     dy = rng.standard_normal((n, f) + (size,) * 3)
-    ref = (conv3d(x, w, padding=1, algorithm="im2col"),) + \
-        conv3d_backward(dy, x, w, padding=1, algorithm="im2col")[:2]
-    scale = (conv3d(np.abs(x), np.abs(w), padding=1, algorithm="im2col"),) + \
-        conv3d_backward(np.abs(dy), np.abs(x), np.abs(w), padding=1, algorithm="im2col")[:2]
+    p = "same"
+    ref = (conv3d(x, w, padding=p, algorithm="im2col"),) + \
+        conv3d_backward(dy, x, w, padding=p, algorithm="im2col")[:2]
+    scale = (conv3d(np.abs(x), np.abs(w), padding=p, algorithm="im2col"),) + \
+        conv3d_backward(np.abs(dy), np.abs(x), np.abs(w), padding=p, algorithm="im2col")[:2]
     x32, w32, dy32 = (a.astype(np.float32) for a in (x, w, dy))
     out = {}
     for algorithm in ("im2col", W):
-        got = (conv3d(x32, w32, padding=1, algorithm=algorithm),) + \
-            conv3d_backward(dy32, x32, w32, padding=1, algorithm=algorithm)[:2]
+        got = (conv3d(x32, w32, padding=p, algorithm=algorithm),) + \
+            conv3d_backward(dy32, x32, w32, padding=p, algorithm=algorithm)[:2]
         out[algorithm] = [float(np.abs(g - r).max() / s.max()) for g, r, s in zip(got, ref, scale)]
     return out
 
 
+@pytest.mark.parametrize("k", [3, 2])
 @pytest.mark.parametrize("n, c, f, size", [(2, 4, 8, 12), (1, 32, 16, 9), (1, 64, 32, 8)])
-def test_float32_error_within_the_documented_bound(n, c, f, size):
-    errs = float32_errors(n, c, f, size)
+def test_float32_error_within_the_documented_bound(n, c, f, size, k):
+    errs = float32_errors(n, c, f, size, k=k)
     assert max(errs[W]) <= winograd.FLOAT32_BOUND, errs
     # and it is a real float32 error, not zero (the bound is not vacuous)
     assert min(errs[W]) > 1e-9, errs
@@ -307,6 +347,22 @@ def test_auto_choice():
     assert resolve_algorithm("auto", big, s1, d1, (4, 4, 4), n_batch=1) == "im2col"     # 1 tile
     assert resolve_algorithm("auto", big, s1, d1, (4, 4, 4), n_batch=2) == W            # 2 tiles
     assert resolve_algorithm("auto", big, s1, d1, (8, 8, 8), n_batch=1) == W            # 8 tiles
+
+
+def test_auto_choice_kernel_2():
+    """F(4, 2) against im2col's 8 products per output: C*F/(C+F) >= 12 and 16 tiles or more."""
+    s1, d1 = (1, 1, 1), (1, 1, 1)
+    assert resolve_algorithm("auto", (64, 32, 2, 2, 2), s1, d1, (32,) * 3) == W            # 21.3
+    assert resolve_algorithm("auto", (24, 24, 2, 2, 2), s1, d1, (16,) * 3) == W            # 12.0
+    assert resolve_algorithm("auto", (32, 16, 2, 2, 2), s1, d1, (32,) * 3) == "im2col"     # 10.7
+    assert resolve_algorithm("auto", (32, 4, 2, 2, 2), s1, d1, (64,) * 3) == "im2col"      # CosmoFlow's first
+    big = (512, 256, 2, 2, 2)
+    assert resolve_algorithm("auto", big, s1, d1, (4,) * 3, n_batch=8) == "im2col"        # 8 tiles
+    assert resolve_algorithm("auto", big, s1, d1, (4,) * 3, n_batch=16) == W              # 16 tiles
+    assert resolve_algorithm("auto", big, s1, d1, (2,) * 3, n_batch=64) == "im2col"       # 125 / 8 per output
+    assert resolve_algorithm("auto", (64, 32, 2, 2, 1), s1, d1, (32,) * 3) == "im2col"
+    assert resolve_algorithm("auto", (64, 32, 2, 2, 2), (1, 2, 1), d1, (32,) * 3) == "im2col"
+    assert resolve_algorithm(W, (4, 4, 2, 2, 2), s1, d1, (8,) * 3) == W                  # asked for: given
 
 
 def test_algorithm_errors(monkeypatch):

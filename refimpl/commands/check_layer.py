@@ -114,7 +114,7 @@ def add_arguments(parser):
                              "run Winograd)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default=None,
                         help="conv algorithm of the partitioned layer (default: $REFIMPL_CONV_ALGORITHM, else "
-                             "auto: Winograd for wide 3x3x3 stride-1 convs); the oracle always computes "
+                             "auto: Winograd for wide 3x3x3 and 2x2x2 stride-1 convs); the oracle always computes "
                              "with the reference (refimpl/functional/conv3d.py)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the global arrays")
     parser.add_argument("--save", default=None, metavar="FILE.npz",

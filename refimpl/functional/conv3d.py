@@ -32,7 +32,7 @@ the public functions run one conv per group and concatenate.
 
 The other algorithms compute the same sums faster and live in
 ``refimpl/kernels/`` (tiled im2col without a padded copy, phase grids for
-strides, Winograd F(4x4x4, 3x3x3), the device schedule, worker threads), picked
+strides, Winograd F(4x4x4, 3x3x3) and F(4x4x4, 2x2x2), the device schedule, worker threads), picked
 by ``refimpl/kernels/conv.py``: ``algorithm`` "auto" (the default), "im2col" or
 "winograd"; None reads ``REFIMPL_CONV_ALGORITHM``.  Each is tested against the
 functions below.
@@ -208,13 +208,18 @@ def conv_args(stride, padding, dilation, *, x=None, w=None, b=None, dy=None, inp
 
 
 def _shape5(value, name):
-    """A 5-tuple of positive ints, or ValueError naming the argument."""
+    """A 5-tuple of non-negative ints, or ValueError naming the argument.
+
+    Non-negative, as an array's shape: an input extent of 0 is a valid input where the padding
+    gives the output extent (a spatial block that reads only padding), and a shape must pass
+    wherever the array of that shape does (a grouped conv's input gradient takes the shape of
+    each group's slice); the kernel and output extents are checked by ``conv_args``."""
     try:
         shape = tuple(int(v) for v in value)
-    except TypeError:
+    except (TypeError, ValueError):
         raise ValueError(f"{name} must be a 5-tuple ({LAYOUTS[name]}), got {value!r}") from None
-    if len(shape) != 5 or min(shape) < 1:
-        raise ValueError(f"{name} must be a 5-tuple ({LAYOUTS[name]}) of positive ints, got {value!r}")
+    if len(shape) != 5 or min(shape) < 0:
+        raise ValueError(f"{name} must be a 5-tuple ({LAYOUTS[name]}) of non-negative ints, got {value!r}")
     return shape
 
 

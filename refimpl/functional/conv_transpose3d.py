@@ -11,7 +11,7 @@ read as a conv weight ``(F=C_in, C=C_out, ...)``,
 so the math is written once, in conv3d's reference (``algorithm="reference"``:
 its ``input_grad``, ``forward`` and ``weight_grad``) and in its kernels
 (``refimpl/kernels/conv.py``; ``algorithm=`` as in conv3d: "auto" takes Winograd
-for 3x3x3 kernels with stride 1 and dilation 1).  Output extent per axis:
+for 3x3x3 and 2x2x2 kernels with stride 1 and dilation 1).  Output extent per axis:
 ``(n-1)s - 2p + dl(k-1) + output_padding + 1``; ``output_padding`` must be
 smaller than ``max(stride, dilation)`` (PyTorch's rule): those last outputs are
 read by no input's window, the conv's "inputs past the last window".

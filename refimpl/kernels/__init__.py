@@ -15,7 +15,7 @@ reference (tests/test_reference.py and the ops' own tests):
 - ``_phase_grid``: strided convs as stride-1 problems, one per input phase;
 - ``_width_taps``: a stride-1 forward with the width taps as column offsets (few input channels);
 - ``_pointwise_conv``: 1x1x1 kernels as GEMMs on views of the arrays;
-- ``winograd``: F(4x4x4, 3x3x3), exact in float64, within ``FLOAT32_BOUND`` in float32;
+- ``winograd``: F(4x4x4, 3x3x3) and F(4x4x4, 2x2x2), exact in float64, within ``FLOAT32_BOUND`` in float32;
 - ``pooling``, ``batch_norm``, ``group_norm``, ``pointwise``, ``losses``: the blocked, threaded passes of the
   other ops, each behind one dispatch function of its ``refimpl/functional/`` module (which
   hands the kernel the reference's per-block functions: a kernel never imports functional);

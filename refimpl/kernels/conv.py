@@ -5,11 +5,12 @@ one strided slice per tap, one GEMM) and calls these for every other algorithm.
 Which route runs, and the thresholds that pick it, is ``routes.py``'s table
 (``resolve_algorithm``, ``flipped_kernel_pays``); here the routes are called.
 
-Padding: every route takes symmetric padding ``(pd, ph, pw)``.  An asymmetric one (``p`` as
+Padding: the im2col routes take symmetric padding ``(pd, ph, pw)``.  An asymmetric one (``p`` as
 ``(lo, hi)`` pairs from ``functional.conv3d.conv_args``: a per-side padding, or 'same' with an
-even kernel) runs as the symmetric padding ``min(lo, hi)`` on the input zero padded by the
+even kernel) runs there as the symmetric padding ``min(lo, hi)`` on the input zero padded by the
 difference (``asymmetric``): one more copy of the input on that path only; the symmetric
-path pays one ``isinstance`` test.
+path pays one ``isinstance`` test.  Winograd takes the zeros before the input (``lo``) as its
+padding whatever those after it are (``winograd.forward``): no copy.
 """
 from __future__ import annotations
 
@@ -45,11 +46,11 @@ def on_device(a):
 def forward_with_bias(x, w, s, p, dl, out, budget, algorithm, bias=None):
     """``conv3d(x, w)`` (+ ``bias`` when given) for validated arguments, by the algorithm
     ``resolve_algorithm`` picks (Winograd adds the bias in its last pass)."""
-    if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
-        x, p, _ = asymmetric(x, p)
     if resolve_algorithm(algorithm, w.shape, s, dl, out, n_batch=x.shape[0],
                          on_device=on_device(x), forward=True) == "winograd":
-        return winograd.forward(x, w, p, out, budget, bias)
+        return winograd.forward(x, w, before(p), out, budget, bias)
+    if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
+        x, p, _ = asymmetric(x, p)
     y = _im2col.forward(x, w, s, p, dl, out, budget)
     if bias is not None:
         y += bias.reshape(1, -1, 1, 1, 1)
@@ -61,20 +62,14 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     """``(dx, dw)`` of ``conv3d(x, w)`` for validated arguments (either may be skipped:
     None; ``x`` may then be only a shape, ``w`` likewise), by the algorithm picked for each
     (together, sharing their passes, where both pick the same)."""
-    if isinstance(p[0], tuple):                   # asymmetric padding: pad the difference
-        x_pad, p, crop = asymmetric(x, p)
+    if isinstance(p[0], tuple):                   # asymmetric padding
+        if set(_picks(dy, asymmetric(ShapeOnly(x.shape, x.dtype), p)[0], w, s, min_padding(p), dl, budget,
+                  algorithm, need_dx, need_dw, full_dy)[0].values()) == {"winograd"}:
+            return winograd.backward(dy, x, w, before(p), budget, need_dx, need_dw)
+        x_pad, p, crop = asymmetric(x, p)         # im2col: pad the difference
         dx, dw = backward_no_bias(dy, x_pad, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy)
         return (None if dx is None else array_module(dx).ascontiguousarray(dx[crop])), dw
-    device = on_device(dy)
-    flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, s, budget, device)
-    versus = None
-    if flipped:                   # (F <= C) Winograd's own dx route sets the bar to beat im2col's
-        by_forward = winograd.dx_by_flipped_kernel(w.shape[1], w.shape[0], p, need_dw,
-                                                   x.shape[2:], dy.shape[2:])
-        versus = "forward" if by_forward else "adjoint"
-    pick = {kind: resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
-                                    device, versus if kind == "dx" else None, kind == "dw")
-            for kind, needed in (("dx", need_dx), ("dw", need_dw)) if needed}
+    pick, flipped = _picks(dy, x, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy)
 
     def run(algo, want_dx, want_dw):
         if algo == "winograd":
@@ -83,6 +78,32 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     if len(set(pick.values())) <= 1:
         return run(next(iter(pick.values()), "im2col"), need_dx, need_dw)
     return run(pick["dx"], True, False)[0], run(pick["dw"], False, True)[1]
+
+
+def _picks(dy, x, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy):
+    """``({"dx": algorithm, "dw": algorithm} of the gradients needed, whether im2col's dx is the
+    flipped kernel's conv)`` for symmetric padding ``p`` (``x`` may be a ``ShapeOnly``)."""
+    device = on_device(dy)
+    flipped = need_dx and flipped_kernel_pays(dy, w, x.shape, s, budget, device)
+    versus = None
+    if flipped:                   # (F <= C) Winograd's own dx route sets the bar to beat im2col's
+        by_forward = winograd.dx_by_flipped_kernel(w.shape[1], w.shape[0], p, need_dw,
+                                                   x.shape[2:], dy.shape[2:], w.shape[2])
+        versus = "forward" if by_forward else "adjoint"
+    pick = {kind: resolve_algorithm(algorithm, w.shape, s, dl, dy.shape[2:], full_dy, dy.shape[0],
+                                    device, versus if kind == "dx" else None, kind == "dw")
+            for kind, needed in (("dx", need_dx), ("dw", need_dw)) if needed}
+    return pick, flipped
+
+
+def before(p):
+    """The zeros before the input per axis: ``lo`` of (lo, hi) pairs, else ``p`` itself."""
+    return tuple(q[0] for q in p) if isinstance(p[0], tuple) else tuple(p)
+
+
+def min_padding(p):
+    """The symmetric padding ``asymmetric`` runs an asymmetric one as."""
+    return tuple(min(q) for q in p)
 
 
 class ShapeOnly:

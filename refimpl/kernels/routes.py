@@ -19,6 +19,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
 |                           | dx as the flipped-kernel conv   | ``_im2col``        | ``flipped_kernel_pays``                                       |
 |                           | Winograd F(4x4x4, 3x3x3)        | ``winograd``       | ``resolve_algorithm``: ``applicable`` and ``worthwhile``      |
+|                           | Winograd F(4x4x4, 2x2x2)        | ``winograd``       | the same, with kernel 2's bars (``KERNEL_2_*``)               |
 | max/avg pooling           | blocked passes on threads       | ``pooling``        | NumPy arrays of more than one block, unless the reference is asked for (``functional._route``) |
 |                           | max: first-max index, scatter   | ``pooling``        | smaller NumPy arrays whose 2x2x2 stride-2 windows tile them (``tiles_in_pairs``) |
 |                           | one CUDA kernel per pass        | ``pooling``        | CuPy arrays (``DEVICE_SOURCE``, launched by ``_cuda``)        |
@@ -62,9 +63,28 @@ MIN_TILES = 2
 MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS = 10.0
 
 
+# ---------------------------------------------------------------- Winograd F(4x4x4, 2x2x2) against im2col
+#
+# MLPerf's CosmoFlow convolves with 2x2x2 kernels ('same' padding): F(4, 2) computes 4 outputs
+# per axis from 5 inputs, 125 products per 4x4x4 tile where im2col spends 8 x 64 = 512 (4.1x
+# fewer, against F(4, 3)'s 8x), while its transforms move (5/4)^3 values per output and channel
+# (F(4, 3): (6/4)^3).  One bar for every pass (measured: docs/benchmarks.md, "Kernel choices"):
+
+#: C*F/(C+F) at least this ...
+KERNEL_2_MIN_CHANNEL_PRODUCT_RATIO = 12.0
+#: ... and at least this many tiles in the batch: the transformed weights, 125 C F (15.6x the
+#: weight), cost what the GEMMs save on fewer tiles.
+KERNEL_2_MIN_TILES = 16
+
+WINOGRAD_KERNELS = (3, 2)                  # F(4, 3) and F(4, 2)
+
+
 def winograd_applicable(kernel, stride, dilation):
-    """True when Winograd F(4,3) computes this conv: 3x3x3 kernel, stride 1, dilation 1."""
-    return tuple(kernel) == (3, 3, 3) and tuple(stride) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
+    """True when Winograd computes this conv: a 3x3x3 (F(4,3)) or 2x2x2 (F(4,2)) kernel,
+    stride 1, dilation 1."""
+    kernel = tuple(kernel)
+    return (kernel in ((3, 3, 3), (2, 2, 2)) and tuple(stride) == (1, 1, 1)
+            and tuple(dilation) == (1, 1, 1))
 
 
 def winograd_tiles(out_spatial):
@@ -72,17 +92,21 @@ def winograd_tiles(out_spatial):
     return tuple(-(-o // WINOGRAD_TILE) for o in out_spatial)
 
 
-def winograd_products_per_output(out_spatial):
-    """Products per output and channel pair: 216 per 4x4x4 tile, over the outputs the
-    tiles really hold (a 5-wide output needs two tiles per axis, most of one wasted)."""
+def winograd_products_per_output(out_spatial, r=3):
+    """Products per output and channel pair: (4 + r - 1)^3 per 4x4x4 tile (216 for r = 3),
+    over the outputs the tiles really hold (a 5-wide output needs two tiles per axis, most of
+    one wasted)."""
     td, th, tw = winograd_tiles(out_spatial)
-    return (WINOGRAD_TILE + 2) ** 3 * td * th * tw / (out_spatial[0] * out_spatial[1] * out_spatial[2])
+    return (WINOGRAD_TILE + r - 1) ** 3 * td * th * tw / (out_spatial[0] * out_spatial[1] * out_spatial[2])
 
 
-def wide_enough(c, f, versus_flipped=None, weight_grad=False, versus_width_taps=False):
+def wide_enough(c, f, versus_flipped=None, weight_grad=False, versus_width_taps=False, r=3):
     """The channel part of ``worthwhile``: C*F/(C+F) at least the threshold of the pass, or
     for a weight gradient F <= C x ``MAX_FILTER_RATIO_WEIGHT_GRAD``; against im2col's width
-    taps (``versus_width_taps``) ``MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS`` for every pass."""
+    taps (``versus_width_taps``) ``MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS`` for every pass.
+    Kernel 2 (``r=2``): ``KERNEL_2_MIN_CHANNEL_PRODUCT_RATIO`` for every pass."""
+    if r == 2:
+        return c * f / (c + f) >= KERNEL_2_MIN_CHANNEL_PRODUCT_RATIO
     if versus_width_taps:
         return c * f / (c + f) >= MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS
     least = (MIN_CHANNEL_PRODUCT_RATIO if versus_flipped is None
@@ -90,13 +114,19 @@ def wide_enough(c, f, versus_flipped=None, weight_grad=False, versus_width_taps=
     return c * f / (c + f) >= least or (weight_grad and f <= MAX_FILTER_RATIO_WEIGHT_GRAD * c)
 
 
-def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False, versus_width_taps=False):
+def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False, versus_width_taps=False,
+               r=3):
     """"auto" takes Winograd when it needs at most half of im2col's 27 products per output,
     the channels are wide enough (``wide_enough``), and there are ``MIN_TILES`` tiles or more
-    (deep layers of few tiles run by channel blocks, ``winograd.by_channel_blocks``)."""
+    (deep layers of few tiles run by channel blocks, ``winograd.by_channel_blocks``).
+    Kernel 2 (``r=2``): at most half of im2col's 8 products, and ``KERNEL_2_*``'s bars."""
     td, th, tw = winograd_tiles(out_spatial)
+    tiles = n_batch * td * th * tw
+    if r == 2:
+        return (winograd_products_per_output(out_spatial, 2) <= 2 ** 3 / 2
+                and tiles >= KERNEL_2_MIN_TILES and wide_enough(c, f, r=2))
     return (winograd_products_per_output(out_spatial) <= IM2COL_PRODUCTS / 2
-            and n_batch * td * th * tw >= MIN_TILES
+            and tiles >= MIN_TILES
             and wide_enough(c, f, versus_flipped, weight_grad, versus_width_taps))
 
 
@@ -138,7 +168,7 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
     kernel = tuple(weight_shape[2:])
     fits = winograd_applicable(kernel, stride, dilation) and full_dy
     if algorithm == "winograd" and not fits:
-        raise ValueError(f"{source}='winograd' computes 3x3x3 convs with stride 1 and dilation 1 "
+        raise ValueError(f"{source}='winograd' computes 3x3x3 and 2x2x2 convs with stride 1 and dilation 1 "
                          f"(and a gradient covering every output); got kernel {tuple(kernel)}, "
                          f"stride {tuple(stride)}, dilation {tuple(dilation)}: use 'im2col' or 'auto'")
     if algorithm == "auto":
@@ -147,7 +177,7 @@ def resolve_algorithm(algorithm, weight_shape, stride, dilation, out_spatial, fu
         width = fits and im2col_takes_width_taps(weight_shape, dilation, out_spatial, forward, versus_flipped,
                                                  weight_grad)
         wide = worthwhile(out_spatial, weight_shape[1], weight_shape[0], n_batch, versus_flipped,
-                          weight_grad, width)
+                          weight_grad, width, kernel[0])
         return "winograd" if fits and wide else "im2col"
     return algorithm
 

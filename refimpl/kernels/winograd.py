@@ -1,4 +1,5 @@
-"""Winograd F(4x4x4, 3x3x3): 3x3x3 stride-1 convolution with 8x fewer multiplications.
+"""Winograd F(4x4x4, 3x3x3): 3x3x3 stride-1 convolution with 8x fewer multiplications
+(and F(4x4x4, 2x2x2) for 2x2x2 kernels, 4.1x fewer: "Kernel 2" below).
 
 Why: on the small per-rank blocks of spatial parallelism, im2col + GEMM spends
 27 multiply-adds per output and channel pair; PyTorch's oneDNN runs its direct
@@ -53,6 +54,28 @@ smaller than that scale).  The documented bound, which the tests and the script 
 ~1e-15 relative (tests: <= 1e-10 vs PyTorch); ``algorithm="im2col"`` (or
 ``REFIMPL_CONV_ALGORITHM=im2col``) gives the plain sum where that matters.
 
+Kernel 2: MLPerf's CosmoFlow convolves with 2x2x2 kernels ('same' padding: none before, one
+zero after).  The same construction with r = 2 and the points 0, 1, -1, 2 and infinity gives
+F(4, 2): 4 outputs from a 5-wide tile with 5 products instead of 8,
+
+    B^T = [[2,-1,-2, 1, 0],       G = [[1/2,    0],        A^T = [[1, 1, 1, 1, 0],
+           [0, 2, 1,-1, 0],            [1/2,  1/2],               [0, 1,-1, 2, 0],
+           [0,-2, 3,-1, 0],            [1/6, -1/6],               [0, 1, 1, 4, 0],
+           [0,-1, 0, 1, 0],            [1/6,  1/3],               [0, 1,-1, 8, 1]]
+           [0, 2,-1,-2, 1]]            [  0,    1]]
+
+(the rows of B^T scaled to integers, G's by the inverse), so in 3-D 125 products per 4x4x4
+tile where im2col spends 8 x 64 = 512.  Everything below reads alpha = 4 + r - 1 (6 or 5) and r
+off the matrices' shapes (``matrices``); the tiles still advance by 4, so 5-wide input tiles
+overlap by 1 and the overlap-add's boxes are {0..3, 4}^3.  Of the four point sets 0, 1, -1 and
+one of 2, 1/2, -2, -1/2, this one had the smallest float32 error (3.3e-6 of the scale below,
+against 3.9-4.1e-6; im2col's is 1.4e-7), well within ``FLOAT32_BOUND``.  Which convs take it:
+``routes.worthwhile`` with ``r=2`` (its own bars, ``routes.KERNEL_2_*``).
+
+Padding: ``padding`` is the zeros before the input along each axis; those after it are read
+from the zero buffer the tiles are cut from, as far as ``out_spatial`` reaches, so an
+asymmetric padding (a per-side one, or 'same' with an even kernel) costs nothing extra here.
+
 Layout: the input is copied once to channels-last ``(N, D', H', W', C)``
 (zero-padded to ``4*tiles + 2`` per axis), then every tile is cut out with one
 strided copy into ``(6, 6, 6, T, C)`` (T = tiles, C contiguous).  In that
@@ -104,13 +127,33 @@ _AT = numpy.array([[1, 1, 1, 1, 1, 0],
                    [0, 1, 1, 4, 4, 0],
                    [0, 1, -1, 8, -8, 1]], dtype=numpy.float64)
 
-M_OUT, R_KERNEL = WINOGRAD_TILE, 3        # outputs per tile, taps
-ALPHA = M_OUT + R_KERNEL - 1               # tile extent (m + r - 1)
+# F(4, 2), points 0, 1, -1, 2, inf (see "Kernel 2" in the module docstring)
+_BT2 = numpy.array([[2, -1, -2, 1, 0],
+                    [0, 2, 1, -1, 0],
+                    [0, -2, 3, -1, 0],
+                    [0, -1, 0, 1, 0],
+                    [0, 2, -1, -2, 1]], dtype=numpy.float64)
+_G2 = numpy.array([[1 / 2, 0],
+                   [1 / 2, 1 / 2],
+                   [1 / 6, -1 / 6],
+                   [1 / 6, 1 / 3],
+                   [0, 1]], dtype=numpy.float64)
+_AT2 = numpy.array([[1, 1, 1, 1, 0],
+                    [0, 1, -1, 2, 0],
+                    [0, 1, 1, 4, 0],
+                    [0, 1, -1, 8, 1]], dtype=numpy.float64)
+
+#: ``(B^T, G, A^T)`` of F(4, r) by kernel extent r.
+SCHEMES = {3: (_BT, _G, _AT), 2: (_BT2, _G2, _AT2)}
+
+M_OUT = WINOGRAD_TILE                      # outputs per tile and axis, m = 4 in both schemes
 
 
-def matrices(xp, dtype):
-    """``(B^T, G, A^T)`` of F(4, 3) as ``xp`` arrays of ``dtype``."""
-    return tuple(xp.asarray(m, dtype=dtype) for m in (_BT, _G, _AT))
+def matrices(xp, dtype, r=3):
+    """``(B^T, G, A^T)`` of F(4, r) as ``xp`` arrays of ``dtype``: B^T is alpha x alpha
+    (alpha = 4 + r - 1, the input tile's extent), G alpha x r, A^T 4 x alpha.  Every function
+    below reads alpha and r off these shapes."""
+    return tuple(xp.asarray(m, dtype=dtype) for m in SCHEMES[r])
 
 
 # ------------------------------------------------------------------- separable transforms
@@ -168,23 +211,26 @@ def _column_blocked_matmul(mat, a, out):
 
 
 def _weight_transform(g, w):
-    """``U = (G (x) G (x) G) w`` as (216, C, F): the GEMM operand ``U[xi]`` is (C, F)."""
+    """``U = (G (x) G (x) G) w`` as (216, C, F): the GEMM operand ``U[xi]`` is (C, F)
+    (alpha^3 = 216 for F(4, 3), 125 for F(4, 2))."""
     xp = array_module(w)
     f, c = w.shape[:2]
+    alpha, r = g.shape
     taps = xp.ascontiguousarray(w.transpose(2, 3, 4, 1, 0)).reshape(-1)    # (3, 3, 3, C, F)
-    out = xp.empty(ALPHA ** 3 * c * f, dtype=w.dtype)
-    work = xp.empty(ALPHA ** 2 * R_KERNEL * c * f, dtype=w.dtype)   # the taps, then (6, 6, 3, C, F)
+    out = xp.empty(alpha ** 3 * c * f, dtype=w.dtype)
+    work = xp.empty(alpha ** 2 * r * c * f, dtype=w.dtype)   # the taps, then (6, 6, 3, C, F)
     work[:taps.size] = taps
-    return _transform(g, work, out, c * f).reshape(ALPHA ** 3, c, f)
+    return _transform(g, work, out, c * f).reshape(alpha ** 3, c, f)
 
 
 def _weight_transform_adjoint(g, dut):
     """``dw = (G^T (x) G^T (x) G^T) dU``, from ``dU^T`` (216, F, C) to (F, C, 3, 3, 3)."""
     xp = array_module(dut)
     f, c = dut.shape[1:]
-    work = xp.empty(ALPHA ** 2 * R_KERNEL * c * f, dtype=dut.dtype)   # (3, 6, 6, F, C), then (3, 3, 3, F, C)
+    alpha, r = g.shape
+    work = xp.empty(alpha ** 2 * r * c * f, dtype=dut.dtype)   # (3, 6, 6, F, C), then (3, 3, 3, F, C)
     d = _transform(g.T, xp.ascontiguousarray(dut).reshape(-1), work, c * f)
-    return xp.ascontiguousarray(d.reshape(R_KERNEL, R_KERNEL, R_KERNEL, f, c).transpose(3, 4, 0, 1, 2))
+    return xp.ascontiguousarray(d.reshape(r, r, r, f, c).transpose(3, 4, 0, 1, 2))
 
 
 # ---------------------------------------------------------------------- tiles and chunks
@@ -286,14 +332,14 @@ def to_ncdhw(src, workers=1, bias=None):
 
 class _Plan:
     """Chunks, worker threads, and each worker's three flat work buffers
-    (216 * tiles * max(C, F) elements each); the budget is shared by the workers."""
+    (alpha^3 * tiles * max(C, F) elements each); the budget is shared by the workers."""
 
-    def __init__(self, xp, dtype, n_batch, tiles, width, budget):
-        per_tile = ALPHA ** 3 * width * numpy.dtype(dtype).itemsize * 3
+    def __init__(self, xp, dtype, n_batch, tiles, width, budget, alpha):
+        per_tile = alpha ** 3 * width * numpy.dtype(dtype).itemsize * 3
         workers = _threads.thread_count(xp)
         self.chunks = chunks(n_batch, tiles, per_tile, max(1, budget // workers), workers)
         self.workers = min(workers, len(self.chunks))
-        size = ALPHA ** 3 * max(_n_tiles(ch, tiles) for ch in self.chunks) * width
+        size = alpha ** 3 * max(_n_tiles(ch, tiles) for ch in self.chunks) * width
         self.bufs = [[xp.empty(size, dtype=dtype) for _ in range(3)] for _ in range(self.workers)]
 
 
@@ -306,10 +352,11 @@ def _input_tiles(xcl, chunk, tiles, bt, bufs, c):
     ``bufs[0]`` takes the tiles, the result ends in ``bufs[1]``."""
     xp = array_module(xcl)
     t = _n_tiles(chunk, tiles)
-    g = bufs[0][:ALPHA ** 3 * t * c]
-    view = _tile_view(xp, xcl, chunk, tiles, ALPHA)                  # (6, 6, 6, nb, tdc, th, tw, C)
+    alpha = bt.shape[0]
+    g = bufs[0][:alpha ** 3 * t * c]
+    view = _tile_view(xp, xcl, chunk, tiles, alpha)                  # (6, 6, 6, nb, tdc, th, tw, C)
     g.reshape(view.shape)[...] = view
-    return _transform(bt, bufs[0], bufs[1], t * c).reshape(ALPHA ** 3, t, c)
+    return _transform(bt, bufs[0], bufs[1], t * c).reshape(alpha ** 3, t, c)
 
 
 def _output_grad_tiles(dycl, chunk, tiles, at, bufs, f):
@@ -319,16 +366,16 @@ def _output_grad_tiles(dycl, chunk, tiles, at, bufs, f):
     t = _n_tiles(chunk, tiles)
     view = _tile_view(xp, dycl, chunk, tiles, M_OUT)                  # (4, 4, 4, nb, tdc, th, tw, F)
     bufs[0][:M_OUT ** 3 * t * f].reshape(view.shape)[...] = view
-    return _transform(at.T, bufs[0], bufs[1], t * f).reshape(ALPHA ** 3, t, f)
+    return _transform(at.T, bufs[0], bufs[1], t * f).reshape(at.shape[1] ** 3, t, f)
 
 
-def _overlap_add(dxcl, dg, chunk, tiles):
+def _overlap_add(dxcl, dg, chunk, tiles, alpha):
     """``dxcl += `` the chunk's 6-wide tiles ``dg`` (6, 6, 6, T, C): they overlap by 2 at
     stride 4, so the adds go in the 8 boxes {0..3, 4..5}^3 of tile offsets, within each of
-    which no two tiles touch the same voxel."""
+    which no two tiles touch the same voxel (F(4, 2): 5-wide tiles, boxes {0..3, 4}^3)."""
     xp = array_module(dxcl)
-    dg = dg.reshape((ALPHA,) * 3 + _tile_view(xp, dxcl, chunk, tiles, ALPHA).shape[3:])
-    for box in OVERLAP_BOXES:
+    dg = dg.reshape((alpha,) * 3 + _tile_view(xp, dxcl, chunk, tiles, alpha).shape[3:])
+    for box in overlap_boxes(alpha):
         offset = tuple(sl.start for sl in box)
         ext = tuple(sl.stop - sl.start for sl in box)
         _tile_view(xp, dxcl, chunk, tiles, ext, offset)[...] += dg[box]
@@ -371,11 +418,11 @@ def by_channel_blocks(n_batch, tiles, c, f):
     return n_batch * tiles[0] * tiles[1] * tiles[2] <= min(c, f)
 
 
-def _blocks(total, other, itemsize, workers, least=1):
+def _blocks(total, other, itemsize, workers, alpha, least=1):
     """Ranges ``(b0, b1)`` of a channel axis of ``total``: about ``CHANNEL_BLOCK_BYTES`` of
-    transformed weights each (216 x ``other`` x block) but ``least`` channels, at least one
+    transformed weights each (alpha^3 x ``other`` x block) but ``least`` channels, at least one
     block per worker."""
-    size = max(least, CHANNEL_BLOCK_BYTES // (ALPHA ** 3 * other * itemsize))
+    size = max(least, CHANNEL_BLOCK_BYTES // (alpha ** 3 * other * itemsize))
     size = max(1, min(size, -(-total // max(1, workers))))
     return [(b0, min(b0 + size, total)) for b0 in range(0, total, size)]
 
@@ -389,7 +436,7 @@ def _all_tiles(plan, tiles, of_chunk, src, mat, width):
     for ch in plan.chunks:
         starts.append(t0)
         t0 += _n_tiles(ch, tiles)
-    out = xp.empty((ALPHA ** 3, t0, width), dtype=plan.bufs[0][0].dtype)
+    out = xp.empty((mat.shape[1] ** 3, t0, width), dtype=plan.bufs[0][0].dtype)   # (alpha^3, T, width)
 
     def one(worker, i):
         ch = plan.chunks[i]
@@ -404,9 +451,9 @@ def _whole(n_batch, tiles):
     return (0, n_batch, 0, tiles[0])
 
 
-def _block_buffers(xp, dtype, t, blocks, workers):
-    """Per worker two flat work buffers of 216 x ``t`` x the widest of ``blocks``."""
-    size = ALPHA ** 3 * t * max((b1 - b0 for b0, b1 in blocks), default=1)
+def _block_buffers(xp, dtype, t, blocks, workers, alpha):
+    """Per worker two flat work buffers of alpha^3 x ``t`` x the widest of ``blocks``."""
+    size = alpha ** 3 * t * max((b1 - b0 for b0, b1 in blocks), default=1)
     return [[xp.empty(size, dtype=dtype) for _ in range(2)] for _ in range(workers)]
 
 
@@ -414,20 +461,21 @@ def _forward_by_filter_blocks(xcl, w, ycl, tiles, plan, mats):
     """The forward by blocks of filters into the channels-last ``ycl`` (see above)."""
     xp = array_module(xcl, w)
     bt, g, at = mats
+    alpha = bt.shape[0]
     f, c = w.shape[:2]
     n_b = xcl.shape[0]
     v = _all_tiles(plan, tiles, _input_tiles, xcl, bt, c)              # V (216, T, C)
     t = v.shape[1]
     whole = _whole(n_b, tiles)
-    blocks = _blocks(f, c, w.dtype.itemsize, plan.workers)
+    blocks = _blocks(f, c, w.dtype.itemsize, plan.workers, alpha)
     workers = min(plan.workers, len(blocks))
-    bufs = _block_buffers(xp, w.dtype, t, blocks, workers)
+    bufs = _block_buffers(xp, w.dtype, t, blocks, workers, alpha)
 
     def one(worker, block):
         f0, f1 = block
         b0, b1 = bufs[worker]
         ub = _weight_transform(g, w[f0:f1])                             # (216, C, fb)
-        xp.matmul(v, ub, out=b0[:ALPHA ** 3 * t * (f1 - f0)].reshape(ALPHA ** 3, t, f1 - f0))
+        xp.matmul(v, ub, out=b0[:alpha ** 3 * t * (f1 - f0)].reshape(alpha ** 3, t, f1 - f0))
         yt = _transform(at, b0, b1, t * (f1 - f0))                      # (4, 4, 4, T, fb)
         view = _tile_view(xp, ycl[..., f0:f1], whole, tiles, M_OUT)
         view[...] = yt.reshape(view.shape)
@@ -439,6 +487,7 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
     dw (returned, when ``xcl`` is given) by blocks of filters (see above)."""
     xp = array_module(dycl, w)
     bt, g, at = mats
+    alpha = bt.shape[0]
     f, c = w.shape[:2]
     n_b = dycl.shape[0]
 
@@ -448,12 +497,12 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
     whole = _whole(n_b, tiles)
     tasks = []
     if dxcl is not None:
-        tasks += [("dx", b) for b in _blocks(c, f, w.dtype.itemsize, plan.workers, DX_BLOCK_CHANNELS)]
+        tasks += [("dx", b) for b in _blocks(c, f, w.dtype.itemsize, plan.workers, alpha, DX_BLOCK_CHANNELS)]
     if v is not None:
-        tasks += [("dw", b) for b in _blocks(f, c, w.dtype.itemsize, plan.workers)]
+        tasks += [("dw", b) for b in _blocks(f, c, w.dtype.itemsize, plan.workers, alpha)]
         dw = xp.empty(w.shape, dtype=w.dtype)
     workers = min(plan.workers, len(tasks))
-    bufs = _block_buffers(xp, w.dtype, t, [b for kind, b in tasks if kind == "dx"], workers)
+    bufs = _block_buffers(xp, w.dtype, t, [b for kind, b in tasks if kind == "dx"], workers, alpha)
 
     def one(worker, task):
         kind, (a0, a1) = task
@@ -463,10 +512,10 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
             dw[a0:a1] = _weight_transform_adjoint(g, dut)
             return
         ub = _weight_transform(g, w[:, a0:a1])                          # (216, cb, F)
-        dv = b0[:ALPHA ** 3 * t * (a1 - a0)].reshape(ALPHA ** 3, t, a1 - a0)
+        dv = b0[:alpha ** 3 * t * (a1 - a0)].reshape(alpha ** 3, t, a1 - a0)
         xp.matmul(dm, ub.transpose(0, 2, 1), out=dv)                    # dV_b (216, T, cb)
         dg = _transform(bt.T, b0, b1, t * (a1 - a0))                    # (6, 6, 6, T, cb)
-        _overlap_add(dxcl[..., a0:a1], dg, whole, tiles)
+        _overlap_add(dxcl[..., a0:a1], dg, whole, tiles, alpha)
     _threads.run(one, tasks, workers)
     return dw if v is not None else None
 
@@ -474,14 +523,19 @@ def _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, mats):
 # ----------------------------------------------------------------------------- the ops
 
 def forward(x, w, padding, out_spatial, budget, bias=None):
-    """``y = conv3d(x, w) + bias``, 3x3x3, stride 1, dilation 1, any padding (bias may be None)."""
+    """``y = conv3d(x, w) + bias``, 3x3x3 or 2x2x2, stride 1, dilation 1 (bias may be None).
+
+    ``padding`` is the zeros *before* the input per axis; those after it are whatever
+    ``out_spatial`` reads (the tiles' zero buffer holds them), so an asymmetric padding
+    ((lo, hi) per axis, 'same' with an even kernel) is its ``lo`` here, with no padded copy."""
     xp = array_module(x, w)
     n_b, c = x.shape[:2]
     f = w.shape[0]
     tiles = winograd_tiles(out_spatial)
-    bt, g, at = matrices(xp, x.dtype)
-    plan = _Plan(xp, x.dtype, n_b, tiles, max(c, f), budget)
-    xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers)  # (N, 4td+2, .., C)
+    bt, g, at = matrices(xp, x.dtype, w.shape[2])
+    alpha = bt.shape[0]
+    plan = _Plan(xp, x.dtype, n_b, tiles, max(c, f), budget, alpha)
+    xcl = _padded_channels_last(x, padding, tiles, alpha - M_OUT, plan.workers)  # (N, 4td+2, .., C)
     ycl = xp.empty((n_b,) + tuple(M_OUT * t for t in tiles) + (f,), dtype=x.dtype)
     od, oh, ow = out_spatial
     if by_channel_blocks(n_b, tiles, c, f):
@@ -493,7 +547,7 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
         b0, b1, b2 = plan.bufs[worker]
         t = _n_tiles(chunk, tiles)
         v = _input_tiles(xcl, chunk, tiles, bt, (b0, b1), c)          # (216, T, C) in b1
-        xp.matmul(v, u, out=b2[:ALPHA ** 3 * t * f].reshape(ALPHA ** 3, t, f))   # M (216, T, F)
+        xp.matmul(v, u, out=b2[:alpha ** 3 * t * f].reshape(alpha ** 3, t, f))   # M (216, T, F)
         yt = _transform(at, b2, b0, t * f)                            # (4, 4, 4, T, F) in b0
         view = _tile_view(xp, ycl, chunk, tiles, M_OUT)
         view[...] = yt.reshape(view.shape)
@@ -501,10 +555,11 @@ def forward(x, w, padding, out_spatial, budget, bias=None):
     return to_ncdhw(ycl[:, :od, :oh, :ow], plan.workers, bias)
 
 
-def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
+def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial, r=3):
     """Whether ``backward`` takes ``dx`` as Winograd's *forward* conv of ``dy`` with the flipped,
-    transposed kernel ``W'[c, f, u] = W[f, c, 2 - u]`` and padding ``2 - p`` (the identity of
-    ``_im2col.input_grad_by_flipped_kernel``; a padding above 2 would need a negative one),
+    transposed kernel ``W'[c, f, u] = W[f, c, r - 1 - u]`` and padding ``r - 1 - p`` (the identity
+    of ``_im2col.input_grad_by_flipped_kernel``; a padding above r - 1, before or after the input
+    (``padding`` holds both sides where they differ), would need a negative one),
     only where that forward has no more tiles (of the input's extent) than the adjoint (of the
     output's): a layer fed a halo-padded block (padding 0, 18^3 in, 16^3 out) would need 5^3
     tiles instead of 4^3, and ran slower (docs/benchmarks.md, "Kernel choices").
@@ -519,7 +574,7 @@ def dx_by_flipped_kernel(c, f, padding, need_dw, in_spatial, out_spatial):
     gradients, and the forward route must make ``dM`` for ``dw`` alone: it then pays only up to
     F = C (below, it wins; at F = C it is about even).  Measured: docs/benchmarks.md, "Kernel
     choices"."""
-    if any(p > R_KERNEL - 1 for p in padding) or winograd_tiles(in_spatial) != winograd_tiles(out_spatial):
+    if any(p > r - 1 for p in padding) or winograd_tiles(in_spatial) != winograd_tiles(out_spatial):
         return False
     return f <= c if need_dw else f <= 2 * c
 
@@ -541,19 +596,21 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
     """
     xp = array_module(dy, x, w)
     n_b, c = x.shape[:2]
-    f = w.shape[0]
-    if need_dx and dx_by_flipped_kernel(c, f, padding, need_dw, x.shape[2:], dy.shape[2:]):
-        dx = forward(dy, _im2col.flipped_kernel(w), tuple(R_KERNEL - 1 - p for p in padding),
+    f, r = w.shape[0], w.shape[2]
+    after = tuple(o + r - 1 - n - p for o, n, p in zip(dy.shape[2:], x.shape[2:], padding))   # hi
+    if need_dx and dx_by_flipped_kernel(c, f, tuple(padding) + after, need_dw, x.shape[2:], dy.shape[2:], r):
+        dx = forward(dy, _im2col.flipped_kernel(w), tuple(r - 1 - p for p in padding),
                      tuple(x.shape[2:]), budget)
         return dx, (backward(dy, x, w, padding, budget, need_dx=False)[1] if need_dw else None)
     out_spatial = tuple(dy.shape[2:])
     tiles = winograd_tiles(out_spatial)
-    bt, g, at = matrices(xp, dy.dtype)
-    plan = _Plan(xp, dy.dtype, n_b, tiles, max(c, f), budget)
+    bt, g, at = matrices(xp, dy.dtype, r)
+    alpha = bt.shape[0]
+    plan = _Plan(xp, dy.dtype, n_b, tiles, max(c, f), budget, alpha)
     weight_bound = 2 * c * f > 3 * _n_tiles(plan.chunks[0], tiles) * max(c, f) * plan.workers
     dycl = _padded_channels_last(dy, (0, 0, 0), tiles, 0, plan.workers)   # (N, 4td, 4th, 4tw, F)
-    xcl = _padded_channels_last(x, padding, tiles, ALPHA - M_OUT, plan.workers) if need_dw else None
-    dxcl = (xp.zeros((n_b,) + tuple(M_OUT * t + ALPHA - M_OUT for t in tiles) + (c,),
+    xcl = _padded_channels_last(x, padding, tiles, alpha - M_OUT, plan.workers) if need_dw else None
+    dxcl = (xp.zeros((n_b,) + tuple(M_OUT * t + alpha - M_OUT for t in tiles) + (c,),
                      dtype=dy.dtype) if need_dx else None)
     if by_channel_blocks(n_b, tiles, c, f):
         dw = _backward_by_channel_blocks(dycl, xcl, dxcl, w, tiles, plan, (bt, g, at))
@@ -574,10 +631,10 @@ def backward(dy, x, w, padding, budget, need_dx=True, need_dw=True):
             else:
                 duts[worker] += xp.matmul(dm.transpose(0, 2, 1), v)
         if do_dx:
-            dv = b0[:ALPHA ** 3 * t * c]
-            xp.matmul(dm, u.transpose(0, 2, 1), out=dv.reshape(ALPHA ** 3, t, c))   # dV (216, T, C)
+            dv = b0[:alpha ** 3 * t * c]
+            xp.matmul(dm, u.transpose(0, 2, 1), out=dv.reshape(alpha ** 3, t, c))   # dV (216, T, C)
             dg = _transform(bt.T, b0, b2, t * c)                      # (6, 6, 6, T, C) in b2
-            _overlap_add(dxcl, dg, chunk, tiles)
+            _overlap_add(dxcl, dg, chunk, tiles, alpha)
 
     def passes(do_dx, do_dw):
         step = (lambda worker, chunk: one(worker, chunk, do_dx, do_dw))
@@ -609,5 +666,6 @@ def _unpadded_ncdhw(dxcl, padding, shape, workers):
     return to_ncdhw(dxcl[(slice(None),) + box], workers)
 
 
-#: The 8 boxes of tile offsets within which 6-wide tiles at stride 4 do not overlap.
-OVERLAP_BOXES = tuple(product(*[(slice(0, M_OUT), slice(M_OUT, ALPHA))] * 3))
+def overlap_boxes(alpha):
+    """The 8 boxes of tile offsets within which ``alpha``-wide tiles at stride 4 do not overlap."""
+    return tuple(product(*[(slice(0, M_OUT), slice(M_OUT, alpha))] * 3))

@@ -51,7 +51,8 @@ class _Conv(LayerKind):
         if not routes.winograd_applicable(spec.kernel, spec.stride, spec.dilation):
             return False
         return algorithm == "winograd" or (
-            algorithm == "auto" and routes.wide_enough(spec.input[1], spec.out_channels, weight_grad=True))
+            algorithm == "auto" and routes.wide_enough(spec.input[1], spec.out_channels, weight_grad=True,
+                                                       r=spec.kernel[0]))
 
     def parameter_shapes(self, spec):
         channels = [0, 0]
