@@ -62,6 +62,20 @@ def test_conv_layers_on_the_device(device, k, s, p, dl):
     _close(*_both(conv_transpose3d_backward, dyt, y_ref, w, s, p, 0, dl))
 
 
+@pytest.mark.parametrize("k, p", [(3, 1), (2, "same"), (2, (1, 0, 0, 1, 1, 1))])
+def test_winograd_on_the_device(device, k, p):
+    """Winograd asked for (on a device "auto" is im2col): F(4, 3) and F(4, 2), the latter with
+    an asymmetric padding (its ``lo`` as the offset in the zero buffer), run on device arrays
+    as on the host."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 9, 8, 7))
+    w = rng.standard_normal((4, 3) + (k,) * 3)
+    y_ref, y_dev = _both(conv3d, x, w, None, 1, p, algorithm="winograd")
+    assert rel_err(y_dev, y_ref) <= RTOL
+    dy = rng.standard_normal(y_ref.shape)
+    _close(*_both(conv3d_backward, dy, x, w, 1, p, algorithm="winograd"))
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_activations_on_the_device(device, dtype):
     """relu and leaky relu forward and backward on the device (CuPy: the fused kernels of

@@ -29,6 +29,8 @@ W = "winograd"
 
 @pytest.mark.parametrize("r", [3, 2])
 def test_one_dimensional_identity_is_exact(r):
+    from refimpl.kernels.routes import WINOGRAD_KERNELS
+    assert sorted(winograd.SCHEMES) == sorted(WINOGRAD_KERNELS)
     """y = A^T [(G g) * (B^T d)] is the r-tap correlation of d (4 + r - 1 inputs -> 4 outputs)."""
     bt, g_mat, at = winograd.SCHEMES[r]
     assert bt.shape == (3 + r, 3 + r) and g_mat.shape == (3 + r, r) and at.shape == (4, 3 + r)

@@ -68,7 +68,7 @@ MIN_CHANNEL_PRODUCT_RATIO_VS_WIDTH_TAPS = 10.0
 # MLPerf's CosmoFlow convolves with 2x2x2 kernels ('same' padding): F(4, 2) computes 4 outputs
 # per axis from 5 inputs, 125 products per 4x4x4 tile where im2col spends 8 x 64 = 512 (4.1x
 # fewer, against F(4, 3)'s 8x), while its transforms move (5/4)^3 values per output and channel
-# (F(4, 3): (6/4)^3).  One bar for every pass (measured: docs/benchmarks.md, "Kernel choices"):
+# (F(4, 3): (6/4)^3).  One bar for every pass (measured: docs/benchmarks.md, "Kernel thresholds"):
 
 #: C*F/(C+F) at least this ...
 KERNEL_2_MIN_CHANNEL_PRODUCT_RATIO = 12.0
@@ -76,14 +76,15 @@ KERNEL_2_MIN_CHANNEL_PRODUCT_RATIO = 12.0
 #: weight), cost what the GEMMs save on fewer tiles.
 KERNEL_2_MIN_TILES = 16
 
-WINOGRAD_KERNELS = (3, 2)                  # F(4, 3) and F(4, 2)
+#: The kernel extents Winograd computes (``winograd.SCHEMES``' keys): F(4, 3) and F(4, 2).
+WINOGRAD_KERNELS = (3, 2)
 
 
 def winograd_applicable(kernel, stride, dilation):
     """True when Winograd computes this conv: a 3x3x3 (F(4,3)) or 2x2x2 (F(4,2)) kernel,
     stride 1, dilation 1."""
     kernel = tuple(kernel)
-    return (kernel in ((3, 3, 3), (2, 2, 2)) and tuple(stride) == (1, 1, 1)
+    return (kernel in tuple((k,) * 3 for k in WINOGRAD_KERNELS) and tuple(stride) == (1, 1, 1)
             and tuple(dilation) == (1, 1, 1))
 
 
