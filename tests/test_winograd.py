@@ -76,6 +76,22 @@ def test_column_blocks_give_the_same_conv(monkeypatch):
         np.testing.assert_allclose(blocked, whole, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("c, hw", [(40, (16, 17)), (16, (16, 16)), (33, (3, 5))])
+def test_channels_last_copy_is_the_transpose(c, hw, workers):
+    """``to_channels_last`` in pieces of ``CHANNELS_LAST_GROUP`` channels (40: two whole pieces
+    and a part; 16: one piece; a small plane: no pieces) into a padded view, bit for bit; a conv
+    through it equals the reference."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, c, 3) + hw)
+    buf = np.zeros((2, 5, hw[0] + 2, hw[1] + 2, c))
+    winograd.to_channels_last(buf[:, 1:4, 1:-1, 1:-1], x, workers)
+    assert np.array_equal(buf[:, 1:4, 1:-1, 1:-1], x.transpose(0, 2, 3, 4, 1))
+    assert not buf[:, 0].any() and not buf[:, 4].any() and not buf[:, :, 0].any()
+    w = rng.standard_normal((8, c, 3, 3, 3))
+    assert rel_err(conv3d(x, w, padding=1, algorithm=W), conv3d(x, w, padding=1, algorithm="reference")) <= RTOL
+
+
 # ------------------------------------------------------------------ PyTorch oracle
 
 @st.composite
