@@ -500,7 +500,8 @@ def test_depth_taps_match_torch(n, c, f, size, k, p, d, budget, monkeypatch):
 def test_plane_gemm_forward_matches_torch(n, c, f, size, k, p, d, monkeypatch):
     """The depth-tap forward with one GEMM per output plane (plane-major hw-columns, here for
     every plane size) runs for these shapes and equals torch to 1e-10 in float64, dilated rows
-    and columns included (the planes' im2col keeps the conv's dilation along H and W)."""
+    and columns included (the planes' im2col keeps the conv's dilation along H and W); so does
+    the weight gradient alone, one GEMM per output plane for all depth taps."""
     from refimpl.kernels import routes
     monkeypatch.setattr(routes, "MIN_PLANE_GEMM_POSITIONS", 1)
     ran = []
@@ -510,8 +511,18 @@ def test_plane_gemm_forward_matches_torch(n, c, f, size, k, p, d, monkeypatch):
     x = rng.standard_normal((n, c) + size)
     w = rng.standard_normal((f, c) + k)
     y = conv3d(x, w, padding=p, dilation=d, algorithm="im2col")
-    y_ref = torch.nn.functional.conv3d(torch.tensor(x), torch.tensor(w), padding=p, dilation=d).numpy()
-    assert ran and rel_err(y, y_ref) <= RTOL
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    yt = torch.nn.functional.conv3d(xt, wt, padding=p, dilation=d)
+    assert ran and rel_err(y, yt.detach().numpy()) <= RTOL
+    # the weight gradient alone takes the same plane-major hw-columns, one GEMM per output plane
+    planes = []
+    real_dw = _im2col._weight_grad_depth_taps
+    monkeypatch.setattr(_im2col, "_weight_grad_depth_taps",
+                        lambda *a: planes.append(a[-1].plane_major) or real_dw(*a))
+    dy = rng.standard_normal(y.shape)
+    yt.backward(torch.tensor(dy))
+    dw = conv3d_weight_grad(dy, x, w.shape, padding=p, dilation=d, algorithm="im2col")
+    assert planes == [True] and rel_err(dw, wt.grad.numpy()) <= RTOL
 
 
 @needs_torch

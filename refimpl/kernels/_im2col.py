@@ -433,7 +433,7 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
     if widths is not None:
         return dx, _width_taps.weight_grad(dy, x, w.shape, widths)
     taps_plan = _DepthTapPlan.build(xp, dy.dtype, n_b, c, f, k, stride, dilation, out_spatial,
-                                    budget, workers)
+                                    budget, workers, weight_grad_only=True)
     if taps_plan is not None:
         return dx, _weight_grad_depth_taps(dy, x, w.shape, stride, padding, dilation, taps_plan)
     plan = _Plan(xp, dy.dtype, n_b, c, f, k, out_spatial, budget, workers)
@@ -625,7 +625,7 @@ class _DepthTapPlan:
 
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, dilation, out, budget, workers,
-              tile_bytes=None, forward_only=False):
+              tile_bytes=None, forward_only=False, weight_grad_only=False):
         reach = (k[0] - 1) * dilation[0]
         if k[0] == 1 or stride[0] != 1:
             return None
@@ -635,7 +635,7 @@ class _DepthTapPlan:
         # the bound of im2col's plan: the budget, or one output row's (K + F) * Wo tile
         allowed = max(per_worker, (rows * k[0] + f) * out[2] * itemsize)
         plane = out[1] * out[2]
-        if forward_only and dilation[0] == 1 and plane_gemms_pay(plane):
+        if (forward_only or weight_grad_only) and dilation[0] == 1 and plane_gemms_pay(plane):
             # plane-major: tiles of whole planes of one sample, about TARGET_TILE_BYTES of hw-columns
             nd = min(out[0], max(1, TARGET_TILE_BYTES // (rows * plane * itemsize) - reach))
             if (nd + reach) * rows * plane * itemsize <= allowed:
@@ -777,11 +777,26 @@ def _depth_taps_weight(dwt, shape):
 
 def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan):
     """``dW`` of ``conv3d`` by depth taps: the tiles split among the workers, each with its
-    own per-tap accumulator (summed in worker order)."""
+    own per-tap accumulator (summed in worker order).
+
+    Plane-major hw-columns (``plan.plane_major``): per output plane one GEMM
+    ``dW^T (kd*C*kh*kw, F) += hw[d : d + kd] (kd*C*kh*kw, Ho*Wo) @ dy[n, :, d]^T`` (the forward's
+    plane GEMM, transposed): all kd depth taps in one call, so the plane of ``dy`` is read once
+    instead of kd times, and the GEMM's output is kd times taller (a narrow conv's dW GEMMs,
+    16 x 32 over 16384 positions, ran at a third of the rate; docs/benchmarks.md, "Kernel
+    choices")."""
     xp = array_module(dy, x)
     f = weight_shape[0]
     kd, dl = weight_shape[2], dilation[0]
     dwts = [xp.zeros((kd, plan.rows, f), dtype=dy.dtype) for _ in range(plan.workers)]
+
+    def plane_gemms(worker, tile):
+        n, _, d0, d1 = tile[:4]
+        hw = plan.hw_planes(x, tile, worker, padding, stride, dilation)      # (planes, rows, Ho*Wo)
+        flat = hw.reshape(hw.shape[0] * plan.rows, -1)
+        acc = dwts[worker].reshape(kd * plan.rows, f)                        # (kd, rows, F) as one
+        for d in range(d1 - d0):
+            acc += xp.matmul(flat[d * plan.rows:(d + kd) * plan.rows], dy[n, :, d0 + d].reshape(f, -1).T)
 
     def one(worker, tile):
         n0, n1, d0, d1, h0, h1 = tile
@@ -790,7 +805,7 @@ def _weight_grad_depth_taps(dy, x, weight_shape, stride, padding, dilation, plan
             gv = dy[n0 + i, :, d0:d1, h0:h1, :].reshape(f, -1)          # (F, M) view
             for a in range(kd):
                 dwts[worker][a] += xp.matmul(plan.tap(hw, i, a, dl, d1 - d0), gv.T)
-    _threads.run(one, plan.tiles, plan.workers)
+    _threads.run(plane_gemms if plan.plane_major else one, plan.tiles, plan.workers)
     return _depth_taps_weight(_threads.sum_in_order(dwts), weight_shape)
 
 
