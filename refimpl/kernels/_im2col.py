@@ -560,13 +560,14 @@ def flipped_kernel(w):
 # Exact: only the order in which the kd partial sums are added changes.  The input
 # gradient keeps im2col's col2im (its depth taps would add into overlapping planes).
 #
-# Plane-major hw-columns (the forward alone, depth dilation 1, tiles of whole planes of one
-# sample): stored as  hw[j, (c, b, e), h, w]  (input plane j of the tile first), the rows of
+# Plane-major hw-columns (the forward or the weight gradient alone, depth dilation 1, tiles of
+# whole planes of one sample): stored as  hw[j, (c, b, e), h, w]  (input plane j of the tile first), the rows of
 # output plane d for all kd depth taps are  (a, c, b, e) -> plane d + a, row (c, b, e):
 # offset ((d + a) * rows + r) * plane = d * rows * plane + (a * rows + r) * plane, one
 # contiguous (kd * C*kh*kw, Ho*Wo) block.  So each output plane is ONE GEMM with the weight
 # reordered to (F, kd, C, kh, kw), written straight into y's plane: no kd partial products
 # and no kd - 1 passes adding them (``routes.plane_gemms_pay`` says where that is faster).
+# The weight gradient reads the same block: dW^T (kd*C*kh*kw, F) += block @ dy's plane^T.
 
 #: Bytes of hw-columns per tile of the depth-tap *forward*: small enough to stay in the cache
 #: while its kd GEMMs (F rows each: few for the narrow first convs) read it three times: with
@@ -621,7 +622,10 @@ class _DepthTapPlan:
     than 1, one depth tap, or tiles (within the budget im2col's plan obeys) shallower than
     the taps' reach ``(kd-1)*dl`` (then the hw-columns would copy as much as im2col's
     columns).  ``tile_bytes``: the hw-columns per tile to aim for (``FORWARD_TILE_BYTES``
-    for a forward alone, else ``TARGET_TILE_BYTES``)."""
+    for a forward alone, else ``TARGET_TILE_BYTES``).  ``forward_only`` / ``weight_grad_only``:
+    the plan serves that pass alone, which then takes plane-major hw-columns where
+    ``plane_gemms_pay`` (one GEMM per output plane, ``_forward_plane_gemms`` and the plane
+    branch of ``_weight_grad_depth_taps``)."""
 
     @classmethod
     def build(cls, xp, dtype, n_batch, c, f, k, stride, dilation, out, budget, workers,

@@ -13,7 +13,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | im2col, host schedule           | ``_im2col``        | NumPy arrays (``_im2col.device_schedule``, ``REFIMPL_CONV_SCHEDULE``) |
 |                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
-|                           | ... one GEMM per output plane   | ``_im2col``        | a forward alone, depth dilation 1, ``plane_gemms_pay``        |
+|                           | ... one GEMM per output plane   | ``_im2col``        | a forward or dW alone, depth dilation 1, ``plane_gemms_pay``  |
 |                           | width taps as column offsets    | ``_width_taps``    | a forward or dW alone, stride 1, depth dilation 1, ``width_taps_pay`` |
 |                           | 1x1x1 kernels: GEMMs on views   | ``_pointwise_conv``| kernel 1, stride 1, no padding, on the host (``applies``)     |
 |                           | strided convs by input phases   | ``_phase_grid``    | stride > 1 on the host (its plans' ``build``)                 |
