@@ -123,6 +123,12 @@ def test_fixed_cases(comm, all_ranks_agree):
     cases = [
         # 'same' with an even kernel (0 before, 1 after) on 1-voxel blocks, the MLPerf conv
         dict(layer="conv3d", input=(1, 2, p, 3, 4), grid=split_d, kernel=2, padding="same", out_channels=3),
+        # ... by Winograd F(4, 2) (its zeros before the input as the offset, those after from its
+        # tile buffer), on blocks of 1-2 voxels and on a block split across two axes
+        dict(layer="conv3d", input=(1, 3, 2 * p - 1, 5, 6), grid=split_d, kernel=2, padding="same",
+             out_channels=4, algorithm="winograd"),
+        dict(layer="conv3d", input=(2, 2, p + 3, 4, 5), grid=(1, 1, p, 1) if p < 4 else (1, 2, p // 2, 1),
+             kernel=2, padding=(1, 0, 0, 1, 1, 1), out_channels=3, algorithm="winograd"),
         # an asymmetric pad whose halo reaches several owners away (kernel 7, dilation 2)
         dict(layer="conv3d", input=(1, 2, p + 1, 3, 3), grid=split_d, kernel=(7, 1, 1),
              padding=(9, 3, 0, 0, 0, 0), dilation=(2, 1, 1), out_channels=2),
