@@ -63,8 +63,9 @@ def backward_no_bias(dy, x, w, s, p, dl, budget, algorithm, need_dx=True, need_d
     None; ``x`` may then be only a shape, ``w`` likewise), by the algorithm picked for each
     (together, sharing their passes, where both pick the same)."""
     if isinstance(p[0], tuple):                   # asymmetric padding
-        if set(_picks(dy, asymmetric(ShapeOnly(x.shape, x.dtype), p)[0], w, s, min_padding(p), dl, budget,
-                  algorithm, need_dx, need_dw, full_dy)[0].values()) == {"winograd"}:
+        padded, m, _ = asymmetric(ShapeOnly(x.shape, x.dtype), p)
+        pick = _picks(dy, padded, w, s, m, dl, budget, algorithm, need_dx, need_dw, full_dy)[0]
+        if set(pick.values()) == {"winograd"}:
             return winograd.backward(dy, x, w, before(p), budget, need_dx, need_dw)
         x_pad, p, crop = asymmetric(x, p)         # im2col: pad the difference
         dx, dw = backward_no_bias(dy, x_pad, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy)
@@ -99,11 +100,6 @@ def _picks(dy, x, w, s, p, dl, budget, algorithm, need_dx, need_dw, full_dy):
 def before(p):
     """The zeros before the input per axis: ``lo`` of (lo, hi) pairs, else ``p`` itself."""
     return tuple(q[0] for q in p) if isinstance(p[0], tuple) else tuple(p)
-
-
-def min_padding(p):
-    """The symmetric padding ``asymmetric`` runs an asymmetric one as."""
-    return tuple(min(q) for q in p)
 
 
 class ShapeOnly:

@@ -44,8 +44,6 @@ ALGORITHMS = ("auto", "im2col", "winograd")      # the routes picked here; "refe
 
 #: Outputs per Winograd tile and axis (F(4, 3): 4 outputs from a 6-wide input tile).
 WINOGRAD_TILE = 4
-#: Products per output of im2col (27 taps) that Winograd must at least halve.
-IM2COL_PRODUCTS = 27
 #: "auto" takes Winograd only where C*F/(C+F) reaches this: its transforms cost memory
 #: traffic in proportion to C + F, its GEMMs save flops in proportion to C*F.
 MIN_CHANNEL_PRODUCT_RATIO = 4.0
@@ -117,18 +115,15 @@ def wide_enough(c, f, versus_flipped=None, weight_grad=False, versus_width_taps=
 
 def worthwhile(out_spatial, c, f, n_batch=1, versus_flipped=None, weight_grad=False, versus_width_taps=False,
                r=3):
-    """"auto" takes Winograd when it needs at most half of im2col's 27 products per output,
-    the channels are wide enough (``wide_enough``), and there are ``MIN_TILES`` tiles or more
-    (deep layers of few tiles run by channel blocks, ``winograd.by_channel_blocks``).
-    Kernel 2 (``r=2``): at most half of im2col's 8 products, and ``KERNEL_2_*``'s bars."""
+    """"auto" takes Winograd when it needs at most half of im2col's r^3 products per output
+    (27 for r = 3, 8 for r = 2), the channels are wide enough (``wide_enough``), and
+    there are ``MIN_TILES`` tiles or more (deep layers of few tiles run by channel blocks,
+    ``winograd.by_channel_blocks``).  Kernel 2 (``r=2``): ``KERNEL_2_*``'s bars."""
     td, th, tw = winograd_tiles(out_spatial)
-    tiles = n_batch * td * th * tw
-    if r == 2:
-        return (winograd_products_per_output(out_spatial, 2) <= 2 ** 3 / 2
-                and tiles >= KERNEL_2_MIN_TILES and wide_enough(c, f, r=2))
-    return (winograd_products_per_output(out_spatial) <= IM2COL_PRODUCTS / 2
-            and tiles >= MIN_TILES
-            and wide_enough(c, f, versus_flipped, weight_grad, versus_width_taps))
+    least_tiles = KERNEL_2_MIN_TILES if r == 2 else MIN_TILES
+    return (winograd_products_per_output(out_spatial, r) <= r ** 3 / 2
+            and n_batch * td * th * tw >= least_tiles
+            and wide_enough(c, f, versus_flipped, weight_grad, versus_width_taps, r))
 
 
 def im2col_takes_width_taps(weight_shape, dilation, out_spatial, forward=False, versus_flipped=None,
