@@ -333,6 +333,28 @@ def test_a_plant_through_the_cli_exits_1_and_names_the_cell(traces, tmp_path, ca
     assert "follows from features.0 y (forward): features.1 y" in out
 
 
+def test_a_long_follow_list_is_shortened_and_both_dtypes_share_a_line():
+    """A wrong early layer makes every later tensor follow: the line names the first and last
+    few and a count, one line for both dtypes when they list the same; --verbose lists all."""
+    from types import SimpleNamespace
+    from refimpl.commands.oracle_trace import FOLLOWS_LISTED, _follow_lines
+    note = "follows from features.0 y (forward)"
+    names = [f"features.{i} y" for i in range(1, FOLLOWS_LISTED + 4)]
+    follows = [SimpleNamespace(note=note, dtype=d, step=s, layer=n.split()[0], tensor="y")
+               for d in ("float64", "float32") for s in (0, 1) for n in names]
+    follows.append(SimpleNamespace(note=note, dtype="float32", step=2, layer="head.0", tensor="dx"))
+    lines = _follow_lines(follows, 3, verbose=False)
+    assert lines[0] == (f"    float64 {note}: step 0: features.1 y, features.2 y, features.3 y, ... "
+                        f"features.{FOLLOWS_LISTED + 2} y, features.{FOLLOWS_LISTED + 3} y ({len(names)} tensors); "
+                        f"step 1: features.1 y, features.2 y, features.3 y, ... features.{FOLLOWS_LISTED + 2} y, "
+                        f"features.{FOLLOWS_LISTED + 3} y ({len(names)} tensors)")
+    assert lines[1].startswith(f"    float32 {note}: step 0:") and lines[1].endswith("; step 2: head.0 dx")
+    assert lines[-1] == "    (--verbose or --json lists every following tensor)"
+    both = _follow_lines([f for f in follows if f.step < 2], 2, verbose=True)
+    assert len(both) == 1 and both[0].startswith(f"    float64 and float32 {note}: step 0: ")
+    assert all(n in both[0] for n in names) and "..." not in both[0]
+
+
 # ---------------------------------------------------------------- a hand-written results file
 
 def write_buggy_step(trace, path, bugs, offsets=True, dx_scale=1.0):

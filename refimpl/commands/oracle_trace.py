@@ -226,6 +226,40 @@ def _line(f) -> str:
     return text
 
 
+#: Tensors a "follows from" line names in full before it shortens to the first and last ones.
+FOLLOWS_LISTED = 8
+
+
+def _follow_lines(follows, steps, verbose) -> list[str]:
+    """One line per source of the following tensors (a wrong layer, the loss, a drifted
+    update): its dtypes together where they list the same tensors, then per step the tensors
+    in the order they were judged.  A step of more than ``FOLLOWS_LISTED`` is shortened to its
+    first and last few and a count (a wrong early layer makes every later one follow: a line of
+    a hundred names hides the finding above it); ``--verbose`` and ``--json`` list them all."""
+    by_note = {}
+    for f in follows:
+        by_note.setdefault(f.note, {}).setdefault(f.dtype, {}).setdefault(f.step, []).append(f"{f.layer} {f.tensor}")
+    lines, shortened = [], False
+    for note, by_dtype in by_note.items():
+        groups = {}                                   # the same tensors per step: one line for both dtypes
+        for dtype, by_step in by_dtype.items():
+            key = tuple((s, tuple(w)) for s, w in sorted(by_step.items()))
+            groups.setdefault(key, []).append(dtype)
+        for key, dtypes in groups.items():
+            parts = []
+            for s, where in key:
+                if len(where) > FOLLOWS_LISTED and not verbose:
+                    shortened = True
+                    listed = f"{', '.join(where[:3])}, ... {', '.join(where[-2:])} ({len(where)} tensors)"
+                else:
+                    listed = ", ".join(where)
+                parts.append(f"step {s}: {listed}" if steps > 1 else listed)
+            lines.append(f"    {' and '.join(dtypes)} {note}: {'; '.join(parts)}")
+    if shortened:
+        lines.append("    (--verbose or --json lists every following tensor)")
+    return lines
+
+
 def check(args) -> int:
     from ..atomic import atomic_write
     from ..oracle.trace import load_trace
@@ -253,12 +287,8 @@ def check(args) -> int:
     for f in findings:
         if f.status == "fail" or (args.verbose and f.status == "pass" and f.phase != "convention"):
             print(_line(f))
-    by_source = {}
-    for f in follows:
-        step = f" (step {f.step})" if trace.spec.steps > 1 else ""
-        by_source.setdefault((f.dtype, f.note), []).append(f"{f.layer} {f.tensor}{step}")
-    for (dtype, note), where in by_source.items():
-        print(f"    {dtype} {note}: {', '.join(where)}")
+    for line in _follow_lines(follows, trace.spec.steps, args.verbose):
+        print(line)
     passed = sum(f.status == "pass" and f.phase != "convention" for f in findings)
     worst = {}
     for f in findings:
