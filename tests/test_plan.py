@@ -191,6 +191,7 @@ def test_parse_bytes(text, value):
     (["--preset", "nope", "--batch", "4", "--ranks", "4"], "no cosmoflow preset 'nope'"),
     (["--batch", "4"], "--ranks is required"),
     (["--batch", "0", "--ranks", "4"], "--batch must be a positive integer"),
+    (["--ranks", "0"], "--ranks must be a positive integer, got 0"),      # not the --batch it defaults
     (["--preset", "tiny", "--batch", "4", "--ranks", "2", "--allreduce", "foo"], "--allreduce must be one of"),
     (["--batch", "64", "--ranks", "1000000007"], "--ranks 1000000007 is more than the 1048576 (2^20) ranks"),
     (["--batch", "4", "--ranks", "4", "--max-grids", "0"], "--max-grids must be >= 1"),

@@ -204,7 +204,7 @@ def check(args):
     args.batch_default = args.batch is None and args.ranks is not None
     if args.batch_default:
         args.batch = args.ranks                 # one sample per rank: every grid's sample groups split it
-    for name in ("batch", "ranks"):
+    for name in ("ranks", "batch"):               # --ranks first: a defaulted --batch is --ranks
         value = getattr(args, name)
         if value is None and not args.calibrate:
             raise ValueError(f"--{name} is required (--batch defaults to --ranks, one sample per rank)")
