@@ -49,14 +49,20 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
             on_root(comm, generate_data, config, model, directory)   # doubles as the barrier: files complete
         config["data"] = directory
     phase("opening the data")
-    train_path = os.path.join(directory, "train.h5")
-    if not decide(comm, os.path.exists, train_path):
-        refuse(f"--data: {train_path} does not exist (write it with 'refimpl datagen', "
+    train_path = decide(comm, split_path, directory, "train")
+    if isinstance(train_path, list):
+        refuse(f"--data: {directory} holds both {train_path[0]} and {train_path[1]}/: one split, two layouts; "
+               "move one away")
+    if train_path is None:
+        refuse(f"--data: {os.path.join(directory, 'train.h5')} does not exist, nor a per-sample directory "
+               f"{os.path.join(directory, 'train')}/ (write one with 'refimpl datagen', "
                "or leave --data out to generate a small dataset)")
     train = agree(comm, open_split, train_path, model, grid, config)
-    val_path = os.path.join(directory, "val.h5")
-    has_val = decide(comm, os.path.exists, val_path)
-    val = agree(comm, open_split, val_path, model, grid, config) if has_val else None
+    val_path = decide(comm, split_path, directory, "val")
+    if isinstance(val_path, list):
+        refuse(f"--data: {directory} holds both {val_path[0]} and {val_path[1]}/: one split, two layouts; "
+               "move one away")
+    val = agree(comm, open_split, val_path, model, grid, config) if val_path is not None else None
     if train.num_samples < global_batch:
         refuse(f"{train.path} holds {train.num_samples} samples, fewer than the global batch {global_batch}")
     if val is not None and val.num_samples < global_batch:
@@ -68,6 +74,16 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
             if reader is not None:
                 agree(comm, check_all_samples, reader)
     return train, val, notes
+
+
+def split_path(directory, name):
+    """Where split ``name`` ("train", "val") of ``directory`` is: ``name.h5`` (the ``single``
+    layout) or the directory ``name/`` (``per-sample``: one file per sample, as LBANN reads
+    them; docs/data.md), None where neither is, both paths where both are (which one is meant
+    cannot be told)."""
+    single, per_sample = os.path.join(directory, f"{name}.h5"), os.path.join(directory, name)
+    found = [p for p, there in ((single, os.path.exists(single)), (per_sample, os.path.isdir(per_sample))) if there]
+    return None if not found else found[0] if len(found) == 1 else found
 
 
 def data_identities(train, val) -> dict:
@@ -118,8 +134,6 @@ def generate_data(config, model, directory) -> None:
 
 def open_split(path, model, grid, config):
     """HDF5Reader of this rank's block, checked against the model (``path`` exists: rank 0 said so)."""
-    import h5py
-
     from .data.reader import HDF5Reader
     reader = HDF5Reader(path)                      # validates the layout; whole-sample block
     if reader.sample_shape != tuple(model.input_shape):
@@ -129,9 +143,7 @@ def open_split(path, model, grid, config):
     reader.close()
     log1p = config["log1p"]
     if log1p == "auto":       # MLPerf CosmoFlow trains on log(1 + counts)
-        with h5py.File(path, "r") as f:
-            params = json.loads(f.attrs["params"]) if "params" in f.attrs else {}
-        log1p = model.task == "regression" and params.get("mean_count") is not None
+        log1p = model.task == "regression" and counts_data(reader.attrs)
     classes = getattr(model, "num_classes", None)
     reader = HDF5Reader(path, spatial_block=grid.local_block(model.input_shape[1:]),
                         cache=config["cache"], log1p=log1p)
@@ -145,6 +157,18 @@ def open_split(path, model, grid, config):
             raise ValueError(f"{path}: holds '{reader.kind}' data (unitPar) but unet3d needs labels")
         reader.classes = classes
     return reader
+
+
+def counts_data(attrs) -> bool:
+    """Whether a split's root attributes (the first file's, for ``per-sample``) say its inputs
+    are particle counts, which MLPerf CosmoFlow trains on as log(1 + counts): refimpl datagen's
+    ``params.mean_count`` set (not None)."""
+    params = attrs.get("params")
+    try:
+        params = json.loads(params) if isinstance(params, str) else {}
+    except ValueError:
+        return False
+    return isinstance(params, dict) and params.get("mean_count") is not None
 
 
 def check_all_samples(reader) -> None:

@@ -254,6 +254,34 @@ def test_unknown_config_key_and_missing_data(tmp_path):
     expect_error(train(2, "--data", tmp_path / "nowhere", "--out", tmp_path / "o"), "does not exist")
 
 
+def test_per_sample_data_trains_as_the_single_file_does(tmp_path):
+    """--data with train/ and val/ directories of one file per sample (datagen --layout
+    per-sample, LBANN's layout) trains on a spatial grid exactly as the same samples in
+    train.h5 / val.h5 do (log1p of the counts in both); a directory holding a split in both
+    layouts, or in neither, is refused on every rank with one line."""
+    def datagen(out, *layout):
+        subprocess.run([sys.executable, "-m", "refimpl", "datagen", "cosmoflow", "--out", str(out), "--samples", "8",
+                        "--val-samples", "4", "--size", "16", "--quiet", *layout], check=True, cwd=ROOT,
+                       timeout=TIMEOUT_S)
+    single, per_sample = tmp_path / "single", tmp_path / "per_sample"
+    datagen(single)
+    datagen(per_sample, "--layout", "per-sample")
+    common = ("--grid", "1,2,1,1", "--global-batch", 4, "--steps", 3, "--validate-every", 3, "--no-plot")
+    for data in (single, per_sample):
+        proc = train(2, *common, "--data", data, "--out", tmp_path / f"run_{data.name}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [[{k: v for k, v in r.items() if k not in ("samples_per_s", "step_s")}    # timings differ
+             for r in metric_rows(tmp_path / f"run_{d.name}")] for d in (single, per_sample)]
+    assert rows[0] == rows[1] and len(rows[1]) == 4
+    assert [r["split"] for r in rows[1]].count("val") == 1
+    meta = read_file(tmp_path / "run_per_sample" / "checkpoint.h5")[1]
+    assert meta["data"]["train"]["layout"] == "per-sample" and meta["data"]["train"]["samples"] == 8
+    shutil.copytree(per_sample / "train", single / "train")
+    expect_error(train(2, *common, "--data", single, "--out", tmp_path / "o"), "holds both", "train.h5",
+                 "two layouts")
+    expect_error(train(2, *common, "--data", tmp_path, "--out", tmp_path / "o2"), "nor a per-sample directory")
+
+
 def test_damaged_checkpoint_refused_on_resume(tmp_path, data_dir):
     out = tmp_path / "run"
     proc = train(2, "--grid", "1,2,1,1", "--data", data_dir, "--steps", 2, "--out", out, "--no-plot")

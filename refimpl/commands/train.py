@@ -37,7 +37,8 @@ def add_arguments(parser):
     a("--model", choices=CHOICES["model"], help="network (default cosmoflow)")
     a("--preset", help="model preset (default tiny): cosmoflow tiny, small, tiny-same, mlperf, mlperf-k3; "
       "unet3d tiny, small, default")
-    a("--data", metavar="DIR", help="directory with train.h5 (+ val.h5) from 'refimpl datagen' "
+    a("--data", metavar="DIR", help="directory with train.h5 (+ val.h5) from 'refimpl datagen', or train/ "
+      "(+ val/) directories of one HDF5 file per sample (datagen --layout per-sample, LBANN's layout) "
       "(default: generate a small dataset into OUT/data)")
     a("--generate", dest="generate", action="store_const", const=True,
       help="generate OUT/data when --data is not given (the default)")
