@@ -162,13 +162,13 @@ def open_split(path, model, grid, config):
 def counts_data(attrs) -> bool:
     """Whether a split's root attributes (the first file's, for ``per-sample``) say its inputs
     are particle counts, which MLPerf CosmoFlow trains on as log(1 + counts): refimpl datagen's
-    ``params.mean_count`` set (not None)."""
+    ``params.mean_count`` set (not None), or ``params.counts`` true (refimpl convert's MLPerf data)."""
     params = attrs.get("params")
     try:
         params = json.loads(params) if isinstance(params, str) else {}
     except ValueError:
         return False
-    return isinstance(params, dict) and params.get("mean_count") is not None
+    return isinstance(params, dict) and (params.get("mean_count") is not None or params.get("counts") is True)
 
 
 def check_all_samples(reader) -> None:

@@ -112,21 +112,31 @@ def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
     ``OSError`` (naming the file) at the first sample it hits: nothing is left
     under ``path`` or a temporary name.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
+    write_samples(path, (make_sample(first_index + i) for i in range(count)), first_index, attrs, layout,
+                  chunk_edge, progress, count=count)
+
+
+def write_samples(path, samples, first_index: int, attrs: dict, layout: str = "single",
+                  chunk_edge: int = DEFAULT_CHUNK_EDGE, progress=None, count=None) -> int:
+    """``write_split`` for samples that come as an iterable of ``(full, target)`` (a conversion
+    that learns how many there are by reading them); returns how many were written.  Without
+    ``count`` the ``single`` layout's datasets grow as samples come (chunked: nothing copied).
+    No sample at all is a ValueError, and nothing is left under ``path``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if chunk_edge < 1:
         raise ValueError(f"chunk_edge must be >= 1, got {chunk_edge}")
     attrs = dict(attrs, first_index=first_index, layout=layout)
+    written = [0]
     if layout == "single":
-        atomic_write(path, lambda fh: _write_single(fh, make_sample, count, first_index, attrs, chunk_edge,
-                                                    progress), binary=True, fsync=True)
-        return
+        atomic_write(path, lambda fh: written.__setitem__(0, _write_single(fh, samples, count, attrs, chunk_edge,
+                                                                           progress)), binary=True, fsync=True)
+        return written[0]
     with atomic_target(path) as tmp:
         os.makedirs(tmp)
-        for i in range(count):
-            full, target = make_sample(first_index + i)
+        for i, (full, target) in enumerate(samples):
             try:
                 atomic_write(os.path.join(tmp, sample_file_name(i)),
                              lambda fh: _write_sample(fh, full, target, dict(attrs, sample_index=first_index + i),
@@ -135,32 +145,49 @@ def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
                 raise OSError(err.errno, err.strerror, os.path.join(path, sample_file_name(i))) from None
             if progress is not None:
                 progress(1)
+            written[0] = i + 1
+        if not written[0]:
+            raise ValueError(f"{path}: no sample to write")
+    return written[0]
 
 
 def _target_key(target) -> str:
     return TARGET_KEY if target.dtype.kind == "f" else LABEL_KEY
 
 
-def _write_single(binary_file, make_sample, count, first_index, attrs, chunk_edge, progress) -> None:
-    """Every sample into one file, (N, ...) datasets created from the first sample's shapes."""
+def _write_single(binary_file, samples, count, attrs, chunk_edge, progress) -> int:
+    """Every sample into one file, (N, ...) datasets created from the first sample's shapes
+    (N = ``count``, or growing by one per sample without it); returns N."""
     import numpy
 
+    n = 0
     with hdf5_file(binary_file) as (f, check):
         _root_attrs(f, attrs)
-        for i in range(count):
-            full, target = make_sample(first_index + i)
+        for i, (full, target) in enumerate(samples):
             key = _target_key(target)
             if i == 0:
-                data = f.create_dataset(DATA_KEY, (count,) + full.shape, dtype=numpy.float32,
-                                        chunks=(1,) + chunk_shape(full.shape, chunk_edge))
-                targets = f.create_dataset(key, (count,) + target.shape, dtype=target.dtype,
+                rows, most = (count, count) if count is not None else (1, None)
+                data = f.create_dataset(DATA_KEY, (rows,) + full.shape, maxshape=(most,) + full.shape,
+                                        dtype=numpy.float32, chunks=(1,) + chunk_shape(full.shape, chunk_edge))
+                targets = f.create_dataset(key, (rows,) + target.shape, maxshape=(most,) + target.shape,
+                                           dtype=target.dtype,
                                            chunks=(1,) + (target.shape if key == TARGET_KEY else
                                                           chunk_shape((1,) + target.shape, chunk_edge)[1:]))
+            elif count is None:
+                if full.shape != data.shape[1:] or target.shape != targets.shape[1:]:
+                    raise ValueError(f"sample {i} has shapes {full.shape} and {target.shape}, sample 0 "
+                                     f"{data.shape[1:]} and {targets.shape[1:]}: one split holds one shape")
+                data.resize(i + 1, axis=0)
+                targets.resize(i + 1, axis=0)
             data[i] = full
             targets[i] = target
+            n = i + 1
             check()                                # end at the first failed write, not the last sample
             if progress is not None:
                 progress(1)
+        if not n:
+            raise ValueError("no sample to write")
+    return n
 
 
 def _write_sample(binary_file, full, target, attrs, chunk_edge) -> None:
@@ -171,4 +198,4 @@ def _write_sample(binary_file, full, target, attrs, chunk_edge) -> None:
 
 
 __all__ = ["FORMAT", "VERSION", "DATA_KEY", "TARGET_KEY", "LABEL_KEY", "LAYOUTS",
-           "sample_file_name", "chunk_shape", "atomic_target", "write_split"]
+           "sample_file_name", "chunk_shape", "atomic_target", "write_split", "write_samples"]

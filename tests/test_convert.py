@@ -1,0 +1,228 @@
+"""refimpl convert and refimpl/data/tfrecord.py: MLPerf CosmoFlow's TFRecords read without TensorFlow.
+
+The oracle is an independent writer: the ``tfrecord`` package (Google's protobuf for the
+tf.train.Example, the ``crc32c`` package for the checksums), plain and gzip-compressed as
+MLPerf's v1.0 release is.  What is checked: the CRC-32C against ``crc32c`` on every length
+regime of the lane algorithm, the Example parser on every feature kind, every converted
+sample against the int16 counts written (moved to channels first), the split and sample
+limits and layouts, that refimpl train takes log(1 + counts) of it, and every damaged or
+foreign input refused with exit 2 naming its file and record, leaving nothing behind.
+"""
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+h5py = pytest.importorskip("h5py")
+crc32c_package = pytest.importorskip("crc32c")
+tfrecord_writer = pytest.importorskip("tfrecord.writer")
+
+from refimpl.cli import main  # noqa: E402
+from refimpl.data import tfrecord  # noqa: E402
+
+
+def write_records(path, examples, compress=False):
+    """``examples``: dicts for the tfrecord package's writer ({name: (value, "byte"|"float"|"int")})."""
+    w = tfrecord_writer.TFRecordWriter(str(path))
+    for example in examples:
+        w.write(example)
+    w.close()
+    if compress:
+        with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(f"{path}.gz", path)
+
+
+def mlperf_example(counts, y):
+    return {"x": (counts.astype("<i2").tobytes(), "byte"), "y": (list(map(float, y)), "float")}
+
+
+def make_source(root, n_train=5, n_val=3, size=8, seed=0, val_dir="validation"):
+    """MLPerf's layout: train/ and validation/ of one record per file, every other file gzip-ed;
+    returns the counts and targets written, per split."""
+    rng = numpy.random.default_rng(seed)
+    written = {}
+    for split, n in (("train", n_train), (val_dir, n_val)):
+        os.makedirs(root / split, exist_ok=True)
+        written[split] = []
+        for i in range(n):
+            counts = rng.integers(0, 2000, (size, size, size, 4)).astype(numpy.int16)
+            y = rng.uniform(-1, 1, 4).astype(numpy.float32)
+            write_records(root / split / f"univ_{i:04d}.tfrecord", [mlperf_example(counts, y)], compress=i % 2 == 1)
+            written[split].append((counts, y))
+    return written
+
+
+# ---------------------------------------------------------------- CRC-32C and the Example parser
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4095, tfrecord.MIN_LANE_BYTES - 1, tfrecord.MIN_LANE_BYTES,
+                               tfrecord.MIN_LANE_BYTES + 1, tfrecord.LANES * 37 + 4095, 3_000_017])
+def test_crc32c_equals_the_crc32c_package(n):
+    data = numpy.random.default_rng(n).integers(0, 256, n, dtype=numpy.uint8).tobytes()
+    assert tfrecord.crc32c(data) == crc32c_package.crc32c(data)
+    assert tfrecord.masked_crc(data).to_bytes(4, "little") == tfrecord_writer.TFRecordWriter.masked_crc(data)
+
+
+def test_crc32c_check_value():
+    assert tfrecord.crc32c(b"123456789") == 0xE3069283          # CRC-32C's published check value
+
+
+def test_every_feature_kind_parses_as_written(tmp_path):
+    path = tmp_path / "kinds.tfrecord"
+    floats = [0.5, -1.25, 3e38, 1e-45]
+    ints = [0, 1, -1, 2 ** 62, -(2 ** 63), 300]
+    write_records(path, [{"b": ([b"", b"\x00\xff", b"abc"], "byte"), "f": (floats, "float"), "i": (ints, "int")},
+                         {"only": (b"one", "byte")}])
+    first, second = [tfrecord.parse_example(r) for r in tfrecord.records(path)]
+    assert first["b"] == [b"", b"\x00\xff", b"abc"]
+    assert first["f"].dtype == numpy.float32 and numpy.array_equal(first["f"], numpy.float32(floats))
+    assert first["i"].dtype == numpy.int64 and first["i"].tolist() == ints
+    assert second == {"only": [b"one"]}
+
+
+def test_an_mlperf_record_is_its_counts_channels_first(tmp_path):
+    counts = numpy.random.default_rng(3).integers(-5, 30000, (4, 4, 4, 4)).astype(numpy.int16)
+    counts[0, 1, 2, 3] = -32768                                  # int16's extremes survive
+    counts[3, 2, 1, 0] = 32767
+    path = tmp_path / "one.tfrecord"
+    write_records(path, [mlperf_example(counts, [0.1, -0.2, 0.3, -0.4])], compress=True)
+    (record,) = list(tfrecord.records(path))
+    full, y = tfrecord.mlperf_sample(record, "here")
+    assert full.dtype == numpy.float32 and full.shape == (4, 4, 4, 4)
+    assert numpy.array_equal(full, counts.transpose(3, 0, 1, 2).astype(numpy.float32))
+    assert full[3, 0, 1, 2] == -32768 and full[0, 3, 2, 1] == 32767
+    assert numpy.array_equal(y, numpy.float32([0.1, -0.2, 0.3, -0.4]))
+
+
+# ---------------------------------------------------------------- refimpl convert
+
+def convert(*args):
+    return main(["convert", "mlperf-cosmoflow", *map(str, args), "--quiet"])
+
+
+def test_convert_writes_every_sample_and_train_reads_log1p_of_it(tmp_path):
+    from refimpl.data.reader import HDF5Reader
+    from refimpl.train_data import counts_data
+    src, out = tmp_path / "src", tmp_path / "out"
+    written = make_source(src)
+    assert convert(src, "--out", out) == 0
+    for split, name, first in (("train", "train.h5", 0), ("validation", "val.h5", 5)):
+        with h5py.File(out / name, "r") as f:
+            assert f["full"].shape == (len(written[split]), 4, 8, 8, 8) and f["unitPar"].dtype == numpy.float32
+            for i, (counts, y) in enumerate(written[split]):
+                assert numpy.array_equal(f["full"][i], counts.transpose(3, 0, 1, 2).astype(numpy.float32))
+                assert numpy.array_equal(f["unitPar"][i], y)
+            assert f.attrs["first_index"] == first and f.attrs["generator"] == "mlperf-cosmoflow"
+    reader = HDF5Reader(out / "train.h5")
+    assert counts_data(reader.attrs)                          # refimpl train's log1p "auto": log(1 + counts)
+    logged = HDF5Reader(out / "train.h5", log1p=True).read(2)[0]
+    assert numpy.allclose(logged, numpy.log1p(written["train"][2][0].transpose(3, 0, 1, 2).astype(numpy.float32)))
+
+
+def test_limits_layouts_and_the_val_directory_name(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    written = make_source(src, n_train=4, n_val=3, val_dir="val")
+    assert convert(src, "--out", out, "--samples", 3, "--val-samples", 2, "--layout", "per-sample") == 0
+    assert sorted(os.listdir(out / "train")) == ["000000.hdf5", "000001.hdf5", "000002.hdf5"]
+    assert sorted(os.listdir(out / "val")) == ["000000.hdf5", "000001.hdf5"]
+    with h5py.File(out / "val" / "000001.hdf5", "r") as f:
+        assert numpy.array_equal(f["full"][()], written["val"][1][0].transpose(3, 0, 1, 2).astype(numpy.float32))
+        assert f.attrs["sample_index"] == 4
+    assert convert(src, "--out", tmp_path / "noval", "--val-samples", 0) == 0
+    assert [n for n in os.listdir(tmp_path / "noval") if not n.startswith(".")] == ["train.h5"]
+
+
+def test_a_file_of_several_records(tmp_path):
+    src = tmp_path / "src"
+    os.makedirs(src / "train")
+    rng = numpy.random.default_rng(5)
+    samples = [(rng.integers(0, 9, (4, 4, 4, 4)).astype(numpy.int16), rng.uniform(-1, 1, 4)) for _ in range(3)]
+    write_records(src / "train" / "many.tfrecord", [mlperf_example(c, y) for c, y in samples], compress=True)
+    assert convert(src, "--out", tmp_path / "out") == 0
+    with h5py.File(tmp_path / "out" / "train.h5", "r") as f:
+        assert f["full"].shape == (3, 4, 4, 4, 4)
+        assert numpy.array_equal(f["full"][2], samples[2][0].transpose(3, 0, 1, 2).astype(numpy.float32))
+
+
+def damage(path, offset_from_end):
+    raw = bytearray(open(path, "rb").read())
+    raw[len(raw) - offset_from_end] ^= 0x40
+    open(path, "wb").write(bytes(raw))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("data-byte", "record 0: the data's CRC does not match"),
+    ("truncate", "record 0: truncated"),
+    ("gzip-byte", "the gzip stream is damaged"),
+    ("length-byte", "the length's CRC does not match"),
+    ("no-x", "no feature 'x'"),
+    ("not-a-cube", "not S^3 x 4 int16 values of a cube"),
+    ("other-shape", "one dataset holds one sample shape"),
+])
+def test_damaged_or_foreign_input_is_refused_naming_the_record(tmp_path, capsys, how, message):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_source(src, n_train=3, n_val=1)
+    target = src / "train" / ("univ_0001.tfrecord" if how == "gzip-byte" else "univ_0002.tfrecord")
+    if how == "data-byte":
+        damage(target, 100)
+    elif how == "truncate":
+        open(target, "r+b").truncate(os.path.getsize(target) - 10)
+    elif how == "gzip-byte":                    # gzip's own CRC-32 in its trailer (the records read right)
+        damage(target, 6)
+    elif how == "length-byte":
+        damage(target, os.path.getsize(target) - 1)
+    elif how == "no-x":
+        write_records(target, [{"y": ([0.0] * 4, "float")}])
+    elif how == "not-a-cube":
+        write_records(target, [{"x": (b"\x00" * (2 * 4 * 10), "byte"), "y": ([0.0] * 4, "float")}])
+    elif how == "other-shape":
+        write_records(target, [mlperf_example(numpy.zeros((4, 4, 4, 4), numpy.int16) + 1, [0.0] * 4)])
+    assert convert(src, "--out", out) == 2
+    err = capsys.readouterr().err
+    assert "refimpl convert: error:" in err and message in err, err
+    assert "univ_000" in err and err.count("\n") == 1
+    assert not os.path.exists(out / "train.h5") and not [n for n in os.listdir(out) if n.startswith(".tmp")]
+
+
+def test_no_verify_skips_the_data_crc_only(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n_train=3, n_val=1)
+    damage(src / "train" / "univ_0002.tfrecord", 100)             # a byte of the counts: a wrong value, no error
+    assert convert(src, "--out", tmp_path / "out", "--no-verify") == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "0"], "--samples must be >= 1"),
+    (["--val-samples", "-1"], "--val-samples must be >= 0"),
+    (["--chunk", "0"], "--chunk must be >= 1"),
+])
+def test_bad_flags(tmp_path, capsys, args, message):
+    make_source(tmp_path / "src", n_train=1, n_val=1)
+    assert convert(tmp_path / "src", "--out", tmp_path / "out", *args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_source_without_records_and_an_existing_output(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty" / "train")
+    assert convert(tmp_path / "empty", "--out", tmp_path / "o") == 2
+    assert "no train/*.tfrecord" in capsys.readouterr().err
+    assert convert(tmp_path / "nowhere", "--out", tmp_path / "o") == 2
+    assert "is not a directory" in capsys.readouterr().err
+    make_source(tmp_path / "src", n_train=1, n_val=1)
+    assert convert(tmp_path / "src", "--out", tmp_path / "out") == 0
+    assert convert(tmp_path / "src", "--out", tmp_path / "out") == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert convert(tmp_path / "src", "--out", tmp_path / "out", "--overwrite") == 0
+
+
+def test_help_names_the_format_and_the_layout():
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "convert", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for words in ("mlperf-cosmoflow", "train/*.tfrecord", "gzip", "int16", "--layout", "--no-verify", "CRC-32C"):
+        assert words in text, words
