@@ -133,7 +133,7 @@ _REGISTRY = (
                     "(cache-sized tiles on worker threads: CPUs) or device (a few large "
                     "operations: GPUs); the same sums, added in another order"),
     Setting("REFIMPL_CUDA_KERNELS", _boolean, _BOOLEAN, True,
-            "on a GPU, run pooling, batch norm, dropout and the losses as refimpl's own CUDA kernels "
+            "on a GPU, run pooling, batch, group and instance norm, dropout and the losses as refimpl's own CUDA kernels "
             "(one per pass; refimpl/kernels/_cuda.py); 0: the reference's array operations instead"),
     Setting("REFIMPL_THREADS", _positive_int, _POSITIVE, None,
             "worker threads for the memory-bound passes of convs, pooling, batch norm and "

@@ -19,12 +19,16 @@ from refimpl.functional.batch_norm import (batch_norm_backward, batch_norm_backw
                                            batch_norm_forward, batch_norm_local_sums, batch_norm_stats)
 from refimpl.functional.dropout import dropout, dropout_backward
 from refimpl.functional.losses import dice_score_local_sums, soft_dice_loss, softmax_cross_entropy
-from refimpl.kernels import _cuda, batch_norm, losses, pooling
+from refimpl.functional.group_norm import (group_norm3d, group_norm3d_backward, group_norm_backward,
+                                           group_norm_backward_local_sums, group_norm_backward_row_sums,
+                                           group_norm_forward, group_norm_local_sums, group_norm_stats)
+from refimpl.kernels import _cuda, batch_norm, group_norm, losses, pooling
 from refimpl.kernels import dropout as dropout_kernels
 from test_strict import MODELS, _step_runner
 
 SOURCES = {"pooling": pooling.DEVICE_SOURCE, "batch_norm": batch_norm.DEVICE_SOURCE,
-           "dropout": dropout_kernels.DEVICE_SOURCE, "losses": losses.DEVICE_SOURCE}
+           "group_norm": group_norm.DEVICE_SOURCE, "dropout": dropout_kernels.DEVICE_SOURCE,
+           "losses": losses.DEVICE_SOURCE}
 GPU = not settings.cupy_unavailable()
 
 
@@ -202,6 +206,54 @@ def test_batch_norm_kernels_equal_the_reference(where, dtype, shape, affine, shi
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, groups", [((3, 6, 5, 4, 7), 2), ((2, 4, 3, 3, 3), 4), ((1, 3, 1, 1, 2), 1)])
+@pytest.mark.parametrize("affine, shifted", [(True, True), (False, False)])
+def test_group_norm_kernels_equal_the_reference(where, dtype, shape, groups, affine, shifted):
+    """Group (and, G = C, instance) norm's passes on the same inputs as the reference's: the
+    sums to float64 rounding, y and dx bit for bit; then the whole layer in float64."""
+    rng = np.random.default_rng(7)
+    n, c = shape[:2]
+    x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma, beta = ((rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)) if affine
+                   else (None, None))
+    shift = rng.standard_normal((n, groups)) if shifted else None
+    dev = lambda a: None if a is None else backend.asarray(a)
+    with reference_only():
+        count, s1, s2 = group_norm_local_sums(x, groups, shift)
+        mean, _, inv_std = group_norm_stats(count, s1, s2, shift=shift)
+        y_ref, cache = group_norm_forward(x, groups, mean, inv_std, gamma, beta)
+        rows_ref = group_norm_backward_row_sums(dy, cache)
+        sums_ref = group_norm_backward_local_sums(dy, cache, row_sums=rows_ref)
+        dx_ref, dgamma_ref, dbeta_ref = group_norm_backward(dy, cache, *sums_ref, count, row_sums=rows_ref)
+    xs = x.reshape(n, groups, -1) - (0 if shift is None else shift.astype(dtype)[:, :, None])
+    per_group = lambda a: np.abs(a).astype(np.float64).sum(axis=-1)
+    count_d, s1_d, s2_d = group_norm_local_sums(dev(x), groups, dev(shift))
+    assert count_d == count
+    _sums_close((s1_d, s2_d), (s1, s2), (per_group(xs), per_group(xs * xs)))
+    y, dcache = group_norm_forward(dev(x), groups, dev(mean), dev(inv_std), dev(gamma), dev(beta))
+    _equal(y, y_ref)
+    rows = group_norm_backward_row_sums(dev(dy), dcache)
+    xhat = ((x.reshape(n, groups, -1) - cache.mean[:, :, None]) * cache.inv_std[:, :, None]).reshape(n, c, -1)
+    per_row = lambda a: np.abs(a).astype(np.float64).sum(axis=-1)
+    _sums_close(rows, rows_ref, (per_row(dy.reshape(n, c, -1)), per_row(dy.reshape(n, c, -1) * xhat)))
+    dx, dgamma, dbeta = group_norm_backward(dev(dy), dcache, dev(sums_ref[0]), dev(sums_ref[1]), count,
+                                            row_sums=tuple(dev(r) for r in rows_ref))
+    _equal(dx, dx_ref)
+    assert (dgamma is None) == (dgamma_ref is None)
+    if dtype == np.float64:                        # the whole layer: statistics and gradients to 1e-10
+        with reference_only():
+            y_ref, layer_cache = group_norm3d(x, groups, gamma, beta)
+            grads_ref = group_norm3d_backward(dy, layer_cache)
+        y, layer_cache_d = group_norm3d(dev(x), groups, dev(gamma), dev(beta))
+        np.testing.assert_allclose(backend.to_host(y), y_ref, rtol=1e-10, atol=1e-10)
+        for g, r in zip(group_norm3d_backward(dev(dy), layer_cache_d), grads_ref):
+            assert (g is None) == (r is None)
+            if r is not None:
+                np.testing.assert_allclose(backend.to_host(g), r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("p, seed", [(0.3, 12345), (0.5, 2**64 - 17), (1.0, 7), (0.0, 2**63)])
 @pytest.mark.parametrize("global_shape, ranges", [
     ((4, 3, 6, 5, 7), None),                                   # the whole tensor
@@ -280,6 +332,7 @@ def test_other_dtypes_take_the_reference(where):
     x = np.random.default_rng(10).standard_normal((1, 2, 4, 4, 4)).astype(np.float16)
     assert not pooling.applies(backend.asarray(x)) and not batch_norm.applies(backend.asarray(x))
     assert not dropout_kernels.applies(backend.asarray(x)) and not losses.applies(backend.asarray(x))
+    assert not group_norm.applies(backend.asarray(x))
     with reference_only():
         ref = max_pool3d(x, 2)
     _equal(max_pool3d(backend.asarray(x), 2), ref)
@@ -315,13 +368,41 @@ def test_models_train_through_the_kernels_as_on_the_host(name, config, batch, mo
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("norm", ["group", "instance"])
+def test_unet_with_group_norm_trains_through_the_kernels_as_on_the_host(norm, monkeypatch):
+    """The same three float64 steps of the U-Net with group (2 groups) or instance norm, every
+    normalisation pass in the group norm kernels (emulated): losses and parameters to 1e-10."""
+    if emu.CXX is None:
+        pytest.skip("no C++ compiler here to emulate the kernels")
+    name, config, batch = MODELS[1]
+    config = dict(config, norm=norm, num_groups=2)
+    runs, launched = {}, set()
+
+    def launch(body, kernel, *args, **kwargs):
+        launched.add(kernel)
+        _emulated_launch(body, kernel, *args, **kwargs)
+    for kind in ("host", "kernels"):
+        with monkeypatch.context() as patch:
+            if kind == "kernels":
+                emulate(patch, launch)
+            step, model = _step_runner(name, config, batch)
+            losses = [float(step()[0]) for _ in range(3)]
+            runs[kind] = losses, [p.data.copy() for p in model.parameters()]
+    assert {"bn_sums", "gn_forward", "gn_backward_row_sums", "gn_backward_dx"} <= launched, launched
+    (l_host, p_host), (l_k, p_k) = runs["host"], runs["kernels"]
+    np.testing.assert_allclose(l_k, l_host, rtol=1e-10, atol=0)
+    for a, b in zip(p_k, p_host):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_cuda_kernels_switched_off(where, monkeypatch):
     """``REFIMPL_CUDA_KERNELS=0``: the reference's array operations instead of the kernels (the
     same values); a value that is no boolean is refused, naming the variable."""
     x = backend.asarray(np.random.default_rng(11).standard_normal((1, 2, 4, 4, 4)))
     assert pooling.applies(x)
     monkeypatch.setenv("REFIMPL_CUDA_KERNELS", "0")
-    assert not (pooling.applies(x) or batch_norm.applies(x) or dropout_kernels.applies(x) or losses.applies(x))
+    assert not (pooling.applies(x) or batch_norm.applies(x) or dropout_kernels.applies(x) or losses.applies(x)
+                or group_norm.applies(x))
     with reference_only():
         ref = max_pool3d(backend.to_host(x), 2)
     _equal(max_pool3d(x, 2), ref)

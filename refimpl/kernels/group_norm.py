@@ -22,22 +22,30 @@ group) or per-channel sum adds the blocks' float64 row sums in block order (an o
 depends on the shape only, not on the thread count), which differs from the reference's
 order of additions by float64 rounding (tests/test_reference_ops.py holds it to 1e-12).
 
-The one dispatch rule (``applies``): NumPy arrays of more than one block take this route
-outside ``refimpl.functional.reference_only()``; NumPy arrays of one block, CuPy arrays and
-the strict stand-in take the reference (no CUDA kernel yet: a device runs the reference's
-whole-array operations, each one kernel launch).
+On a GPU (CuPy arrays) each pass is one CUDA kernel (``DEVICE_SOURCE``, launched by
+``_cuda``) over the (N*C) rows of V = D*H*W voxels, each row one channel of one sample with its
+group's mean and ``inv_std`` (expanded to one value per row) and its channel's ``gamma`` and
+``beta``: the forward's sums are batch norm's ``bn_sums`` on the array seen as one sample of
+N*C channels (a shift per row); the normalisation, the backward's row sums and its input
+gradient are kernels of their own, each operation rounded on its own in the reference's
+order: ``y`` and ``dx`` the reference's bit for bit, the sums to float64 rounding.
+
+The one dispatch rule (``applies``): NumPy arrays of more than one block and float32 / float64
+CuPy arrays (``_cuda.takes``) take this route outside ``refimpl.functional.reference_only()``;
+NumPy arrays of one block and the strict stand-in take the reference.
 """
 from __future__ import annotations
 
 import numpy
 
 from ..backend import array_module
-from . import batch_norm
+from . import _cuda, batch_norm
 
 
 def applies(x) -> bool:
-    """Whether group norm's passes over ``x`` run here: a NumPy array of more than one block."""
-    return array_module(x) is numpy and x.size > batch_norm.BLOCK_ELEMENTS
+    """Whether group norm's passes over ``x`` run here: a NumPy array of more than one block,
+    or a float32 / float64 CuPy array."""
+    return (array_module(x) is numpy and x.size > batch_norm.BLOCK_ELEMENTS) or _cuda.takes(x)
 
 
 def _expand(v, channels_per_group):
@@ -62,6 +70,8 @@ def _group_sums(partials, blocks, n, c, num_groups):
 def local_sums(x, num_groups, shift):
     """``(sum(x - K), sum((x - K)^2))`` per (sample, group) in float64 (N, G); ``shift`` K (N, G)
     or None.  The reference: ``xs = x - K`` in x's dtype, ``xs * xs``, each summed in float64."""
+    if _cuda.on_device(x):
+        return device_local_sums(x, num_groups, shift)
     n, c = x.shape[:2]
     cpg = c // num_groups
     k = None if shift is None else _expand(shift.astype(x.dtype), cpg)          # (N, C)
@@ -80,6 +90,8 @@ def local_sums(x, num_groups, shift):
 def forward(x, num_groups, mean, inv_std, gamma, beta):
     """``y = (x - mean) * inv_std [* gamma] [+ beta]``, a new array; ``mean``, ``inv_std`` (N, G)
     in x's dtype, ``gamma``, ``beta`` (C,) or None."""
+    if _cuda.on_device(x):
+        return device_forward(x, num_groups, mean, inv_std, gamma, beta)
     n, c = x.shape[:2]
     cpg = c // num_groups
     m, s = _expand(mean, cpg), _expand(inv_std, cpg)                            # (N, C)
@@ -99,6 +111,8 @@ def forward(x, num_groups, mean, inv_std, gamma, beta):
 def backward_row_sums(dy, x, num_groups, mean, inv_std):
     """``(sum(dy), sum(dy * xhat))`` per (sample, channel) in float64 (N, C), ``xhat = (x - mean)
     * inv_std``; ``mean``, ``inv_std`` (N, G) in dy's dtype."""
+    if _cuda.on_device(dy):
+        return device_backward_row_sums(dy, x, num_groups, mean, inv_std)
     n, c = dy.shape[:2]
     cpg = c // num_groups
     m, s = _expand(mean, cpg), _expand(inv_std, cpg)
@@ -117,6 +131,8 @@ def backward_row_sums(dy, x, num_groups, mean, inv_std):
 def backward(dy, x, num_groups, mean, inv_std, gamma, mean_g, mean_g_xhat):
     """``dx = inv_std * (g - mean_g - xhat * mean_g_xhat)``, ``g = gamma * dy`` (``dy`` when gamma
     is None), a new array; ``mean``, ``inv_std``, ``mean_g``, ``mean_g_xhat``: (N, G) in dy's dtype."""
+    if _cuda.on_device(dy):
+        return device_backward(dy, x, num_groups, mean, inv_std, gamma, mean_g, mean_g_xhat)
     c = dy.shape[1]
     cpg = c // num_groups
     m, s = _expand(mean, cpg), _expand(inv_std, cpg)
@@ -138,4 +154,133 @@ def backward(dy, x, num_groups, mean, inv_std, gamma, mean_g, mean_g_xhat):
     return dx
 
 
-__all__ = ["applies", "local_sums", "forward", "backward_row_sums", "backward"]
+# ---------------------------------------------------------------- the CUDA kernels (CuPy arrays)
+#
+# Arrays (N, C, V) C-contiguous, seen as R = N*C rows of V voxels; per-row values (R,) (a
+# group's mean and inv_std, repeated over its channels), per-channel values (C,) (gamma, beta),
+# per-(sample, group) values expanded to rows the same way; everything in the arrays' dtype.
+# Grid-stride loops over rows (y) and voxels (x), as batch norm's; the row sums of the backward
+# by lanes, as batch norm's sums (then added over the lanes by CuPy).  The terms are the
+# reference's: xhat = (x - mean) * inv_std; y = xhat [* gamma] [+ beta]; dy * xhat; and
+# dx = inv_std * ((g - mean_g) - xhat * mean_g_xhat), g = dy [* gamma], each rounded in T.
+DEVICE_SOURCE = r"""
+extern "C" __global__ void gn_forward(const T* x, const T* m, const T* s, const T* gamma, const T* beta, T* y,
+                                      long long rows, long long c, long long v) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        T mr = m[r], sr = s[r];
+        T gr = gamma ? gamma[r % c] : (T)1, br = beta ? beta[r % c] : (T)0;
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            T t = MUL(SUB(x[r * v + j], mr), sr);
+            if (gamma) t = MUL(t, gr);
+            if (beta) t = ADD(t, br);
+            y[r * v + j] = t;
+        }
+    }
+}
+
+extern "C" __global__ void gn_backward_row_sums(const T* dy, const T* x, const T* m, const T* s,
+                                                double* s1, double* s2, long long rows, long long v,
+                                                long long lanes) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        T mr = m[r], sr = s[r];
+        for (long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; lane < lanes;
+             lane += (long long)blockDim.x * gridDim.x) {
+            double a1 = 0.0, a2 = 0.0;
+            for (long long j = lane; j < v; j += lanes) {
+                T g = dy[r * v + j];
+                a1 += (double)g;
+                a2 += (double)MUL(g, MUL(SUB(x[r * v + j], mr), sr));
+            }
+            s1[r * lanes + lane] = a1;
+            s2[r * lanes + lane] = a2;
+        }
+    }
+}
+
+extern "C" __global__ void gn_backward_dx(const T* dy, const T* x, const T* m, const T* s, const T* gamma,
+                                          const T* mg, const T* mgx, T* dx, long long rows, long long c,
+                                          long long v) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        T mr = m[r], sr = s[r], mgr = mg[r], mgxr = mgx[r];
+        T gr = gamma ? gamma[r % c] : (T)1;
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v;
+             j += (long long)blockDim.x * gridDim.x) {
+            long long i = r * v + j;
+            T xhat = MUL(SUB(x[i], mr), sr);
+            T g = gamma ? MUL(dy[i], gr) : dy[i];
+            dx[i] = MUL(sr, SUB(SUB(g, mgr), MUL(xhat, mgxr)));
+        }
+    }
+}
+"""
+
+SIGNATURES = {
+    "gn_forward": ("ptr",) * 6 + ("i64",) * 3,
+    "gn_backward_row_sums": ("ptr",) * 6 + ("i64",) * 3,
+    "gn_backward_dx": ("ptr",) * 8 + ("i64",) * 3,
+}
+
+
+def _rows(xp, v, channels_per_group, dtype):
+    """(N, G) -> the (N*C,) per-row values, contiguous in ``dtype`` (None stays None)."""
+    return None if v is None else xp.ascontiguousarray(xp.repeat(v.astype(dtype), channels_per_group, axis=1)
+                                                       .reshape(-1))
+
+
+def _channels(xp, v, dtype):
+    return None if v is None else xp.ascontiguousarray(v.reshape(-1), dtype=dtype)
+
+
+def device_local_sums(x, num_groups, shift):
+    """batch norm's ``bn_sums`` over the N*C rows (one sample of N*C channels), a shift per row;
+    the (N*C,) sums added per group -> (N, G) float64."""
+    xp = array_module(x)
+    x, n, c, v = _cuda.flat(x)
+    rows = n * c
+    lanes = _cuda.sum_lanes(v)
+    s1 = xp.empty((rows, lanes), dtype=xp.float64)
+    s2 = xp.empty((rows, lanes), dtype=xp.float64)
+    k = _rows(xp, shift, c // num_groups, x.dtype)
+    _cuda.launch(batch_norm.DEVICE_SOURCE, "bn_sums", batch_norm.SIGNATURES["bn_sums"],
+                 (x, k, s1, s2, 1, rows, v, lanes), x.dtype, lanes, grid_y=_cuda.grid_rows(rows))
+    return tuple(t.sum(axis=1).reshape(n, num_groups, -1).sum(axis=-1) for t in (s1, s2))
+
+
+def device_forward(x, num_groups, mean, inv_std, gamma, beta):
+    xp = array_module(x)
+    x, n, c, v = _cuda.flat(x)
+    y = xp.empty(x.shape, dtype=x.dtype)
+    cpg, dt = c // num_groups, x.dtype
+    _cuda.launch(DEVICE_SOURCE, "gn_forward", SIGNATURES["gn_forward"],
+                 (x, _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt), _channels(xp, gamma, dt),
+                  _channels(xp, beta, dt), y, n * c, c, v), dt, v, grid_y=_cuda.grid_rows(n * c))
+    return y
+
+
+def device_backward_row_sums(dy, x, num_groups, mean, inv_std):
+    xp = array_module(dy)
+    dy, n, c, v = _cuda.flat(dy)
+    rows, cpg, dt = n * c, c // num_groups, dy.dtype
+    lanes = _cuda.sum_lanes(v)
+    s1 = xp.empty((rows, lanes), dtype=xp.float64)
+    s2 = xp.empty((rows, lanes), dtype=xp.float64)
+    _cuda.launch(DEVICE_SOURCE, "gn_backward_row_sums", SIGNATURES["gn_backward_row_sums"],
+                 (dy, xp.ascontiguousarray(x), _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt), s1, s2,
+                  rows, v, lanes), dt, lanes, grid_y=_cuda.grid_rows(rows))
+    return s1.sum(axis=1).reshape(n, c), s2.sum(axis=1).reshape(n, c)
+
+
+def device_backward(dy, x, num_groups, mean, inv_std, gamma, mean_g, mean_g_xhat):
+    xp = array_module(dy)
+    dy, n, c, v = _cuda.flat(dy)
+    dx = xp.empty(dy.shape, dtype=dy.dtype)
+    cpg, dt = c // num_groups, dy.dtype
+    _cuda.launch(DEVICE_SOURCE, "gn_backward_dx", SIGNATURES["gn_backward_dx"],
+                 (dy, xp.ascontiguousarray(x), _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt),
+                  _channels(xp, gamma, dt), _rows(xp, mean_g, cpg, dt), _rows(xp, mean_g_xhat, cpg, dt), dx,
+                  n * c, c, v), dt, v, grid_y=_cuda.grid_rows(n * c))
+    return dx
+
+
+__all__ = ["applies", "local_sums", "forward", "backward_row_sums", "backward", "DEVICE_SOURCE", "SIGNATURES"]

@@ -25,7 +25,8 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 |                           | one CUDA kernel per pass        | ``pooling``        | CuPy arrays (``DEVICE_SOURCE``, launched by ``_cuda``)        |
 | batch norm                | blocked passes on threads       | ``batch_norm``     | NumPy arrays of more than one block (the same rule)          |
 |                           | one CUDA kernel per pass        | ``batch_norm``     | CuPy arrays (``DEVICE_SOURCE``)                               |
-| group / instance norm     | blocked passes on threads       | ``group_norm``     | NumPy arrays of more than one batch norm block; CuPy arrays take the reference |
+| group / instance norm     | blocked passes on threads       | ``group_norm``     | NumPy arrays of more than one batch norm block (the same rule) |
+|                           | one CUDA kernel per pass        | ``group_norm``     | CuPy arrays (``DEVICE_SOURCE``; the sums by ``bn_sums``)      |
 | activations               | blockwise elementwise passes    | ``pointwise``      | NumPy arrays; CuPy arrays: one fused ElementwiseKernel       |
 | losses                    | blocked softmax / picks         | ``losses``         | NumPy logits of few classes (``losses.applies``)              |
 |                           | one CUDA kernel per pass        | ``losses``         | CuPy logits (``DEVICE_SOURCE``)                               |
