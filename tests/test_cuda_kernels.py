@@ -338,44 +338,12 @@ def test_other_dtypes_take_the_reference(where):
     _equal(max_pool3d(backend.asarray(x), 2), ref)
 
 
-@pytest.mark.parametrize("name, config, batch", MODELS)
-def test_models_train_through_the_kernels_as_on_the_host(name, config, batch, monkeypatch):
-    """Three float64 training steps (forward, loss, backward, Adam) of each model with every
-    pooling, batch norm, dropout and loss pass in the CUDA kernels (emulated on the host) end
-    where the host's steps end: losses and every parameter to 1e-10."""
+def train_with_and_without_kernels(name, config, batch, monkeypatch):
+    """Three float64 training steps (forward, loss, backward, Adam) of a model on the host, and
+    again with every pass that has a CUDA kernel in it (emulated on the host): asserts that the
+    losses and every parameter agree to 1e-10; returns the names of the kernels launched."""
     if emu.CXX is None:
         pytest.skip("no C++ compiler here to emulate the kernels")
-    runs, launched = {}, set()
-
-    def launch(body, name, *args, **kwargs):
-        launched.add(name)
-        _emulated_launch(body, name, *args, **kwargs)
-    for kind in ("host", "kernels"):
-        with monkeypatch.context() as patch:
-            if kind == "kernels":
-                emulate(patch, launch)
-            step, model = _step_runner(name, config, batch)
-            losses = [float(step()[0]) for _ in range(3)]
-            runs[kind] = losses, [p.data.copy() for p in model.parameters()]
-    expected = ({"max_pool_forward", "pool_backward", "dropout_forward", "dropout_backward"}
-                if name == "cosmoflow" else
-                {"max_pool_forward", "pool_backward", "bn_sums", "bn_affine", "bn_backward_sums",
-                 "bn_backward_dx", "softmax_parts", "cross_entropy_sums", "cross_entropy_grad"})
-    assert expected <= launched, expected - launched
-    (l_host, p_host), (l_k, p_k) = runs["host"], runs["kernels"]
-    np.testing.assert_allclose(l_k, l_host, rtol=1e-10, atol=0)
-    for a, b in zip(p_k, p_host):
-        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
-
-
-@pytest.mark.parametrize("norm", ["group", "instance"])
-def test_unet_with_group_norm_trains_through_the_kernels_as_on_the_host(norm, monkeypatch):
-    """The same three float64 steps of the U-Net with group (2 groups) or instance norm, every
-    normalisation pass in the group norm kernels (emulated): losses and parameters to 1e-10."""
-    if emu.CXX is None:
-        pytest.skip("no C++ compiler here to emulate the kernels")
-    name, config, batch = MODELS[1]
-    config = dict(config, norm=norm, num_groups=2)
     runs, launched = {}, set()
 
     def launch(body, kernel, *args, **kwargs):
@@ -388,11 +356,32 @@ def test_unet_with_group_norm_trains_through_the_kernels_as_on_the_host(norm, mo
             step, model = _step_runner(name, config, batch)
             losses = [float(step()[0]) for _ in range(3)]
             runs[kind] = losses, [p.data.copy() for p in model.parameters()]
-    assert {"bn_sums", "gn_forward", "gn_backward_row_sums", "gn_backward_dx"} <= launched, launched
     (l_host, p_host), (l_k, p_k) = runs["host"], runs["kernels"]
     np.testing.assert_allclose(l_k, l_host, rtol=1e-10, atol=0)
     for a, b in zip(p_k, p_host):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    return launched
+
+
+@pytest.mark.parametrize("name, config, batch", MODELS)
+def test_models_train_through_the_kernels_as_on_the_host(name, config, batch, monkeypatch):
+    """Each model with every pooling, batch norm, dropout and loss pass in the CUDA kernels
+    ends its three steps where the host's end."""
+    launched = train_with_and_without_kernels(name, config, batch, monkeypatch)
+    expected = ({"max_pool_forward", "pool_backward", "dropout_forward", "dropout_backward"}
+                if name == "cosmoflow" else
+                {"max_pool_forward", "pool_backward", "bn_sums", "bn_affine", "bn_backward_sums",
+                 "bn_backward_dx", "softmax_parts", "cross_entropy_sums", "cross_entropy_grad"})
+    assert expected <= launched, expected - launched
+
+
+@pytest.mark.parametrize("norm", ["group", "instance"])
+def test_unet_with_group_norm_trains_through_the_kernels_as_on_the_host(norm, monkeypatch):
+    """The U-Net with group (2 groups) or instance norm, every normalisation pass in the group
+    norm kernels, ends its three steps where the host's end."""
+    name, config, batch = MODELS[1]
+    launched = train_with_and_without_kernels(name, dict(config, norm=norm, num_groups=2), batch, monkeypatch)
+    assert {"bn_sums", "gn_forward", "gn_backward_row_sums", "gn_backward_dx"} <= launched, launched
 
 
 def test_cuda_kernels_switched_off(where, monkeypatch):

@@ -47,17 +47,10 @@ def add_arguments(parser) -> None:
                         help="training samples to convert: the first N records (default: all)")
     parser.add_argument("--val-samples", type=int, default=None,
                         help="validation samples: the first M records (default: all; 0 writes no val split)")
-    parser.add_argument("--layout", choices=("single", "per-sample"), default="single",
-                        help="one file per split (default) or one file per sample")
-    parser.add_argument("--chunk", type=int, default=32,
-                        help="spatial chunk edge in voxels (default 32; pick a divisor of your blocks)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the CRC-32C of each record's data (the length's is always checked)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing output (and take over the lock of a convert that is gone)")
-    parser.add_argument("--break-lock", action="store_true",
-                        help="take over OUT/.lock left by a convert that is gone (a live one is never broken)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .datagen import add_output_arguments
+    add_output_arguments(parser, "convert")
 
 
 def run(args) -> int:

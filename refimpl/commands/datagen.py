@@ -73,14 +73,20 @@ def add_arguments(parser) -> None:
                         help="segmentation image noise std (default 0.3)")
     parser.add_argument("--mean-count", type=float, default=64.0,
                         help="cosmoflow mean particles per voxel (default 64); 0 stores densities")
+    add_output_arguments(parser, "datagen")
+
+
+def add_output_arguments(parser, command: str) -> None:
+    """The flags of a command that writes a dataset (``datagen``, ``convert``): its layout,
+    chunks, replacing, lock and progress."""
     parser.add_argument("--layout", choices=("single", "per-sample"), default="single",
                         help="one file per split (default) or one file per sample")
     parser.add_argument("--chunk", type=int, default=32,
                         help="spatial chunk edge in voxels (default 32; pick a divisor of your blocks)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing output (and take over the lock of a datagen that is gone)")
+                        help=f"replace existing output (and take over the lock of a {command} that is gone)")
     parser.add_argument("--break-lock", action="store_true",
-                        help="take over OUT/.lock left by a datagen that is gone (a live one is never broken)")
+                        help=f"take over OUT/.lock left by a {command} that is gone (a live one is never broken)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
