@@ -224,5 +224,95 @@ def test_help_names_the_format_and_the_layout():
                           timeout=60)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    for words in ("mlperf-cosmoflow", "train/*.tfrecord", "gzip", "int16", "--layout", "--no-verify", "CRC-32C"):
+    for words in ("mlperf-cosmoflow", "train/*.tfrecord", "gzip", "int16", "--layout", "--no-verify", "CRC-32C",
+                  "nersc-cosmoflow", "--size", "--val-files", "validation split"):
         assert words in text, words
+
+
+# ---------------------------------------------------------------- nersc-cosmoflow: universes cut into cubes
+
+def make_universes(root, count=3, width=8, dtype=numpy.int16, seed=0):
+    """NERSC-style universes: 'full' (W, W, W, 4) channels last, 'unitPar' (4,) float64."""
+    rng = numpy.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    out = []
+    for i in range(count):
+        full = rng.integers(0, 500, (width, width, width, 4)).astype(dtype)
+        par = rng.uniform(-1, 1, 4)
+        with h5py.File(root / f"univ_{i:02d}.hdf5", "w") as f:
+            f["full"], f["unitPar"] = full, par
+        out.append((full, par))
+    return out
+
+
+def test_universes_are_cut_into_cubes_in_prepare_py_order(tmp_path):
+    """Each universe cut into (W/S)^3 cubes, the first axis outermost (MLPerf's prepare.py:
+    np.split along axis 0, then 1, then 2), channels first; the last --val-files universes are
+    the validation split, whole."""
+    universes = make_universes(tmp_path / "src", count=3, width=8)
+    out = tmp_path / "out"
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "4", "--val-files", "1",
+                 "--out", str(out), "--quiet"]) == 0
+    expected = {"train": [], "val": []}
+    for u, (full, par) in enumerate(universes):
+        for a in numpy.split(full, 2, axis=0):                 # prepare.py's split_universe
+            for ab in numpy.split(a, 2, axis=1):
+                for abc in numpy.split(ab, 2, axis=2):
+                    expected["val" if u == 2 else "train"].append((abc.transpose(3, 0, 1, 2), par))
+    for split in ("train", "val"):
+        with h5py.File(out / f"{split}.h5", "r") as f:
+            assert f["full"].shape == (len(expected[split]), 4, 4, 4, 4)
+            for i, (cube, par) in enumerate(expected[split]):
+                assert numpy.array_equal(f["full"][i], cube.astype(numpy.float32))
+                assert numpy.array_equal(f["unitPar"][i], par.astype(numpy.float32))
+            assert f.attrs["generator"] == "nersc-cosmoflow"
+    from refimpl.data.reader import HDF5Reader
+    from refimpl.train_data import counts_data
+    assert counts_data(HDF5Reader(out / "train.h5").attrs)
+
+
+def test_universe_defaults_limits_and_float_counts(tmp_path):
+    make_universes(tmp_path / "src" / "deeper", count=2, width=4, dtype=numpy.float32)
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "4", "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 0                              # fewer than 8 universes: no validation split
+    assert [n for n in os.listdir(tmp_path / "o") if not n.startswith(".")] == ["train.h5"]
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "2", "--samples", "3",
+                 "--out", str(tmp_path / "o2"), "--quiet"]) == 0
+    with h5py.File(tmp_path / "o2" / "train.h5", "r") as f:
+        assert f["full"].shape == (3, 4, 2, 2, 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--val-files", "1"], "needs --size S"),
+    (["--size", "3"], "--size 3 does not divide the universe's extents (8, 8, 8)"),
+    (["--size", "0"], "--size must be >= 1"),
+    (["--size", "4", "--val-files", "3"], "--val-files must be in [0, 2]"),
+    (["--size", "4", "--no-verify"], "--no-verify is mlperf-cosmoflow's"),
+])
+def test_bad_universe_flags(tmp_path, capsys, args, message):
+    make_universes(tmp_path / "src", count=3, width=8)
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--out", str(tmp_path / "o"), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_foreign_universe_file_is_refused_naming_it(tmp_path, capsys):
+    make_universes(tmp_path / "src", count=2, width=8)
+    with h5py.File(tmp_path / "src" / "univ_01.hdf5", "w") as f:
+        f["full"] = numpy.zeros((8, 8, 8, 4), numpy.int16)
+        f["unitPar"] = numpy.array([0.1, numpy.nan, 0.2, 0.3])
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "4", "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "univ_01.hdf5: 'unitPar' holds a NaN or infinity" in err and err.count("\n") == 1
+    with h5py.File(tmp_path / "src" / "univ_00.hdf5", "w") as f:
+        f["data"] = numpy.zeros(3)
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "4", "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 2
+    assert "univ_00.hdf5: no dataset 'full'" in capsys.readouterr().err
+
+
+def test_mlperf_refuses_the_universe_flags(tmp_path, capsys):
+    make_source(tmp_path / "src", n_train=1, n_val=1)
+    for extra in (["--size", "4"], ["--val-files", "1"]):
+        assert convert(tmp_path / "src", "--out", tmp_path / "o", *extra) == 2
+        assert "is nersc-cosmoflow's" in capsys.readouterr().err

@@ -1,12 +1,19 @@
-"""``refimpl convert``: MLPerf HPC CosmoFlow's TFRecord data into refimpl's HDF5 layout, without TensorFlow.
+"""``refimpl convert``: the real CosmoFlow data into refimpl's HDF5 layout, without TensorFlow.
 
-MLPerf's CosmoFlow benchmark data (``cosmoUniverse_2019_05_4parE_tf_v2``: ``train/`` and
-``validation/`` directories of ``*.tfrecord`` files, gzip-compressed or not, one
-``tf.train.Example`` per sample; ``refimpl/data/tfrecord.py``) becomes ``OUT/train.h5`` and
-``OUT/val.h5`` (or ``per-sample`` directories), which ``refimpl train --data OUT`` trains on,
-under any grid: each rank then reads only its own block of every sample (docs/data.md).
-The counts are stored as float32 channels-first (C, D, H, W), D being the record's first
-axis; ``refimpl train`` takes log(1 + counts), as MLPerf's reference does (``apply_log``).
+Two sources, one output:
+
+- ``mlperf-cosmoflow``: MLPerf's benchmark data (``cosmoUniverse_2019_05_4parE_tf_v2``:
+  ``train/`` and ``validation/`` directories of ``*.tfrecord`` files, gzip-compressed or not,
+  one ``tf.train.Example`` per sample; ``refimpl/data/tfrecord.py``);
+- ``nersc-cosmoflow``: the NERSC universes it was cut from (one HDF5 file per universe,
+  (W, W, W, 4) counts; ``refimpl/data/nersc.py``), cut into ``--size``^3 cubes: 128^3 as
+  MLPerf's, or 256^3 and 512^3 as the seed paper's volume study; whole universes go to the
+  validation split (``--val-files``), so no universe's parameters are in both.
+
+Either becomes ``OUT/train.h5`` and ``OUT/val.h5`` (or ``per-sample`` directories), which
+``refimpl train --data OUT`` trains on, under any grid: each rank then reads only its own block
+of every sample (docs/data.md).  The counts are stored as float32 channels-first (C, D, H, W);
+``refimpl train`` takes log(1 + counts), as MLPerf's reference does (``apply_log``).
 """
 from __future__ import annotations
 
@@ -19,29 +26,45 @@ EPILOG = """\
 examples:
   refimpl convert mlperf-cosmoflow /data/cosmoUniverse_2019_05_4parE_tf_v2 --out data/mlperf
   refimpl convert mlperf-cosmoflow SRC --out data/mlperf_small --samples 1024 --val-samples 128
+  refimpl convert nersc-cosmoflow /data/cosmoUniverse_2019_05_4parE --size 256 --val-files 16 --out data/c256
   mpiexec -n 8 --oversubscribe refimpl train --model cosmoflow --preset mlperf --data data/mlperf \\
       --grid 2,2,2,1 --global-batch 8 --out runs/mlperf
 
-input:  SRC/train/*.tfrecord and SRC/validation/*.tfrecord (SRC/val/ also taken), sorted by name;
-        plain or gzip-compressed (told apart by gzip's magic bytes); each record a
-        tf.train.Example with 'x' (S, S, S, 4) int16 counts (bytes, C order) and 'y' 4 floats.
+mlperf-cosmoflow: SRC/train/*.tfrecord and SRC/validation/*.tfrecord (SRC/val/ also taken),
+        sorted by name; plain or gzip-compressed (told apart by gzip's magic bytes); each
+        record a tf.train.Example with 'x' (S, S, S, 4) int16 counts (bytes, C order) and 'y'
+        4 floats.  Every record's CRC-32C is checked (--no-verify skips the data's).
+nersc-cosmoflow: every *.hdf5 under SRC (sorted by path), each one universe: 'full' (W, W, W, 4)
+        counts, channels last (any integer or float type), 'unitPar' (4,).  Each is cut into
+        (W/S)^3 cubes of --size S (the first axis outermost, as MLPerf's prepare.py); the last
+        --val-files universes (default: one in eight) are the validation split.
 output: OUT/train.h5, OUT/val.h5 ('full' (N, 4, S, S, S) float32, 'unitPar' (N, 4) float32;
         --layout per-sample: OUT/train/000000.hdf5 ...), written atomically as datagen's are.
-        Every record's CRC-32C is checked (--no-verify skips the data's).
-exit status: 0 written, 2 bad input (a damaged or foreign record: its file and record
-named; OUT in use), 4 a write failed (disk full).
+exit status: 0 written, 2 bad input (a damaged or foreign file or record: named; OUT in
+use), 4 a write failed (disk full).
 """
 
+#: The sources ``refimpl convert`` reads.
+KINDS = ("mlperf-cosmoflow", "nersc-cosmoflow")
 #: Validation directory names MLPerf's releases use, in the order they are looked for.
 VALIDATION_DIRS = ("validation", "val")
+#: nersc-cosmoflow's default validation share: one universe in this many.
+VAL_FILE_SHARE = 8
 
 
 def add_arguments(parser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("kind", choices=("mlperf-cosmoflow",),
-                        help="the source format: MLPerf HPC CosmoFlow's TFRecords")
-    parser.add_argument("source", metavar="SRC", help="directory holding train/ and validation/ of *.tfrecord")
+    parser.add_argument("kind", choices=KINDS,
+                        help="the source: MLPerf HPC CosmoFlow's TFRecords, or the NERSC universes (HDF5)")
+    parser.add_argument("source", metavar="SRC", help="mlperf-cosmoflow: the directory holding train/ and "
+                        "validation/ of *.tfrecord; nersc-cosmoflow: a directory of universes (*.hdf5)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="nersc-cosmoflow: the edge S of the cubes cut from each universe (required; it "
+                             "must divide the universe's extents, e.g. 128, 256 or 512 of 512)")
+    parser.add_argument("--val-files", type=int, default=None,
+                        help="nersc-cosmoflow: the last K universes are the validation split (default: one "
+                             "in eight, none of fewer than eight)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--samples", type=int, default=None,
                         help="training samples to convert: the first N records (default: all)")
@@ -77,19 +100,52 @@ def split_files(source: str) -> list[tuple[str, list[str]]]:
     return [("train", train), ("val", val)]
 
 
-def samples_of(files, limit, verify, seen):
-    """``(full, unitPar)`` of the records of ``files`` in order, at most ``limit`` (None: all);
-    ``seen["shape"]`` the first sample's, which every later one must have."""
+def universe_files(source: str, size: int, val_files) -> list[tuple[str, list[str]]]:
+    """``[("train", files), ("val", files)]`` of nersc-cosmoflow's SRC: every ``*.hdf5`` under it
+    (sorted by path, as MLPerf's prepare.py finds them), the last ``val_files`` (default one in
+    ``VAL_FILE_SHARE``) for validation; the first universe is opened to check it and ``size``."""
+    import h5py
+
+    from ..data.nersc import universe_shape
+    if size is None:
+        raise ValueError("nersc-cosmoflow needs --size S, the edge of the cubes cut from each universe")
+    if size < 1:
+        raise ValueError(f"--size must be >= 1, got {size}")
+    if not os.path.isdir(source):
+        raise ValueError(f"SRC {source} is not a directory (the NERSC universes: a directory of *.hdf5)")
+    files = sorted(os.path.join(d, n) for d, _, names in os.walk(source) for n in names if n.endswith(".hdf5"))
+    if not files:
+        raise ValueError(f"SRC {source}: no *.hdf5 universe under it")
+    k = len(files) // VAL_FILE_SHARE if val_files is None else val_files
+    if not 0 <= k < len(files):
+        raise ValueError(f"--val-files must be in [0, {len(files) - 1}] (SRC holds {len(files)} universes and "
+                         f"training needs one), got {k}")
+    with h5py.File(files[0], "r") as h5:
+        shape = universe_shape(h5, files[0])
+    if any(w % size for w in shape[:3]):
+        raise ValueError(f"--size {size} does not divide the universe's extents {shape[:3]} ({files[0]})")
+    return [("train", files[:len(files) - k]), ("val", files[len(files) - k:])]
+
+
+def samples_of(kind, files, limit, args, seen):
+    """``(full, unitPar)`` of the records (mlperf-cosmoflow) or cubes (nersc-cosmoflow) of
+    ``files`` in order, at most ``limit`` (None: all); ``seen["shape"]`` the first sample's,
+    which every later one must have."""
+    from ..data.nersc import subvolumes
     from ..data.tfrecord import mlperf_sample, records
     n = 0
     for path in files:
-        for index, record in enumerate(records(path, verify=verify)):
+        if kind == "mlperf-cosmoflow":
+            samples = ((mlperf_sample(r, f"{path}: record {i}"), f"{path}: record {i}")
+                       for i, r in enumerate(records(path, verify=args.verify)))
+        else:
+            samples = ((cube, f"{path}: cube {i}") for i, cube in enumerate(subvolumes(path, args.size)))
+        for (full, target), where in samples:
             if limit is not None and n >= limit:
                 return
-            full, target = mlperf_sample(record, f"{path}: record {index}")
             if seen.setdefault("shape", full.shape) != full.shape:
-                raise ValueError(f"{path}: record {index} is a sample of {full.shape}, the first one "
-                                 f"{seen['shape']}: one dataset holds one sample shape")
+                raise ValueError(f"{where} is a sample of {full.shape}, the first one {seen['shape']}: one "
+                                 "dataset holds one sample shape")
             yield full, target
             n += 1
 
@@ -112,7 +168,17 @@ def convert(args) -> int:
     if args.chunk < 1:
         refuse(f"--chunk must be >= 1, got {args.chunk}")
     try:
-        splits = split_files(args.source)
+        if args.kind == "mlperf-cosmoflow":
+            for flag, value in (("--size", args.size), ("--val-files", args.val_files)):
+                if value is not None:
+                    raise ValueError(f"{flag} is nersc-cosmoflow's (MLPerf's records are whole samples, already "
+                                     "split); leave it out")
+            splits = split_files(args.source)
+        else:
+            if not args.verify:
+                raise ValueError("--no-verify is mlperf-cosmoflow's (TFRecords carry CRCs; HDF5 universes do not); "
+                                 "leave it out")
+            splits = universe_files(args.source, args.size, args.val_files)
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
         refuse(str(err))
@@ -125,7 +191,9 @@ def convert(args) -> int:
         refuse(f"--out {args.out} lies in the directory of a running job ({describe_holder(above[1])}; lock: "
                f"{above[0]}), which may be reading this data: wait for it to end, or choose another --out")
     seen = {}
-    params = {"source": "mlperf-cosmoflow-tfrecord", "channels": 4, "counts": True}
+    params = {"source": args.kind, "counts": True}
+    if args.kind == "nersc-cosmoflow":
+        params["cube"] = args.size
     written = []
     try:
         with RunLock(args.out).acquire(break_lock=args.break_lock or args.overwrite,
@@ -139,8 +207,8 @@ def convert(args) -> int:
             for (name, files), target in zip(splits, targets):
                 phase(f"writing {target}")
                 with tqdm(total=limits[name], unit="sample", desc=f"convert {name}", disable=args.quiet) as bar:
-                    count = write_samples(target, samples_of(files, limits[name], args.verify, seen), first,
-                                          {"generator": "mlperf-cosmoflow", "params": params,
+                    count = write_samples(target, samples_of(args.kind, files, limits[name], args, seen), first,
+                                          {"generator": args.kind, "params": params,
                                            "refimpl_version": __version__},
                                           layout=args.layout, chunk_edge=args.chunk, progress=bar.update)
                 written.append((target, count, len(files)))
@@ -151,5 +219,6 @@ def convert(args) -> int:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     if not args.quiet:
         for target, count, n_files in written:
-            print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} files")
+            print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} "
+                  f"{'files' if args.kind == 'mlperf-cosmoflow' else 'universes'}")
     return 0
