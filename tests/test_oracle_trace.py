@@ -355,6 +355,62 @@ def test_a_long_follow_list_is_shortened_and_both_dtypes_share_a_line():
     assert all(n in both[0] for n in names) and "..." not in both[0]
 
 
+# ---------------------------------------------------------------- --model-config: your model's configuration
+
+def test_a_trace_of_your_configuration_checks_its_twin_and_finds_a_plant(tmp_path, capsys):
+    """--model-config sets config keys over the preset (here a train config file: only its
+    [model_config] is read): the trace, the PyTorch twin and the check all take the same model;
+    the overrides are in the trace's spec and digest; a planted halo error is still named."""
+    pytest.importorskip("torch")
+    config = tmp_path / "run.toml"
+    config.write_text('lr = 0.1\n[model_config]\nconv_size = 3\nkernel_size = 2\nglobal_pool = "avg"\n'
+                      'leaky_slope = 0.1\ndropout = 0.2\n')
+    path, good, bad = (str(tmp_path / n) for n in ("t.h5", "good.h5", "bad.h5"))
+    assert main(["oracle", "trace", "layers", "--model", "cosmoflow", "--model-config", str(config), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["features.3"]["shape"][1] == 6 and rows["head.0"]["kind"] == "flatten_linear"
+    assert main(["oracle", "trace", "generate", "--model", "cosmoflow", "--grid", "1,2,1,1", "--steps", "2",
+                 "--model-config", str(config), "--out", path]) == 0
+    assert "kernel_size = 2" in capsys.readouterr().out
+    trace = T.load_trace(path)
+    assert trace.spec.overrides == {"conv_size": 3, "kernel_size": 2, "global_pool": "avg", "leaky_slope": 0.1,
+                                    "dropout": 0.2}
+    assert trace.spec.config()["kernel_size"] == 2
+    plain = T.TraceSpec("cosmoflow", "tiny", trace.spec.input, trace.spec.grid)
+    assert "overrides" not in plain.as_json() and T.digest(plain) != T.digest(trace.spec)
+    torch_results(path, good)
+    assert main(["oracle", "trace", "check", path, good]) == 0
+    torch_results(path, bad, plant="halo:features.3:0")
+    assert main(["oracle", "trace", "check", path, bad]) == 1
+    assert "first finding: float64 step 0 forward features.3 y (rank 0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("conv_sise = 3\n", "cosmoflow has no config key 'conv_sise'; its keys: conv_size"),
+    ("[model_config]\ninput_shape = [4, 8, 8, 8]\n", "--model-config sets 'input_shape': give it with --input"),
+    ("model_parallel = 'filter'\n", "give it with --model-parallel"),
+    ("kernel_size = 0\n", "with --model-config['kernel_size'] must be an integer >= 1, got 0"),
+    ("model_config = 3\n", "'model_config' must be a table"),
+])
+def test_a_bad_model_config_is_refused(tmp_path, capsys, text, message):
+    config = tmp_path / "m.toml"
+    config.write_text(text)
+    assert main(["oracle", "trace", "generate", "--model", "cosmoflow", "--grid", "1,1,1,1", "--model-config",
+                 str(config), "--out", str(tmp_path / "t.h5")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "t.h5").exists()
+
+
+def test_run_torch_refuses_a_loss_its_twin_lacks(tmp_path, capsys):
+    pytest.importorskip("torch")
+    config, path = tmp_path / "m.toml", str(tmp_path / "t.h5")
+    config.write_text('loss = "dice"\n')
+    assert main(["oracle", "trace", "generate", "--model", "unet3d", "--grid", "1,1,1,1", "--dtype", "float64",
+                 "--model-config", str(config), "--out", path]) == 0
+    assert main(["oracle", "trace", "run-torch", path, "--out", str(tmp_path / "r.h5")]) == 2
+    assert "(preset 'tiny' with --model-config) has loss 'dice'" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- a hand-written results file
 
 def write_buggy_step(trace, path, bugs, offsets=True, dx_scale=1.0):

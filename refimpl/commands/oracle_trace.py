@@ -58,6 +58,11 @@ def add_parser(sub):
                        help="CosmoFlow: how many of its last conv blocks the model axis splits (default 1)")
         p.add_argument("--norm", default="batch", metavar="batch|group|instance",
                        help="the U-Net's normalisation layers (default batch; group: the preset's num_groups)")
+        p.add_argument("--model-config", default=None, metavar="FILE.toml",
+                       help="model config keys over the preset's, to trace the configuration your model has "
+                            "(widths, kernel_size, dropout, global_pool, ...): the file's [model_config] "
+                            "table (a refimpl train --config file: only that table is read), or its keys "
+                            "when it has none; an unknown key or value is refused")
 
     lay = actions.add_parser("layers", help="the model's layers in forward order",
                              description="Print the model's canonical layer names in forward order, with "
@@ -144,9 +149,21 @@ def _input(args):
     return None if args.input is None else _ints(args.input, "--input", 5)
 
 
+def _overrides(args) -> dict:
+    """--model-config: the file's [model_config] table, or its top-level keys without one."""
+    if args.model_config is None:
+        return {}
+    from ..config import load_toml
+    table = load_toml(args.model_config, "--model-config")
+    section = table.get("model_config")
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"--model-config {args.model_config}: 'model_config' must be a table")
+    return dict(section) if section is not None else table
+
+
 def layers(args) -> int:
     from ..oracle.trace import layer_table
-    rows = layer_table(args.model, args.preset, _input(args), *_model_parallel(args))
+    rows = layer_table(args.model, args.preset, _input(args), *_model_parallel(args), overrides=_overrides(args))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -180,7 +197,7 @@ def generate(args) -> int:
     grid = _ints(args.grid, "--grid", 4, 5)
     shape = _input(args) or default_input(args.model, args.preset)
     spec = check_spec(TraceSpec(args.model, args.preset, shape, grid, args.steps, dtypes, args.seed,
-                                args.optimizer, *_model_parallel(args)))
+                                args.optimizer, *_model_parallel(args), _overrides(args)))
     assert set(spec.dtypes) <= set(DTYPES)
     _check_out(args.out, "--out")
     try:
@@ -188,6 +205,8 @@ def generate(args) -> int:
     except OSError as err:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
     split = "" if spec.model_parallel == "none" else f", model_parallel {spec.model_parallel}"
+    if spec.overrides:
+        split += f", {', '.join(f'{k} = {v!r}' for k, v in sorted(spec.overrides.items()))}"
     print(f"wrote {args.out}  ({args.model} {args.preset}{split}, input {list(spec.input)}, grid {list(spec.grid)}, "
           f"{spec.ranks} rank{'s' * (spec.ranks > 1)}, {summary['layers']} layers, {spec.steps} step{'s' * (spec.steps != 1)}, "
           f"{', '.join(spec.dtypes)}, {spec.optimizer})")

@@ -79,7 +79,7 @@ def run_job(trace_path, dtype, rank, world, parts):
     mesh = init_device_mesh("cpu", tuple(p for _, p in axes), mesh_dim_names=tuple(a for a, _ in axes))
     stage = {"where": "setup", "layer": None}
     try:
-        config = model_config(spec.model, spec.preset, spec.input)
+        config = model_config(spec.model, spec.preset, spec.input, overrides=spec.overrides)
         net = torch_model(spec.model, config, dropout_masks=data["steps"][0]["masks"] or None)
         net = (net.double() if dtype == "float64" else net.float()).train()
         load_parameters(net, data["initial"])

@@ -90,6 +90,7 @@ class TraceSpec:
     model_parallel: str = "none"     # the model's split over the model axis Pm (docs/model_parallel.md)
     model_parallel_blocks: int = 1   # CosmoFlow: how many of its last conv blocks are split
     norm: str = "batch"              # the U-Net's normalisation: batch | group | instance
+    overrides: dict = field(default_factory=dict)   # model config keys over the preset's (--model-config)
 
     @property
     def ranks(self) -> int:
@@ -101,21 +102,41 @@ class TraceSpec:
         return self.grid[4] if len(self.grid) == 5 else 1
 
     def as_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """The spec as JSON values; ``overrides`` only where there are some (a trace without
+        them keeps the digest it had before the field existed)."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        if not out["overrides"]:
+            del out["overrides"]
+        return out
 
     def config(self) -> dict:
-        """The model's full config: the preset's, at the trace's input, split as the trace says."""
+        """The model's full config: the preset's with the trace's overrides, at the trace's
+        input, split as the trace says."""
         return model_config(self.model, self.preset, self.input, self.model_parallel, self.model_parallel_blocks,
-                            self.norm)
+                            self.norm, self.overrides)
+
+
+#: Config keys a trace sets by flags of their own, not by ``--model-config``.
+OWN_FLAGS = {"input_shape": "--input", "model_parallel": "--model-parallel",
+             "model_parallel_blocks": "--model-parallel-blocks", "norm": "--norm"}
 
 
 def model_config(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None,
-                 norm=None) -> dict:
-    """The full config of ``preset`` of ``model``, its input (C, D, H, W) replaced by
-    ``input_shape[1:]`` when given and its model-axis split by ``model_parallel`` (and, for
-    CosmoFlow, ``model_parallel_blocks``); ValueError naming the model, preset or key."""
-    from ..models import CHECK_CONFIG, resolve_config
+                 norm=None, overrides=None) -> dict:
+    """The full config of ``preset`` of ``model`` with ``overrides`` (a dict of its config keys:
+    ``--model-config``), its input (C, D, H, W) replaced by ``input_shape[1:]`` when given and
+    its model-axis split by ``model_parallel`` (and, for CosmoFlow, ``model_parallel_blocks``);
+    ValueError naming the model, preset or key."""
+    from ..models import CHECK_CONFIG, DEFAULTS, resolve_config
     config = resolve_config(model, preset)
+    known = DEFAULTS[model]
+    for key, value in (overrides or {}).items():
+        if key in OWN_FLAGS:
+            raise ValueError(f"--model-config sets {key!r}: give it with {OWN_FLAGS[key]}")
+        if key not in known:
+            raise ValueError(f"--model-config: {model} has no config key {key!r}; its keys: "
+                             f"{', '.join(k for k in sorted(known) if k not in OWN_FLAGS)}")
+        config[key] = value
     if input_shape is not None:
         config["input_shape"] = tuple(input_shape[1:])
     if model_parallel is not None:
@@ -124,7 +145,8 @@ def model_config(model: str, preset: str, input_shape=None, model_parallel=None,
         config["model_parallel_blocks"] = model_parallel_blocks
     if norm is not None and model == "unet3d":
         config["norm"] = norm
-    return CHECK_CONFIG[model](config, where=f"{model} preset {preset!r}")
+    where = f"{model} preset {preset!r}" + (" with --model-config" if overrides else "")
+    return CHECK_CONFIG[model](config, where=where)
 
 
 def default_input(model: str, preset: str) -> tuple:
@@ -149,7 +171,10 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
     grid = tuple(spec.grid)
     if len(grid) not in (4, 5) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in grid):
         raise ValueError(f"--grid must be 4 or 5 positive integers Pn,Pd,Ph,Pw[,Pm], got {spec.grid!r}")
-    config = model_config(spec.model, spec.preset, spec.input, spec.model_parallel, blocks, spec.norm)
+    if not isinstance(spec.overrides, dict):
+        raise ValueError(f"--model-config must be a table of model config keys, got {type(spec.overrides).__name__}")
+    config = model_config(spec.model, spec.preset, spec.input, spec.model_parallel, blocks, spec.norm,
+                          spec.overrides)
     pm = grid[4] if len(grid) == 5 else 1
     if spec.model_parallel != "none":
         narrowest = min((e["c_out"], e["name"]) for e in split_layers(spec.model, config))
@@ -169,14 +194,14 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
         raise ValueError(f"--seed must be an integer in [0, 2^32), got {spec.seed!r}")
     if spec.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
-    size = trace_bytes(spec.model, spec.preset, spec.input, spec.steps, dtypes)
+    size = trace_bytes(spec.model, spec.preset, spec.input, spec.steps, dtypes, spec.overrides)
     if size > MAX_TRACE_BYTES:
         raise ValueError(f"a trace of {spec.model} {spec.preset} with input {list(spec.input)} would hold about "
                          f"{size / 2 ** 30:.0f} GiB ({spec.steps} step{'s' * (spec.steps != 1)}, {', '.join(dtypes)}), more than "
                          f"{MAX_TRACE_BYTES / 2 ** 30:.0f} GiB: give a smaller --input (the preset's sizes "
                          f"are for training, a trace checks the same layers at any size the model allows)")
     return TraceSpec(spec.model, spec.preset, tuple(spec.input), grid, spec.steps, dtypes, spec.seed,
-                     spec.optimizer, spec.model_parallel, blocks, spec.norm)
+                     spec.optimizer, spec.model_parallel, blocks, spec.norm, dict(spec.overrides))
 
 
 def split_layers(model: str, config: dict) -> list[dict]:
@@ -185,11 +210,11 @@ def split_layers(model: str, config: dict) -> list[dict]:
     return [e for e in MODELS[model].describe(config) if e["split"] != "none"]
 
 
-def trace_bytes(model: str, preset: str, input_shape, steps: int, dtypes) -> int:
+def trace_bytes(model: str, preset: str, input_shape, steps: int, dtypes, overrides=None) -> int:
     """About the bytes of a trace: y and dx of every layer, globally and in rank blocks,
     per step and dtype (from ``describe()``: nothing is built)."""
     from ..models import MODELS
-    config = model_config(model, preset, input_shape)
+    config = model_config(model, preset, input_shape, overrides=overrides)
     n, cells = input_shape[0], int(numpy.prod(input_shape[1:]))
     for entry in MODELS[model].describe(config):
         out = entry["c_out"] * int(numpy.prod(entry["out_dhw"] or (1,)))
@@ -225,13 +250,13 @@ class Layer:
 
 
 def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dtype="float64",
-                    model_parallel=None, model_parallel_blocks=None, norm=None):
+                    model_parallel=None, model_parallel_blocks=None, norm=None, overrides=None):
     """refimpl's unpartitioned model (grid None) ``name`` of ``preset``, in ``dtype``, every
     layer computing its input gradient (the trace records dx of the first layer too).  A
     model-parallel config builds the same layers and weights (drawn whole), its ``gather``
     layers empty (identities), so the trace's layer names are the split model's."""
     from ..models import build_model
-    config = model_config(name, preset, input_shape, model_parallel, model_parallel_blocks, norm)
+    config = model_config(name, preset, input_shape, model_parallel, model_parallel_blocks, norm, overrides)
     model = build_model(name, config, grid=None, seed=seed, dtype=dtype)
     model.needs_input_grad = True
     return model
@@ -240,7 +265,7 @@ def reference_model(name: str, preset: str, input_shape=None, seed: int = 0, dty
 def build_reference(spec: TraceSpec, dtype="float64"):
     """The reference model of a trace (its weights depend on the seed only)."""
     return reference_model(spec.model, spec.preset, spec.input, spec.seed, dtype, spec.model_parallel,
-                           spec.model_parallel_blocks, spec.norm)
+                           spec.model_parallel_blocks, spec.norm, spec.overrides)
 
 
 def model_layers(name: str, model) -> list[Layer]:
@@ -272,18 +297,19 @@ def model_layers(name: str, model) -> list[Layer]:
 
 
 def layer_table(model: str, preset: str, input_shape=None, model_parallel=None, model_parallel_blocks=None,
-                norm=None) -> list[dict]:
+                norm=None, overrides=None) -> list[dict]:
     """``trace layers``: name, kind, inputs and global output shape of every layer, from the
     model's ``describe()`` where it lists the layer, else the shape of the layer before it
     (activations and dropout keep their input's shape), and whether the model axis splits
     its output.  The model is built unpartitioned in float32 for its module names (the
     presets build in a second or less)."""
     from ..models import MODELS
-    config = model_config(model, preset, input_shape, model_parallel, model_parallel_blocks, norm)
+    config = model_config(model, preset, input_shape, model_parallel, model_parallel_blocks, norm, overrides)
     n = (input_shape or default_input(model, preset))[0]
     described = {e["name"]: e for e in MODELS[model].describe(config)}
     built = reference_model(model, preset, (n,) + tuple(config["input_shape"]), dtype="float32",
-                            model_parallel=model_parallel, model_parallel_blocks=model_parallel_blocks, norm=norm)
+                            model_parallel=model_parallel, model_parallel_blocks=model_parallel_blocks, norm=norm,
+                            overrides=overrides)
     rows, shape = [], (n,) + tuple(config["input_shape"])
     for layer in model_layers(model, built):
         entry = described.get(layer.name)
@@ -596,7 +622,8 @@ def load_trace(path: str) -> Trace:
             meta = json.loads(attrs["trace"])
             spec = check_spec(TraceSpec(meta["model"], meta["preset"], tuple(meta["input"]), tuple(meta["grid"]),
                                         meta["steps"], tuple(meta["dtypes"]), meta["seed"], meta["optimizer"],
-                                        meta["model_parallel"], meta["model_parallel_blocks"], meta["norm"]))
+                                        meta["model_parallel"], meta["model_parallel_blocks"], meta["norm"],
+                                        meta.get("overrides", {})))
         except (KeyError, TypeError, ValueError) as err:
             raise UnusableInput(f"{what} {path}: its 'trace' attribute is not a valid trace spec ({err})") from None
         if attrs.get("digest") != digest(spec):

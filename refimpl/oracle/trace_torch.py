@@ -181,8 +181,9 @@ def _run_dtype(trace: Trace, dtype: str, plant):
     spec = trace.spec
     config = spec.config()
     if spec.model == "unet3d" and (config["loss"] != "ce" or config["class_weights"] is not None):
-        raise ValueError(f"run-torch: the U-Net twin uses torch's cross-entropy; preset {spec.preset!r} "
-                         f"has loss {config['loss']!r}")
+        raise ValueError(f"run-torch: the U-Net twin uses torch's cross-entropy without class weights; the "
+                         f"trace's config (preset {spec.preset!r}{' with --model-config' if spec.overrides else ''}) "
+                         f"has loss {config['loss']!r}, class_weights {config['class_weights']!r}")
     data = trace.data[dtype]
     masks0 = data["steps"][0]["masks"]
     net = torch_model(spec.model, config, dropout_masks=masks0 or None)
