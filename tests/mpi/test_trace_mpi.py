@@ -103,6 +103,15 @@ def test_refimpl_partitioned_passes_its_trace(comm, grids, all_ranks_agree, tmp_
         check_partitioned_run(comm, all_ranks_agree, tmp_path, name, grid)
 
 
+def test_refimpl_partitioned_passes_a_trace_of_another_configuration(comm, grids, all_ranks_agree, tmp_path):
+    """--model-config's overrides (here CosmoFlow with 2x2x2 kernels, 3 channels, a global
+    average pool, another slope) reach the trace and the partitioned model alike."""
+    plain = [g for g in grids if len(g.dims) == 4 or g.dims[4] == 1]
+    overrides = {"kernel_size": 2, "conv_size": 3, "global_pool": "avg", "leaky_slope": 0.1}
+    check_partitioned_run(comm, all_ranks_agree, tmp_path, "cosmoflow", plain[min(1, len(plain) - 1)],
+                          overrides=overrides)
+
+
 @pytest.mark.parametrize("split", ["filter", "channel"])
 @pytest.mark.parametrize("name", ["cosmoflow", "unet3d"])
 def test_refimpl_model_parallel_passes_its_trace(comm, all_ranks_agree, tmp_path, name, split):
@@ -114,13 +123,15 @@ def test_refimpl_model_parallel_passes_its_trace(comm, all_ranks_agree, tmp_path
         grid.free()
 
 
-def check_partitioned_run(comm, all_ranks_agree, tmp_path, name, grid, split="none"):
-    """Every rank runs ``name`` on ``grid``; rank 0 writes the results and checks them."""
+def check_partitioned_run(comm, all_ranks_agree, tmp_path, name, grid, split="none", overrides=None):
+    """Every rank runs ``name`` on ``grid`` (its config the preset's with ``overrides``); rank 0
+    writes the results and checks them."""
     import h5py
     path = comm.bcast(str(tmp_path / f"{name}.h5") if comm.rank == 0 else None)
     dims = tuple(grid.dims) if split != "none" else tuple(grid.dims[:4])
     if comm.rank == 0:
-        T.write_trace(T.TraceSpec(name, "tiny", INPUTS[name], dims, 1, model_parallel=split), path)
+        T.write_trace(T.TraceSpec(name, "tiny", INPUTS[name], dims, 1, model_parallel=split,
+                                  overrides=dict(overrides or {})), path)
     comm.Barrier()
     trace = T.load_trace(path)
     mine = {}
