@@ -150,6 +150,20 @@ def samples_of(kind, files, limit, args, seen):
             n += 1
 
 
+def expected_samples(args, files, limit) -> int:
+    """The progress bar's total: ``limit`` or fewer; MLPerf's files hold one record each (its
+    ``prepare.py``); a universe (nersc-cosmoflow) holds (W/S)^3 cubes, W from its first file."""
+    if args.kind == "mlperf-cosmoflow":
+        total = len(files)
+    else:
+        import h5py
+
+        from ..data.nersc import cubes_per_universe, universe_shape
+        with h5py.File(files[0], "r") as h5:
+            total = len(files) * cubes_per_universe(universe_shape(h5, files[0]), args.size)
+    return total if limit is None else min(limit, total)
+
+
 def convert(args) -> int:
     """Write the splits; bad input is exit 2, a failed write exit 4."""
     import h5py  # noqa: F401  (fail early with a clear ImportError when h5py is absent)
@@ -206,7 +220,8 @@ def convert(args) -> int:
             first = 0
             for (name, files), target in zip(splits, targets):
                 phase(f"writing {target}")
-                with tqdm(total=limits[name], unit="sample", desc=f"convert {name}", disable=args.quiet) as bar:
+                with tqdm(total=expected_samples(args, files, limits[name]), unit="sample", desc=f"convert {name}",
+                          disable=args.quiet) as bar:
                     count = write_samples(target, samples_of(args.kind, files, limits[name], args, seen), first,
                                           {"generator": args.kind, "params": params,
                                            "refimpl_version": __version__},
