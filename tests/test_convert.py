@@ -136,6 +136,16 @@ def test_limits_layouts_and_the_val_directory_name(tmp_path):
     assert [n for n in os.listdir(tmp_path / "noval") if not n.startswith(".")] == ["train.h5"]
 
 
+def test_a_reconversion_leaves_no_split_of_the_earlier_one(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_source(src, n_train=2, n_val=1)
+    assert convert(src, "--out", out) == 0
+    assert convert(src, "--out", out, "--val-samples", 0, "--layout", "per-sample") == 2
+    assert "from an earlier dataset would stay beside this one" in capsys.readouterr().err
+    assert convert(src, "--out", out, "--val-samples", 0, "--layout", "per-sample", "--overwrite") == 0
+    assert [n for n in sorted(os.listdir(out)) if not n.startswith(".")] == ["train"]
+
+
 def test_a_file_of_several_records(tmp_path):
     src = tmp_path / "src"
     os.makedirs(src / "train")

@@ -432,6 +432,22 @@ def test_datagen_writes_valid_files(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "bad" / "train.h5")
 
 
+def test_datagen_leaves_no_split_of_an_earlier_dataset(tmp_path, capsys):
+    """A split the new dataset does not write (no validation samples now, or the other layout)
+    would be read beside it: refused without --overwrite, removed with it once the new dataset
+    is complete."""
+    out = tmp_path / "d"
+    assert datagen("cosmoflow", "--out", out, "--samples", 2, "--val-samples", 2, "--size", 8, "--quiet") == 0
+    assert datagen("cosmoflow", "--out", out, "--samples", 2, "--val-samples", 0, "--size", 8, "--quiet",
+                   "--layout", "per-sample") == 2
+    err = capsys.readouterr().err
+    assert "train.h5" in err and "val.h5" in err and "from an earlier dataset would stay beside this one" in err
+    assert sorted(os.listdir(out)) == ["train.h5", "val.h5"]
+    assert datagen("cosmoflow", "--out", out, "--samples", 2, "--val-samples", 0, "--size", 8, "--quiet",
+                   "--layout", "per-sample", "--overwrite") == 0
+    assert sorted(os.listdir(out)) == ["train"]
+
+
 @pytest.mark.parametrize("layout", ["single", "per-sample"])
 def test_failed_write_leaves_no_final_file(tmp_path, layout):
     target = str(tmp_path / ("train.h5" if layout == "single" else "train"))

@@ -170,7 +170,7 @@ def convert(args) -> int:
     from tqdm import tqdm
 
     from refimpl import __version__
-    from refimpl.data.layout import write_samples
+    from refimpl.data.layout import remove_splits, stale_splits, write_samples
     from refimpl.errors import WriteError, describe, refuse
     from refimpl.paths import check_writable
     from refimpl.progress import phase
@@ -214,9 +214,13 @@ def convert(args) -> int:
                                        how_to_break="--break-lock (or --overwrite)") as lock:
             if lock.note:
                 print(f"refimpl convert: note: {lock.note}", file=sys.stderr, flush=True)
-            existing = [t for t in targets if os.path.exists(t)]
+            existing = [t for t in targets if os.path.exists(t)]      # looked at under the lock
+            stale = stale_splits(args.out, targets)      # another layout's, or a split not written now
             if existing and not args.overwrite:
                 refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
+            if stale and not args.overwrite:
+                refuse(f"{', '.join(stale)} from an earlier dataset would stay beside this one; pass --overwrite "
+                       "to remove it")
             first = 0
             for (name, files), target in zip(splits, targets):
                 phase(f"writing {target}")
@@ -228,6 +232,7 @@ def convert(args) -> int:
                                           layout=args.layout, chunk_edge=args.chunk, progress=bar.update)
                 written.append((target, count, len(files)))
                 first += count
+            remove_splits(stale)                             # only once this dataset is complete
     except ValueError as err:  # a damaged or foreign record, OUT in use: the split being written left nothing
         refuse(str(err))
     except OSError as err:

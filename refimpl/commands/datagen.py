@@ -102,7 +102,7 @@ def generate(args) -> int:
 
     from refimpl import __version__
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
-    from refimpl.data.layout import write_split
+    from refimpl.data.layout import remove_splits, stale_splits, write_split
     from refimpl.data.segmentation import generate_segmentation
     from refimpl.errors import WriteError, describe, refuse
     from refimpl.paths import check_writable
@@ -144,14 +144,19 @@ def generate(args) -> int:
             if lock.note:
                 print(f"refimpl datagen: note: {lock.note}", file=sys.stderr, flush=True)
             existing = [t for t in targets if os.path.exists(t)]      # looked at under the lock
+            stale = stale_splits(args.out, targets)      # another layout's, or a split not written now
             if existing and not args.overwrite:
                 refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
+            if stale and not args.overwrite:
+                refuse(f"{', '.join(stale)} from an earlier dataset would stay beside this one; pass --overwrite "
+                       "to remove it")
             with tqdm(total=sum(n for _, n, _ in splits), unit="sample", desc=f"datagen {args.kind}",
                       disable=args.quiet) as bar:
                 for (_, count, first), target in zip(splits, targets):
                     phase(f"writing {target}")          # what an interrupt or a failure names
                     write_split(target, make, count, first, attrs, layout=args.layout,
                                 chunk_edge=args.chunk, progress=bar.update)
+            remove_splits(stale)                             # only once this dataset is complete
     except ValueError as err:  # OUT in use (LockHeld), bad generator arguments: nothing written
         refuse(str(err))
     except OSError as err:     # disk full, ...: the split that failed left nothing, not even a temporary

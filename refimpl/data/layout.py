@@ -85,6 +85,27 @@ def atomic_target(path):
         os.replace(tmp, path)
 
 
+def split_paths(out, name: str) -> tuple:
+    """Where split ``name`` ("train", "val") of a dataset directory can be: ``OUT/name.h5``
+    (``single``) and ``OUT/name/`` (``per-sample``)."""
+    return os.path.join(out, f"{name}.h5"), os.path.join(out, name)
+
+
+def stale_splits(out, targets) -> list:
+    """The splits ``OUT`` holds that a write of ``targets`` would not replace: a split of the
+    other layout, or one this write leaves out (no validation samples).  Left there, they would
+    mix another dataset into this one (``refimpl train`` reads ``val.h5`` or ``val/``)."""
+    targets = {os.path.abspath(t) for t in targets}
+    return [p for name in ("train", "val") for p in split_paths(out, name)
+            if os.path.lexists(p) and os.path.abspath(p) not in targets]
+
+
+def remove_splits(paths) -> None:
+    """Remove the split files and directories ``paths`` (``stale_splits``)."""
+    for path in paths:
+        _remove(path)
+
+
 def _remove(path) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -198,4 +219,5 @@ def _write_sample(binary_file, full, target, attrs, chunk_edge) -> None:
 
 
 __all__ = ["FORMAT", "VERSION", "DATA_KEY", "TARGET_KEY", "LABEL_KEY", "LAYOUTS",
-           "sample_file_name", "chunk_shape", "atomic_target", "write_split", "write_samples"]
+           "sample_file_name", "chunk_shape", "atomic_target", "write_split", "write_samples", "split_paths",
+           "stale_splits", "remove_splits"]
