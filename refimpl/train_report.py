@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from .atomic import atomic_write
 from .errors import WriteError
@@ -35,6 +36,14 @@ CONFIG = "config.json"
 SUMMARY = "summary.json"
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, CONFIG, SUMMARY)      # what a run writes into OUT
 
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (``M:SS`` under an hour) of a non-negative number of seconds, rounded up."""
+    total = int(-(-max(0.0, seconds) // 1))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 class RunReport:
     """Rank 0's account of one run: config.json, metrics lines, the plot, the summary, the log lines;
@@ -65,6 +74,7 @@ class RunReport:
         # (the log lines on stdout, every --log-every steps, report the progress there)
         self.bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True,
                         disable=not self.talks or not sys.stderr.isatty(), file=sys.stderr)
+        self._since = (time.perf_counter(), step)     # the ETA of the log lines: this run's pace so far
 
     def _start_outputs(self, step: int) -> None:
         os.makedirs(self.out, exist_ok=True)
@@ -80,7 +90,17 @@ class RunReport:
         if (step % self.config["log_every"] == 0 or step == total_steps) and self.talks:
             self.bar.write(f"step {step:>5}/{total_steps} | epoch {record['epoch']} | "
                            f"loss {record['loss']:.5g} | {name} {record[name]:.4g} | lr {record['lr']:.3g} | "
-                           f"{record['samples_per_s']:.1f} samples/s", file=sys.stdout)
+                           f"{record['samples_per_s']:.1f} samples/s{self._eta(step, total_steps)}", file=sys.stdout)
+
+    def _eta(self, step: int, total_steps: int) -> str:
+        """`` | eta H:MM:SS`` for the steps left at this run's pace so far (its validations and
+        checkpoints included), for the log lines of a job log, where no bar is drawn; empty at
+        the last step."""
+        t0, step0 = getattr(self, "_since", (None, step))
+        if t0 is None or step >= total_steps or step <= step0:
+            return ""
+        left = (time.perf_counter() - t0) / (step - step0) * (total_steps - step)
+        return f" | eta {format_duration(left)}"
 
     def validation(self, record: dict) -> None:
         """One validation's metrics line and its log line."""

@@ -86,6 +86,20 @@ def test_short_run_writes_outputs(tmp_path, data_dir, nranks, grid):
     assert meta["step"] == 4 and meta["config"]["grid"] == grid and meta["world_size"] == nranks
 
 
+def test_log_lines_carry_an_eta_from_this_runs_pace(tmp_path):
+    """A job log has no progress bar: each log line but the last says how long the rest takes
+    at this run's pace (H:MM:SS, M:SS under an hour)."""
+    from refimpl.train_report import format_duration
+    assert [format_duration(s) for s in (0, 0.2, 59.5, 61, 3600, 3725.4)] == \
+        ["0:00", "0:01", "1:00", "1:01", "1:00:00", "1:02:06"]
+    out = tmp_path / "run"
+    proc = train(1, "--steps", 6, "--log-every", 2, "--gen-samples", 8, "--gen-val-samples", 4, "--no-plot",
+                 "--out", out, "--no-quiet")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(" | eta " in line for line in lines[:2]) and " | eta " not in lines[2], lines
+
+
 def test_generates_data_when_none_given(tmp_path):
     out = tmp_path / "gen"
     proc = train(2, "--grid", "1,1,2,1", "--steps", 2, "--gen-samples", 8, "--gen-val-samples", 4,
