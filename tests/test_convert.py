@@ -326,3 +326,21 @@ def test_mlperf_refuses_the_universe_flags(tmp_path, capsys):
     for extra in (["--size", "4"], ["--val-files", "1"]):
         assert convert(tmp_path / "src", "--out", tmp_path / "o", *extra) == 2
         assert "is nersc-cosmoflow's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["convert", "mlperf-cosmoflow", "SRC"], ["datagen", "cosmoflow"]])
+def test_under_mpiexec_it_is_refused_before_writing(tmp_path, command):
+    """One writer per split: P copies would race for OUT's lock and files, and mpiexec kills the
+    rest when one exits; every rank refuses instead, and nothing is written."""
+    from launcher import run_launched
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: pip install 'refimpl[mpi]'")
+    make_source(tmp_path / "SRC", n_train=1, n_val=1)
+    argv = [str(tmp_path / a) if a == "SRC" else a for a in command]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    proc = run_launched([mpiexec, "--oversubscribe", "-n", "2", sys.executable, "-m", "refimpl", *argv,
+                         "--out", str(tmp_path / "out"), "--quiet"], env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"refimpl {command[0]} runs in one process" in proc.stderr and "without mpiexec" in proc.stderr
+    assert not (tmp_path / "out" / "train.h5").exists()

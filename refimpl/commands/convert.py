@@ -77,8 +77,16 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from ..errors import InputError
     from ..failstop import run_command
-    return run_command("convert", None, lambda: convert(args))
+    from ..watchdog import launcher_size
+
+    def body():
+        if launcher_size() > 1:          # P copies would race for OUT's lock and its files
+            raise InputError("refimpl convert runs in one process (one writer per split): start it without mpiexec",
+                             agreed=True)
+        return convert(args)
+    return run_command("convert", None, body)
 
 
 def split_files(source: str) -> list[tuple[str, list[str]]]:

@@ -91,8 +91,16 @@ def add_output_arguments(parser, command: str) -> None:
 
 
 def run(args) -> int:
+    from ..errors import InputError
     from ..failstop import run_command
-    return run_command("datagen", None, lambda: generate(args))
+    from ..watchdog import launcher_size
+
+    def body():
+        if launcher_size() > 1:          # P copies would race for OUT's lock and its files
+            raise InputError("refimpl datagen runs in one process (one writer per split): start it without mpiexec",
+                             agreed=True)
+        return generate(args)
+    return run_command("datagen", None, body)
 
 
 def generate(args) -> int:
