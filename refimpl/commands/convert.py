@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 
 EPILOG = """\
 examples:
@@ -72,21 +71,13 @@ def add_arguments(parser) -> None:
                         help="validation samples: the first M records (default: all; 0 writes no val split)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the CRC-32C of each record's data (the length's is always checked)")
-    from .datagen import add_output_arguments
+    from .dataset_output import add_output_arguments
     add_output_arguments(parser, "convert")
 
 
 def run(args) -> int:
-    from ..errors import InputError
-    from ..failstop import run_command
-    from ..watchdog import launcher_size
-
-    def body():
-        if launcher_size() > 1:          # P copies would race for OUT's lock and its files
-            raise InputError("refimpl convert runs in one process (one writer per split): start it without mpiexec",
-                             agreed=True)
-        return convert(args)
-    return run_command("convert", None, body)
+    from .dataset_output import run_alone
+    return run_alone("convert", lambda: convert(args))
 
 
 def split_files(source: str) -> list[tuple[str, list[str]]]:
@@ -178,11 +169,12 @@ def convert(args) -> int:
     from tqdm import tqdm
 
     from refimpl import __version__
-    from refimpl.data.layout import remove_splits, stale_splits, write_samples
+    from refimpl.data.layout import write_samples
     from refimpl.errors import WriteError, describe, refuse
     from refimpl.paths import check_writable
     from refimpl.progress import phase
-    from refimpl.run_lock import RunLock, describe_holder, live_lock_above
+
+    from .dataset_output import writing_into
 
     for flag, value, least in (("--samples", args.samples, 1), ("--val-samples", args.val_samples, 0)):
         if value is not None and value < least:
@@ -208,27 +200,13 @@ def convert(args) -> int:
     splits = [(name, files) for name, files in splits if files and limits[name] != 0]
     suffix = ".h5" if args.layout == "single" else ""
     targets = [os.path.join(args.out, name + suffix) for name, _ in splits]
-    above = live_lock_above(args.out)
-    if above is not None:
-        refuse(f"--out {args.out} lies in the directory of a running job ({describe_holder(above[1])}; lock: "
-               f"{above[0]}), which may be reading this data: wait for it to end, or choose another --out")
     seen = {}
     params = {"source": args.kind, "counts": True}
     if args.kind == "nersc-cosmoflow":
         params["cube"] = args.size
     written = []
     try:
-        with RunLock(args.out).acquire(break_lock=args.break_lock or args.overwrite,
-                                       how_to_break="--break-lock (or --overwrite)") as lock:
-            if lock.note:
-                print(f"refimpl convert: note: {lock.note}", file=sys.stderr, flush=True)
-            existing = [t for t in targets if os.path.exists(t)]      # looked at under the lock
-            stale = stale_splits(args.out, targets)      # another layout's, or a split not written now
-            if existing and not args.overwrite:
-                refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
-            if stale and not args.overwrite:
-                refuse(f"{', '.join(stale)} from an earlier dataset would stay beside this one; pass --overwrite "
-                       "to remove it")
+        with writing_into(args, "convert", targets):
             first = 0
             for (name, files), target in zip(splits, targets):
                 phase(f"writing {target}")
@@ -240,7 +218,6 @@ def convert(args) -> int:
                                           layout=args.layout, chunk_edge=args.chunk, progress=bar.update)
                 written.append((target, count, len(files)))
                 first += count
-            remove_splits(stale)                             # only once this dataset is complete
     except ValueError as err:  # a damaged or foreign record, OUT in use: the split being written left nothing
         refuse(str(err))
     except OSError as err:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 
 EPILOG = """\
 examples:
@@ -73,34 +72,13 @@ def add_arguments(parser) -> None:
                         help="segmentation image noise std (default 0.3)")
     parser.add_argument("--mean-count", type=float, default=64.0,
                         help="cosmoflow mean particles per voxel (default 64); 0 stores densities")
+    from .dataset_output import add_output_arguments
     add_output_arguments(parser, "datagen")
 
 
-def add_output_arguments(parser, command: str) -> None:
-    """The flags of a command that writes a dataset (``datagen``, ``convert``): its layout,
-    chunks, replacing, lock and progress."""
-    parser.add_argument("--layout", choices=("single", "per-sample"), default="single",
-                        help="one file per split (default) or one file per sample")
-    parser.add_argument("--chunk", type=int, default=32,
-                        help="spatial chunk edge in voxels (default 32; pick a divisor of your blocks)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace existing output (and take over the lock of a {command} that is gone)")
-    parser.add_argument("--break-lock", action="store_true",
-                        help=f"take over OUT/.lock left by a {command} that is gone (a live one is never broken)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
 def run(args) -> int:
-    from ..errors import InputError
-    from ..failstop import run_command
-    from ..watchdog import launcher_size
-
-    def body():
-        if launcher_size() > 1:          # P copies would race for OUT's lock and its files
-            raise InputError("refimpl datagen runs in one process (one writer per split): start it without mpiexec",
-                             agreed=True)
-        return generate(args)
-    return run_command("datagen", None, body)
+    from .dataset_output import run_alone
+    return run_alone("datagen", lambda: generate(args))
 
 
 def generate(args) -> int:
@@ -110,12 +88,13 @@ def generate(args) -> int:
 
     from refimpl import __version__
     from refimpl.data.cosmo import PARAM_NAMES, generate_universe
-    from refimpl.data.layout import remove_splits, stale_splits, write_split
+    from refimpl.data.layout import write_split
     from refimpl.data.segmentation import generate_segmentation
     from refimpl.errors import WriteError, describe, refuse
     from refimpl.paths import check_writable
     from refimpl.progress import phase
-    from refimpl.run_lock import RunLock, describe_holder, live_lock_above
+
+    from .dataset_output import writing_into
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
@@ -140,31 +119,16 @@ def generate(args) -> int:
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
         refuse(str(err))
-    above = live_lock_above(args.out)
-    if above is not None:      # e.g. OUT/data of a running train: it reads (or generates) this data
-        refuse(f"--out {args.out} lies in the directory of a running job ({describe_holder(above[1])}; lock: "
-               f"{above[0]}), which may be reading this data: wait for it to end, or choose another --out")
     attrs = {"generator": args.kind, "params": params, "seed": args.seed,
              "refimpl_version": __version__}
     try:
-        with RunLock(args.out).acquire(break_lock=args.break_lock or args.overwrite,
-                                       how_to_break="--break-lock (or --overwrite)") as lock:
-            if lock.note:
-                print(f"refimpl datagen: note: {lock.note}", file=sys.stderr, flush=True)
-            existing = [t for t in targets if os.path.exists(t)]      # looked at under the lock
-            stale = stale_splits(args.out, targets)      # another layout's, or a split not written now
-            if existing and not args.overwrite:
-                refuse(f"{', '.join(existing)} exists; pass --overwrite to replace")
-            if stale and not args.overwrite:
-                refuse(f"{', '.join(stale)} from an earlier dataset would stay beside this one; pass --overwrite "
-                       "to remove it")
+        with writing_into(args, "datagen", targets):
             with tqdm(total=sum(n for _, n, _ in splits), unit="sample", desc=f"datagen {args.kind}",
                       disable=args.quiet) as bar:
                 for (_, count, first), target in zip(splits, targets):
                     phase(f"writing {target}")          # what an interrupt or a failure names
                     write_split(target, make, count, first, attrs, layout=args.layout,
                                 chunk_edge=args.chunk, progress=bar.update)
-            remove_splits(stale)                             # only once this dataset is complete
     except ValueError as err:  # OUT in use (LockHeld), bad generator arguments: nothing written
         refuse(str(err))
     except OSError as err:     # disk full, ...: the split that failed left nothing, not even a temporary
