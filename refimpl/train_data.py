@@ -20,6 +20,7 @@ import json
 import os
 
 from .backend import asarray
+from .data.layout import split_paths
 from .errors import WriteError, describe, refuse
 from .failstop import agree, decide, on_root
 from .progress import phase
@@ -49,19 +50,13 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
             on_root(comm, generate_data, config, model, directory)   # doubles as the barrier: files complete
         config["data"] = directory
     phase("opening the data")
-    train_path = decide(comm, split_path, directory, "train")
-    if isinstance(train_path, list):
-        refuse(f"--data: {directory} holds both {train_path[0]} and {train_path[1]}/: one split, two layouts; "
-               "move one away")
+    train_path = split_path(comm, directory, "train")
     if train_path is None:
-        refuse(f"--data: {os.path.join(directory, 'train.h5')} does not exist, nor a per-sample directory "
-               f"{os.path.join(directory, 'train')}/ (write one with 'refimpl datagen', "
-               "or leave --data out to generate a small dataset)")
+        single, per_sample = split_paths(directory, "train")
+        refuse(f"--data: {single} does not exist, nor a per-sample directory {per_sample}/ (write one with "
+               "'refimpl datagen', or leave --data out to generate a small dataset)")
     train = agree(comm, open_split, train_path, model, grid, config)
-    val_path = decide(comm, split_path, directory, "val")
-    if isinstance(val_path, list):
-        refuse(f"--data: {directory} holds both {val_path[0]} and {val_path[1]}/: one split, two layouts; "
-               "move one away")
+    val_path = split_path(comm, directory, "val")
     val = agree(comm, open_split, val_path, model, grid, config) if val_path is not None else None
     if train.num_samples < global_batch:
         refuse(f"{train.path} holds {train.num_samples} samples, fewer than the global batch {global_batch}")
@@ -76,14 +71,19 @@ def open_data(config: dict, comm, model, grid, global_batch: int, say):
     return train, val, notes
 
 
-def split_path(directory, name):
-    """Where split ``name`` ("train", "val") of ``directory`` is: ``name.h5`` (the ``single``
-    layout) or the directory ``name/`` (``per-sample``: one file per sample, as LBANN reads
-    them; docs/data.md), None where neither is, both paths where both are (which one is meant
-    cannot be told)."""
-    single, per_sample = os.path.join(directory, f"{name}.h5"), os.path.join(directory, name)
-    found = [p for p, there in ((single, os.path.exists(single)), (per_sample, os.path.isdir(per_sample))) if there]
-    return None if not found else found[0] if len(found) == 1 else found
+def split_path(comm, directory, name):
+    """Where split ``name`` ("train", "val") of ``directory`` is, as rank 0 finds it: ``name.h5``
+    (the ``single`` layout) or the directory ``name/`` (``per-sample``: one file per sample, as
+    LBANN reads them; docs/data.md; ``layout.split_paths``), None where neither is; both is
+    refused on every rank (which one is meant cannot be told)."""
+    def look():
+        single, per_sample = split_paths(directory, name)
+        return [p for p, there in ((single, os.path.exists(single)), (per_sample, os.path.isdir(per_sample)))
+                if there]
+    found = decide(comm, look)
+    if len(found) > 1:
+        refuse(f"--data: {directory} holds both {found[0]} and {found[1]}/: one split, two layouts; move one away")
+    return found[0] if found else None
 
 
 def data_identities(train, val) -> dict:
