@@ -226,7 +226,10 @@ SIGNATURES = {
     "bn_backward_dx": ("ptr",) * 6 + ("i64",) * 3,
 }
 
-def _per_channel_values(xp, v, dtype):
+def channel_values(xp, v, dtype):
+    """A per-channel vector (any shape of C values: (C,), (C, 1)) as the kernels take it: (C,)
+    contiguous in ``dtype``; None stays None (a null pointer).  Group norm's kernels take theirs
+    so too."""
     return None if v is None else xp.ascontiguousarray(v.reshape(-1), dtype=dtype)
 
 
@@ -244,13 +247,13 @@ def _device_sums(name, arrays, per_channel, n, c, v, dtype):
 def device_local_sums(x, k):
     xp = array_module(x)
     x, n, c, v = _cuda.flat(x)
-    return _device_sums("bn_sums", (x,), _per_channel_values(xp, k, x.dtype), n, c, v, x.dtype)
+    return _device_sums("bn_sums", (x,), channel_values(xp, k, x.dtype), n, c, v, x.dtype)
 
 
 def device_backward_sums(dy, x, m):
     xp = array_module(dy)
     dy, n, c, v = _cuda.flat(dy)
-    return _device_sums("bn_backward_sums", (dy, xp.ascontiguousarray(x)), _per_channel_values(xp, m, dy.dtype),
+    return _device_sums("bn_backward_sums", (dy, xp.ascontiguousarray(x)), channel_values(xp, m, dy.dtype),
                         n, c, v, dy.dtype)
 
 
@@ -260,7 +263,7 @@ def device_affine(x, a, c):
     y = xp.empty(x.shape, dtype=x.dtype)
     rows = x.shape[0] * ch
     _cuda.launch(DEVICE_SOURCE, "bn_affine", SIGNATURES["bn_affine"],
-                 (x, _per_channel_values(xp, a, x.dtype), _per_channel_values(xp, c, x.dtype), y, rows, ch, v),
+                 (x, channel_values(xp, a, x.dtype), channel_values(xp, c, x.dtype), y, rows, ch, v),
                  x.dtype, v, grid_y=_cuda.grid_rows(rows))
     return y
 
@@ -269,11 +272,11 @@ def device_backward_dx(dy, x, a, b, c):
     xp = array_module(dy)
     dy, _, ch, v = _cuda.flat(dy)
     dx = xp.empty(dy.shape, dtype=dy.dtype)
-    pc = [_per_channel_values(xp, t, dy.dtype) for t in (a, b, c)]
+    pc = [channel_values(xp, t, dy.dtype) for t in (a, b, c)]
     rows = dy.shape[0] * ch
     _cuda.launch(DEVICE_SOURCE, "bn_backward_dx", SIGNATURES["bn_backward_dx"],
                  (dy, xp.ascontiguousarray(x), *pc, dx, rows, ch, v), dy.dtype, v, grid_y=_cuda.grid_rows(rows))
     return dx
 
 __all__ = ["BLOCK_ELEMENTS", "applies", "channel_blocks", "run_blocks", "local_sums", "affine", "backward_sums",
-           "backward_dx", "DEVICE_SOURCE", "SIGNATURES"]
+           "backward_dx", "channel_values", "DEVICE_SOURCE", "SIGNATURES"]

@@ -223,28 +223,17 @@ SIGNATURES = {
 
 
 def _rows(xp, v, channels_per_group, dtype):
-    """(N, G) -> the (N*C,) per-row values, contiguous in ``dtype`` (None stays None)."""
-    return None if v is None else xp.ascontiguousarray(xp.repeat(v.astype(dtype), channels_per_group, axis=1)
-                                                       .reshape(-1))
-
-
-def _channels(xp, v, dtype):
-    return None if v is None else xp.ascontiguousarray(v.reshape(-1), dtype=dtype)
+    """(N, G) -> the (N*C,) per-row values, as the kernels take a vector (None stays None)."""
+    return None if v is None else batch_norm.channel_values(xp, xp.repeat(v, channels_per_group, axis=1), dtype)
 
 
 def device_local_sums(x, num_groups, shift):
-    """batch norm's ``bn_sums`` over the N*C rows (one sample of N*C channels), a shift per row;
-    the (N*C,) sums added per group -> (N, G) float64."""
+    """batch norm's sums (``batch_norm.device_local_sums``) over x seen as one sample of N*C
+    channels, a shift per row; the (N*C,) sums added per group -> (N, G) float64."""
     xp = array_module(x)
-    x, n, c, v = _cuda.flat(x)
-    rows = n * c
-    lanes = _cuda.sum_lanes(v)
-    s1 = xp.empty((rows, lanes), dtype=xp.float64)
-    s2 = xp.empty((rows, lanes), dtype=xp.float64)
-    k = _rows(xp, shift, c // num_groups, x.dtype)
-    _cuda.launch(batch_norm.DEVICE_SOURCE, "bn_sums", batch_norm.SIGNATURES["bn_sums"],
-                 (x, k, s1, s2, 1, rows, v, lanes), x.dtype, lanes, grid_y=_cuda.grid_rows(rows))
-    return tuple(t.sum(axis=1).reshape(n, num_groups, -1).sum(axis=-1) for t in (s1, s2))
+    x, n, c, _ = _cuda.flat(x)
+    sums = batch_norm.device_local_sums(x.reshape(1, n * c, -1), _rows(xp, shift, c // num_groups, x.dtype))
+    return tuple(t.reshape(n, num_groups, -1).sum(axis=-1) for t in sums)
 
 
 def device_forward(x, num_groups, mean, inv_std, gamma, beta):
@@ -252,9 +241,10 @@ def device_forward(x, num_groups, mean, inv_std, gamma, beta):
     x, n, c, v = _cuda.flat(x)
     y = xp.empty(x.shape, dtype=x.dtype)
     cpg, dt = c // num_groups, x.dtype
+    gamma, beta = (batch_norm.channel_values(xp, t, dt) for t in (gamma, beta))
     _cuda.launch(DEVICE_SOURCE, "gn_forward", SIGNATURES["gn_forward"],
-                 (x, _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt), _channels(xp, gamma, dt),
-                  _channels(xp, beta, dt), y, n * c, c, v), dt, v, grid_y=_cuda.grid_rows(n * c))
+                 (x, _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt), gamma, beta, y, n * c, c, v), dt, v,
+                 grid_y=_cuda.grid_rows(n * c))
     return y
 
 
@@ -278,8 +268,8 @@ def device_backward(dy, x, num_groups, mean, inv_std, gamma, mean_g, mean_g_xhat
     cpg, dt = c // num_groups, dy.dtype
     _cuda.launch(DEVICE_SOURCE, "gn_backward_dx", SIGNATURES["gn_backward_dx"],
                  (dy, xp.ascontiguousarray(x), _rows(xp, mean, cpg, dt), _rows(xp, inv_std, cpg, dt),
-                  _channels(xp, gamma, dt), _rows(xp, mean_g, cpg, dt), _rows(xp, mean_g_xhat, cpg, dt), dx,
-                  n * c, c, v), dt, v, grid_y=_cuda.grid_rows(n * c))
+                  batch_norm.channel_values(xp, gamma, dt), _rows(xp, mean_g, cpg, dt),
+                  _rows(xp, mean_g_xhat, cpg, dt), dx, n * c, c, v), dt, v, grid_y=_cuda.grid_rows(n * c))
     return dx
 
 
