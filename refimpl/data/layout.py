@@ -150,11 +150,12 @@ def write_samples(path, samples, first_index: int, attrs: dict, layout: str = "s
     if chunk_edge < 1:
         raise ValueError(f"chunk_edge must be >= 1, got {chunk_edge}")
     attrs = dict(attrs, first_index=first_index, layout=layout)
-    written = [0]
     if layout == "single":
-        atomic_write(path, lambda fh: written.__setitem__(0, _write_single(fh, samples, count, attrs, chunk_edge,
-                                                                           progress)), binary=True, fsync=True)
+        written = []
+        atomic_write(path, lambda fh: written.append(_write_single(fh, samples, count, attrs, chunk_edge, progress)),
+                     binary=True, fsync=True)
         return written[0]
+    n = 0
     with atomic_target(path) as tmp:
         os.makedirs(tmp)
         for i, (full, target) in enumerate(samples):
@@ -166,10 +167,10 @@ def write_samples(path, samples, first_index: int, attrs: dict, layout: str = "s
                 raise OSError(err.errno, err.strerror, os.path.join(path, sample_file_name(i))) from None
             if progress is not None:
                 progress(1)
-            written[0] = i + 1
-        if not written[0]:
+            n = i + 1
+        if not n:
             raise ValueError(f"{path}: no sample to write")
-    return written[0]
+    return n
 
 
 def _target_key(target) -> str:
