@@ -60,7 +60,8 @@ def make_source(root, n_train=5, n_val=3, size=8, seed=0, val_dir="validation"):
 # ---------------------------------------------------------------- CRC-32C and the Example parser
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4095, tfrecord.MIN_LANE_BYTES - 1, tfrecord.MIN_LANE_BYTES,
-                               tfrecord.MIN_LANE_BYTES + 1, tfrecord.LANES * 37 + 4095, 3_000_017])
+                               tfrecord.MIN_LANE_BYTES + 1, tfrecord.LANES * 37 + 4095, 3_000_017,
+                               tfrecord.LANES * (tfrecord.MIN_PIECE_BYTES + 3) + tfrecord.LANES - 1])
 def test_crc32c_equals_the_crc32c_package(n):
     data = numpy.random.default_rng(n).integers(0, 256, n, dtype=numpy.uint8).tobytes()
     assert tfrecord.crc32c(data) == crc32c_package.crc32c(data)
@@ -198,6 +199,69 @@ def test_damaged_or_foreign_input_is_refused_naming_the_record(tmp_path, capsys,
     assert not os.path.exists(out / "train.h5") and not [n for n in os.listdir(out) if n.startswith(".tmp")]
 
 
+def test_with_several_workers_the_first_bad_record_is_named(tmp_path, capsys):
+    """Readers on threads finish out of order; the writer takes their samples in order, so the
+    error is the one a sequential read meets first (univ_0001), not the one read first."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_source(src, n_train=6, n_val=1)
+    damage(src / "train" / "univ_0001.tfrecord", 6)                  # gzip's trailer
+    damage(src / "train" / "univ_0004.tfrecord", 100)                # a data byte (plain file)
+    assert convert(src, "--out", out, "--workers", "4") == 2
+    err = capsys.readouterr().err
+    assert "univ_0001.tfrecord: record 1: the gzip stream is damaged" in err and err.count("\n") == 1, err
+    assert not [n for n in os.listdir(out) if not n.startswith(".lock")]
+
+
+def test_a_source_that_cannot_be_read_is_bad_input_not_a_failed_write(tmp_path, capsys):
+    make_source(tmp_path / "src", n_train=2, n_val=1)
+    os.makedirs(tmp_path / "src" / "train" / "univ_0005.tfrecord")    # a directory where a file is expected
+    assert convert(tmp_path / "src", "--out", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "univ_0005.tfrecord: cannot be read (Is a directory" in err and err.count("\n") == 1, err
+
+
+def dataset_contents(path):
+    """Every dataset and root attribute of a split (one file, or a directory of per-sample files)."""
+    files = sorted(os.path.join(path, n) for n in os.listdir(path)) if os.path.isdir(path) else [path]
+    out = []
+    for name in files:
+        with h5py.File(name, "r") as f:
+            out.append(({k: f[k][()] for k in f}, dict(f.attrs)))
+    return out
+
+
+def same_contents(a, b):
+    return len(a) == len(b) and all(
+        da.keys() == db.keys() and all(numpy.array_equal(da[k], db[k]) for k in da)
+        and aa.keys() == ab.keys() and all(numpy.array_equal(aa[k], ab[k]) for k in aa)
+        for (da, aa), (db, ab) in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", ["single", "per-sample"])
+def test_any_worker_count_writes_the_same_dataset(tmp_path, layout):
+    src = tmp_path / "src"
+    make_source(src, n_train=7, n_val=3)
+    rng = numpy.random.default_rng(9)                                 # and a file of several records
+    write_records(src / "train" / "univ_0003.tfrecord",
+                  [mlperf_example(rng.integers(0, 9, (8, 8, 8, 4)).astype(numpy.int16), rng.uniform(-1, 1, 4))
+                   for _ in range(4)], compress=True)
+    make_universes(tmp_path / "universes", count=3, width=8)
+    suffix = ".h5" if layout == "single" else ""
+    for workers in ("1", "3", "8"):
+        assert convert(src, "--out", tmp_path / f"m{workers}", "--layout", layout, "--workers", workers,
+                       "--samples", "9") == 0
+        assert main(["convert", "nersc-cosmoflow", str(tmp_path / "universes"), "--size", "4", "--val-files", "1",
+                     "--out", str(tmp_path / f"n{workers}"), "--layout", layout, "--workers", workers,
+                     "--quiet"]) == 0
+    for kind in "mn":
+        for split in ("train", "val"):
+            one = dataset_contents(tmp_path / f"{kind}1" / (split + suffix))
+            assert len(one) == (1 if layout == "single" else {"m": {"train": 9, "val": 3},
+                                                                  "n": {"train": 16, "val": 8}}[kind][split])
+            for workers in ("3", "8"):
+                assert same_contents(one, dataset_contents(tmp_path / f"{kind}{workers}" / (split + suffix)))
+
+
 def test_no_verify_skips_the_data_crc_only(tmp_path):
     src = tmp_path / "src"
     make_source(src, n_train=3, n_val=1)
@@ -209,6 +273,7 @@ def test_no_verify_skips_the_data_crc_only(tmp_path):
     (["--samples", "0"], "--samples must be >= 1"),
     (["--val-samples", "-1"], "--val-samples must be >= 0"),
     (["--chunk", "0"], "--chunk must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1"),
 ])
 def test_bad_flags(tmp_path, capsys, args, message):
     make_source(tmp_path / "src", n_train=1, n_val=1)

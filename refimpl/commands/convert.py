@@ -24,7 +24,7 @@ import os
 EPILOG = """\
 examples:
   refimpl convert mlperf-cosmoflow /data/cosmoUniverse_2019_05_4parE_tf_v2 --out data/mlperf
-  refimpl convert mlperf-cosmoflow SRC --out data/mlperf_small --samples 1024 --val-samples 128
+  refimpl convert mlperf-cosmoflow SRC --out data/mlperf_small --samples 1024 --val-samples 128 --workers 4
   refimpl convert nersc-cosmoflow /data/cosmoUniverse_2019_05_4parE --size 256 --val-files 16 --out data/c256
   mpiexec -n 8 --oversubscribe refimpl train --model cosmoflow --preset mlperf --data data/mlperf \\
       --grid 2,2,2,1 --global-batch 8 --out runs/mlperf
@@ -40,13 +40,15 @@ nersc-cosmoflow: every *.hdf5 under SRC (sorted by path), each one universe: 'fu
 output: OUT/train.h5, OUT/val.h5 ('full' (N, 4, S, S, S) float32, 'unitPar' (N, 4) float32;
         --layout per-sample: OUT/train/000000.hdf5 ...), written atomically as datagen's are.
 exit status: 0 written, 2 bad input (a damaged or foreign file or record: named; OUT in
-use), 4 a write failed (disk full).
+use), 4 a write failed (disk full); 130 interrupted.
 """
 
 #: The sources ``refimpl convert`` reads.
 KINDS = ("mlperf-cosmoflow", "nersc-cosmoflow")
 #: Validation directory names MLPerf's releases use, in the order they are looked for.
 VALIDATION_DIRS = ("validation", "val")
+#: ``--workers``' default: the cores this process may use, at most this many (the writer is one).
+MAX_DEFAULT_WORKERS = 8
 #: nersc-cosmoflow's default validation share: one universe in this many.
 VAL_FILE_SHARE = 8
 
@@ -69,6 +71,10 @@ def add_arguments(parser) -> None:
                         help="training samples to convert: the first N records (default: all)")
     parser.add_argument("--val-samples", type=int, default=None,
                         help="validation samples: the first M records (default: all; 0 writes no val split)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="threads that read the source (gunzip, CRC, parse, transpose) while one writes, "
+                             "in order: the output is the same for any count (default: the cores this process "
+                             f"may use, at most {MAX_DEFAULT_WORKERS}; each holds up to two samples)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the CRC-32C of each record's data (the length's is always checked)")
     from .dataset_output import add_output_arguments
@@ -126,27 +132,72 @@ def universe_files(source: str, size: int, val_files) -> list[tuple[str, list[st
     return [("train", files[:len(files) - k]), ("val", files[len(files) - k:])]
 
 
-def samples_of(kind, files, limit, args, seen):
-    """``(full, unitPar)`` of the records (mlperf-cosmoflow) or cubes (nersc-cosmoflow) of
-    ``files`` in order, at most ``limit`` (None: all); ``seen["shape"]`` the first sample's,
-    which every later one must have."""
+def units_of(kind, files, size):
+    """The units of reading, in order, each ``(path, cubes)``: a whole TFRecord file
+    (mlperf-cosmoflow; ``cubes`` None) or one cube of a universe (nersc-cosmoflow: ``(i,)``,
+    its count from the file's own shape, so a worker holds one cube, not a universe)."""
+    if kind == "mlperf-cosmoflow":
+        yield from ((path, None) for path in files)
+        return
+    import h5py
+
+    from ..data.nersc import cubes_per_universe, universe_shape
+    for path in files:
+        try:
+            with h5py.File(path, "r") as h5:
+                n = cubes_per_universe(universe_shape(h5, path), size)
+        except OSError as err:
+            raise ValueError(f"{path}: cannot be read as HDF5 ({err})") from None
+        yield from ((path, (i,)) for i in range(n))
+
+
+def unit_samples(kind, verify, size, unit):
+    """``(full, unitPar, where)`` of each sample of one unit (``units_of``), ``where`` naming its
+    file and record or cube; a source that cannot be read is a ValueError naming it (not the
+    writer's OSError)."""
     from ..data.nersc import subvolumes
     from ..data.tfrecord import mlperf_sample, records
-    n = 0
-    for path in files:
+    from ..errors import describe
+    path, cubes = unit
+    try:
         if kind == "mlperf-cosmoflow":
-            samples = ((mlperf_sample(r, f"{path}: record {i}"), f"{path}: record {i}")
-                       for i, r in enumerate(records(path, verify=args.verify)))
+            for i, record in enumerate(records(path, verify=verify)):
+                where = f"{path}: record {i}"
+                yield mlperf_sample(record, where) + (where,)
         else:
-            samples = ((cube, f"{path}: cube {i}") for i, cube in enumerate(subvolumes(path, args.size)))
-        for (full, target), where in samples:
-            if limit is not None and n >= limit:
-                return
-            if seen.setdefault("shape", full.shape) != full.shape:
-                raise ValueError(f"{where} is a sample of {full.shape}, the first one {seen['shape']}: one "
-                                 "dataset holds one sample shape")
-            yield full, target
-            n += 1
+            for i, (full, target) in zip(cubes, subvolumes(path, size, cubes)):
+                yield full, target, f"{path}: cube {i}"
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({describe(err)})") from None
+
+
+def unit_sample_list(kind, verify, size, unit) -> list:
+    """``unit_samples`` as a list: what a worker thread returns (its reading done on that thread)."""
+    return list(unit_samples(kind, verify, size, unit))
+
+
+def samples_of(kind, files, limit, args, seen):
+    """``(full, unitPar)`` of the records (mlperf-cosmoflow) or cubes (nersc-cosmoflow) of
+    ``files`` in order, at most ``limit`` (None: all), read by ``args.workers`` processes
+    (threads: ``ordered_map``; the same samples in the same order for any count); ``seen["shape"]`` the
+    first sample's, which every later one must have."""
+    import contextlib
+    import functools
+
+    from ..data.ordered_pool import ordered_map
+    read = unit_samples if args.workers == 1 else unit_sample_list       # one thread streams a file's records
+    n = 0
+    with contextlib.closing(ordered_map(functools.partial(read, kind, args.verify, args.size),
+                                        units_of(kind, files, args.size), args.workers)) as units:
+        for unit in units:
+            for full, target, where in unit:
+                if limit is not None and n >= limit:
+                    return
+                if seen.setdefault("shape", full.shape) != full.shape:
+                    raise ValueError(f"{where} is a sample of {full.shape}, the first one {seen['shape']}: one "
+                                     "dataset holds one sample shape")
+                yield full, target
+                n += 1
 
 
 def expected_samples(args, files, limit) -> int:
@@ -181,6 +232,11 @@ def convert(args) -> int:
             refuse(f"{flag} must be >= {least}, got {value}")
     if args.chunk < 1:
         refuse(f"--chunk must be >= 1, got {args.chunk}")
+    if args.workers is None:
+        from ..data.ordered_pool import usable_cores
+        args.workers = min(MAX_DEFAULT_WORKERS, usable_cores())
+    if args.workers < 1:
+        refuse(f"--workers must be >= 1, got {args.workers}")
     try:
         if args.kind == "mlperf-cosmoflow":
             for flag, value in (("--size", args.size), ("--val-files", args.val_files)):
@@ -222,6 +278,7 @@ def convert(args) -> int:
         refuse(str(err))
     except OSError as err:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
+
     if not args.quiet:
         for target, count, n_files in written:
             print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} "

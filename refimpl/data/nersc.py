@@ -43,10 +43,11 @@ def cubes_per_universe(shape, size: int) -> int:
     return int(numpy.prod([w // size for w in shape[:3]]))
 
 
-def subvolumes(path: str, size: int):
+def subvolumes(path: str, size: int, cubes=None):
     """``(full (C, size, size, size) float32, unitPar (T,) float32)`` of every ``size``^3 cube of
-    the universe in ``path``, the first axis outermost (MLPerf's ``prepare.py``); ValueError
-    for a universe whose extents ``size`` does not divide, or non-finite parameters."""
+    the universe in ``path``, the first axis outermost (MLPerf's ``prepare.py``), or of the cubes
+    numbered ``cubes`` in that order; ValueError for a universe whose extents ``size`` does not
+    divide, or non-finite parameters."""
     import h5py
     with h5py.File(path, "r") as h5:
         shape = universe_shape(h5, path)
@@ -57,7 +58,9 @@ def subvolumes(path: str, size: int):
         if not numpy.isfinite(target).all():
             raise ValueError(f"{path}: 'unitPar' holds a NaN or infinity")
         full = h5[DATA_KEY]
-        for a, b, c in itertools.product(*(range(0, w, size) for w in shape[:3])):
+        corners = list(itertools.product(*(range(0, w, size) for w in shape[:3])))
+        for i in range(len(corners)) if cubes is None else cubes:
+            a, b, c = corners[i]
             cube = full[a:a + size, b:b + size, c:c + size, :]                 # (S, S, S, C)
             yield numpy.ascontiguousarray(cube.transpose(3, 0, 1, 2), dtype=numpy.float32), target.copy()
 
