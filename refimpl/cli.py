@@ -16,7 +16,8 @@ COMMANDS = {
     "check-layer": ("refimpl.commands.check_layer",
                     "run one spatially partitioned layer under mpiexec and compare it with the unpartitioned oracle"),
     "convert": ("refimpl.commands.convert",
-                "turn the real CosmoFlow data (MLPerf's TFRecords, the NERSC universes) into refimpl's HDF5 layout"),
+                "turn the real CosmoFlow data (MLPerf's TFRecords, the NERSC universes, LBANN's split) into "
+                "refimpl's HDF5 layout"),
     "datagen": ("refimpl.commands.datagen", "write a synthetic CosmoFlow or segmentation dataset (HDF5, train/val)"),
     "oracle": ("refimpl.commands.oracle",
                "reference cases per layer, grid and rank; check another implementation's results shard by shard"),

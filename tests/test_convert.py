@@ -300,7 +300,7 @@ def test_help_names_the_format_and_the_layout():
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     for words in ("mlperf-cosmoflow", "train/*.tfrecord", "gzip", "int16", "--layout", "--no-verify", "CRC-32C",
-                  "nersc-cosmoflow", "--size", "--val-files", "validation split"):
+                  "nersc-cosmoflow", "--size", "--val-files", "validation split", "--workers"):
         assert words in text, words
 
 
@@ -384,6 +384,78 @@ def test_a_foreign_universe_file_is_refused_naming_it(tmp_path, capsys):
     assert main(["convert", "nersc-cosmoflow", str(tmp_path / "src"), "--size", "4", "--out", str(tmp_path / "o"),
                  "--quiet"]) == 2
     assert "univ_00.hdf5: no dataset 'full'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- lbann-cosmoflow: LBANN's split, a file per sample
+
+def write_lbann_split(universe_dir, out, size, n_val, transpose=True):
+    """LBANN's ``split_cosmoflow_sample.py`` layout, written here as that script does: universes
+    sorted by path, the first ones train/ and the next n_val validation/, 64 universes per
+    numbered subdirectory, each cube ``<universe>_<i:03d>.hdf5`` with 'split' (channels first
+    unless not ``transpose``) in the universe's dtype and 'unitPar' as stored (float64)."""
+    files = sorted(str(p) for p in universe_dir.rglob("*.hdf5"))
+    for chunk, names in (("train", files[:len(files) - n_val]), ("validation", files[len(files) - n_val:])):
+        for idx, name in enumerate(names):
+            with h5py.File(name, "r") as f:
+                x, y = f["full"][:], f["unitPar"][:]
+            base = out / chunk / f"{idx // 64:03d}" / os.path.splitext(os.path.basename(name))[0]
+            os.makedirs(base.parent, exist_ok=True)
+            k = x.shape[0] // size
+            cubes = [c for a in numpy.split(x, k, 0) for b in numpy.split(a, k, 1) for c in numpy.split(b, k, 2)]
+            for i, cube in enumerate(cubes):
+                with h5py.File(f"{base}_{i:03d}.hdf5", "w") as g:
+                    g.create_dataset("split", data=cube.transpose(3, 0, 1, 2) if transpose else cube)
+                    g.create_dataset("unitPar", data=y)
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_lbann_split_files_convert_to_the_same_samples_as_the_universes(tmp_path, transpose):
+    """A Distconv user's LBANN split and refimpl's own cut of the same universes give the same
+    dataset: the same cubes, channels first, in the same order, float32."""
+    make_universes(tmp_path / "universes", count=3, width=16)      # cubes of 8: not 4 = C, which reads either way
+    write_lbann_split(tmp_path / "universes", tmp_path / "lbann", size=8, n_val=1, transpose=transpose)
+    assert main(["convert", "nersc-cosmoflow", str(tmp_path / "universes"), "--size", "8", "--val-files", "1",
+                 "--out", str(tmp_path / "n"), "--quiet"]) == 0
+    assert main(["convert", "lbann-cosmoflow", str(tmp_path / "lbann"), "--out", str(tmp_path / "l"),
+                 "--workers", "3", "--quiet"]) == 0
+    for split in ("train.h5", "val.h5"):
+        with h5py.File(tmp_path / "n" / split, "r") as a, h5py.File(tmp_path / "l" / split, "r") as b:
+            assert b["full"].shape == a["full"].shape == ((16 if split == "train.h5" else 8), 4, 8, 8, 8)
+            assert b["full"].dtype == numpy.float32 and b["unitPar"].dtype == numpy.float32
+            assert numpy.array_equal(a["full"][()], b["full"][()])
+            assert numpy.array_equal(a["unitPar"][()], b["unitPar"][()])
+            assert b.attrs["generator"] == "lbann-cosmoflow"
+    from refimpl.data.reader import HDF5Reader
+    from refimpl.train_data import counts_data
+    assert counts_data(HDF5Reader(tmp_path / "l" / "train.h5").attrs)
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"other": numpy.ones(3)}, "holds 'split' (or 'full')"),
+    ({"split": numpy.ones((4, 4, 4)), "unitPar": numpy.ones(4)}, "must be a 4-D cube of numbers"),
+    ({"split": numpy.ones((4, 4, 5, 4)), "unitPar": numpy.ones(4)}, "is not a cube (C, S, S, S) or (S, S, S, C)"),
+    ({"split": numpy.ones((4, 4, 4, 4)), "unitPar": numpy.array([1, numpy.inf, 0, 0])}, "holds a NaN or infinity"),
+])
+def test_a_foreign_lbann_file_is_refused_naming_it(tmp_path, capsys, content, message):
+    for i in range(3):
+        os.makedirs(tmp_path / "src" / "train" / "000", exist_ok=True)
+        with h5py.File(tmp_path / "src" / "train" / "000" / f"u_{i:03d}.hdf5", "w") as f:
+            for k, v in (content if i == 1 else {"split": numpy.ones((4, 4, 4, 4)) + i,
+                                                  "unitPar": numpy.ones(4)}).items():
+                f[k] = v
+    assert main(["convert", "lbann-cosmoflow", str(tmp_path / "src"), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "u_001.hdf5" in err and message in err and err.count("\n") == 1, err
+    assert not [n for n in os.listdir(tmp_path / "o") if not n.startswith(".lock")]
+
+
+def test_lbann_refuses_the_other_kinds_flags_and_an_empty_source(tmp_path, capsys):
+    os.makedirs(tmp_path / "src" / "train")
+    assert main(["convert", "lbann-cosmoflow", str(tmp_path / "src"), "--out", str(tmp_path / "o")]) == 2
+    assert "no train/**/*.hdf5 (LBANN's CosmoFlow split" in capsys.readouterr().err
+    for extra in (["--size", "4"], ["--val-files", "1"], ["--no-verify"]):
+        assert main(["convert", "lbann-cosmoflow", str(tmp_path / "src"), "--out", str(tmp_path / "o"), *extra]) == 2
+        assert "leave it out" in capsys.readouterr().err
 
 
 def test_mlperf_refuses_the_universe_flags(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """``refimpl convert``: the real CosmoFlow data into refimpl's HDF5 layout, without TensorFlow.
 
-Two sources, one output:
+Three sources, one output:
 
 - ``mlperf-cosmoflow``: MLPerf's benchmark data (``cosmoUniverse_2019_05_4parE_tf_v2``:
   ``train/`` and ``validation/`` directories of ``*.tfrecord`` files, gzip-compressed or not,
@@ -8,7 +8,9 @@ Two sources, one output:
 - ``nersc-cosmoflow``: the NERSC universes it was cut from (one HDF5 file per universe,
   (W, W, W, 4) counts; ``refimpl/data/nersc.py``), cut into ``--size``^3 cubes: 128^3 as
   MLPerf's, or 256^3 and 512^3 as the seed paper's volume study; whole universes go to the
-  validation split (``--val-files``), so no universe's parameters are in both.
+  validation split (``--val-files``), so no universe's parameters are in both;
+- ``lbann-cosmoflow``: those cubes as LBANN's ``split_cosmoflow_sample.py`` writes them, one
+  HDF5 file per sample under ``train/`` and ``validation/`` (``nersc.split_sample``).
 
 Either becomes ``OUT/train.h5`` and ``OUT/val.h5`` (or ``per-sample`` directories), which
 ``refimpl train --data OUT`` trains on, under any grid: each rank then reads only its own block
@@ -26,6 +28,7 @@ examples:
   refimpl convert mlperf-cosmoflow /data/cosmoUniverse_2019_05_4parE_tf_v2 --out data/mlperf
   refimpl convert mlperf-cosmoflow SRC --out data/mlperf_small --samples 1024 --val-samples 128 --workers 4
   refimpl convert nersc-cosmoflow /data/cosmoUniverse_2019_05_4parE --size 256 --val-files 16 --out data/c256
+  refimpl convert lbann-cosmoflow /data/cosmoflow_lbann_split --out data/lbann
   mpiexec -n 8 --oversubscribe refimpl train --model cosmoflow --preset mlperf --data data/mlperf \\
       --grid 2,2,2,1 --global-batch 8 --out runs/mlperf
 
@@ -37,6 +40,10 @@ nersc-cosmoflow: every *.hdf5 under SRC (sorted by path), each one universe: 'fu
         counts, channels last (any integer or float type), 'unitPar' (4,).  Each is cut into
         (W/S)^3 cubes of --size S (the first axis outermost, as MLPerf's prepare.py); the last
         --val-files universes (default: one in eight) are the validation split.
+lbann-cosmoflow: SRC/train/**/*.hdf5 and SRC/validation/**/*.hdf5 (SRC/val/ also taken), sorted by
+        path, as LBANN's split_cosmoflow_sample.py writes them: one sample per file, 'split'
+        (or 'full') a (4, S, S, S) cube (or (S, S, S, 4), --no-transpose's) of any numeric
+        type, 'unitPar' (4,).
 output: OUT/train.h5, OUT/val.h5 ('full' (N, 4, S, S, S) float32, 'unitPar' (N, 4) float32;
         --layout per-sample: OUT/train/000000.hdf5 ...), written atomically as datagen's are.
 exit status: 0 written, 2 bad input (a damaged or foreign file or record: named; OUT in
@@ -44,7 +51,7 @@ use), 4 a write failed (disk full); 130 interrupted.
 """
 
 #: The sources ``refimpl convert`` reads.
-KINDS = ("mlperf-cosmoflow", "nersc-cosmoflow")
+KINDS = ("mlperf-cosmoflow", "nersc-cosmoflow", "lbann-cosmoflow")
 #: Validation directory names MLPerf's releases use, in the order they are looked for.
 VALIDATION_DIRS = ("validation", "val")
 #: ``--workers``' default: the cores this process may use, at most this many (the writer is one).
@@ -57,9 +64,11 @@ def add_arguments(parser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("kind", choices=KINDS,
-                        help="the source: MLPerf HPC CosmoFlow's TFRecords, or the NERSC universes (HDF5)")
+                        help="the source: MLPerf HPC CosmoFlow's TFRecords, the NERSC universes (HDF5), or "
+                             "LBANN's split of them (one HDF5 file per sample)")
     parser.add_argument("source", metavar="SRC", help="mlperf-cosmoflow: the directory holding train/ and "
-                        "validation/ of *.tfrecord; nersc-cosmoflow: a directory of universes (*.hdf5)")
+                        "validation/ of *.tfrecord; nersc-cosmoflow: a directory of universes (*.hdf5); "
+                        "lbann-cosmoflow: the directory holding train/ and validation/ of split samples (*.hdf5)")
     parser.add_argument("--size", type=int, default=None,
                         help="nersc-cosmoflow: the edge S of the cubes cut from each universe (required; it "
                              "must divide the universe's extents, e.g. 128, 256 or 512 of 512)")
@@ -86,20 +95,23 @@ def run(args) -> int:
     return run_alone("convert", lambda: convert(args))
 
 
-def split_files(source: str) -> list[tuple[str, list[str]]]:
-    """``[("train", files), ("val", files)]`` of SRC: its ``train/`` and its validation directory
-    (``VALIDATION_DIRS``), each's ``*.tfrecord`` sorted; ValueError where SRC holds no training
-    files."""
+def split_files(source: str, pattern: str = "*.tfrecord") -> list[tuple[str, list[str]]]:
+    """``[("train", files), ("val", files)]`` of SRC: the files matching ``pattern`` under its
+    ``train/`` and its validation directory (``VALIDATION_DIRS``), each sorted by path; ``**``
+    in ``pattern`` reaches into subdirectories.  ValueError where SRC holds no training files."""
+    what = "MLPerf's CosmoFlow data" if pattern == "*.tfrecord" else "LBANN's CosmoFlow split"
     if not os.path.isdir(source):
-        raise ValueError(f"SRC {source} is not a directory (MLPerf's data: a directory with train/ and "
-                         "validation/ of *.tfrecord)")
-    train = sorted(glob.glob(os.path.join(source, "train", "*.tfrecord")))
+        raise ValueError(f"SRC {source} is not a directory ({what}: a directory with train/ and validation/)")
+
+    def listed(name):
+        return sorted(glob.glob(os.path.join(source, name, pattern), recursive=True))
+    train = listed("train")
     if not train:
-        raise ValueError(f"SRC {source}: no train/*.tfrecord (MLPerf's CosmoFlow data has train/ and validation/ "
-                         "directories of *.tfrecord files)")
+        raise ValueError(f"SRC {source}: no train/{pattern} ({what} has train/ and validation/ directories of "
+                         f"{pattern.split('/')[-1]} files)")
     val = []
     for name in VALIDATION_DIRS:
-        val = sorted(glob.glob(os.path.join(source, name, "*.tfrecord")))
+        val = listed(name)
         if val:
             break
     return [("train", train), ("val", val)]
@@ -134,9 +146,10 @@ def universe_files(source: str, size: int, val_files) -> list[tuple[str, list[st
 
 def units_of(kind, files, size):
     """The units of reading, in order, each ``(path, cubes)``: a whole TFRecord file
-    (mlperf-cosmoflow; ``cubes`` None) or one cube of a universe (nersc-cosmoflow: ``(i,)``,
-    its count from the file's own shape, so a worker holds one cube, not a universe)."""
-    if kind == "mlperf-cosmoflow":
+    (mlperf-cosmoflow; ``cubes`` None), one LBANN split file (lbann-cosmoflow) or one cube of
+    a universe (nersc-cosmoflow: ``(i,)``, its count from the file's own shape, so a worker
+    holds one cube, not a universe)."""
+    if kind != "nersc-cosmoflow":
         yield from ((path, None) for path in files)
         return
     import h5py
@@ -155,12 +168,14 @@ def unit_samples(kind, verify, size, unit):
     """``(full, unitPar, where)`` of each sample of one unit (``units_of``), ``where`` naming its
     file and record or cube; a source that cannot be read is a ValueError naming it (not the
     writer's OSError)."""
-    from ..data.nersc import subvolumes
+    from ..data.nersc import split_sample, subvolumes
     from ..data.tfrecord import mlperf_sample, records
     from ..errors import describe
     path, cubes = unit
     try:
-        if kind == "mlperf-cosmoflow":
+        if kind == "lbann-cosmoflow":
+            yield split_sample(path) + (path,)
+        elif kind == "mlperf-cosmoflow":
             for i, record in enumerate(records(path, verify=verify)):
                 where = f"{path}: record {i}"
                 yield mlperf_sample(record, where) + (where,)
@@ -177,10 +192,10 @@ def unit_sample_list(kind, verify, size, unit) -> list:
 
 
 def samples_of(kind, files, limit, args, seen):
-    """``(full, unitPar)`` of the records (mlperf-cosmoflow) or cubes (nersc-cosmoflow) of
-    ``files`` in order, at most ``limit`` (None: all), read by ``args.workers`` processes
-    (threads: ``ordered_map``; the same samples in the same order for any count); ``seen["shape"]`` the
-    first sample's, which every later one must have."""
+    """``(full, unitPar)`` of the records (mlperf-cosmoflow), split files (lbann-cosmoflow) or
+    cubes (nersc-cosmoflow) of ``files`` in order, at most ``limit`` (None: all), read on
+    ``args.workers`` threads (``ordered_map``: the same samples in the same order for any
+    count); ``seen["shape"]`` the first sample's, which every later one must have."""
     import contextlib
     import functools
 
@@ -202,8 +217,8 @@ def samples_of(kind, files, limit, args, seen):
 
 def expected_samples(args, files, limit) -> int:
     """The progress bar's total: ``limit`` or fewer; MLPerf's files hold one record each (its
-    ``prepare.py``); a universe (nersc-cosmoflow) holds (W/S)^3 cubes, W from its first file."""
-    if args.kind == "mlperf-cosmoflow":
+    ``prepare.py``), LBANN's one sample; a universe (nersc-cosmoflow) holds (W/S)^3 cubes, W from its first file."""
+    if args.kind != "nersc-cosmoflow":
         total = len(files)
     else:
         import h5py
@@ -238,16 +253,19 @@ def convert(args) -> int:
     if args.workers < 1:
         refuse(f"--workers must be >= 1, got {args.workers}")
     try:
-        if args.kind == "mlperf-cosmoflow":
+        if args.kind != "nersc-cosmoflow":
             for flag, value in (("--size", args.size), ("--val-files", args.val_files)):
                 if value is not None:
-                    raise ValueError(f"{flag} is nersc-cosmoflow's (MLPerf's records are whole samples, already "
+                    raise ValueError(f"{flag} is nersc-cosmoflow's ({args.kind}'s samples are cut already, and "
                                      "split); leave it out")
+        if args.kind != "mlperf-cosmoflow" and not args.verify:
+            raise ValueError("--no-verify is mlperf-cosmoflow's (TFRecords carry CRCs; HDF5 files do not); "
+                             "leave it out")
+        if args.kind == "mlperf-cosmoflow":
             splits = split_files(args.source)
+        elif args.kind == "lbann-cosmoflow":
+            splits = split_files(args.source, os.path.join("**", "*.hdf5"))
         else:
-            if not args.verify:
-                raise ValueError("--no-verify is mlperf-cosmoflow's (TFRecords carry CRCs; HDF5 universes do not); "
-                                 "leave it out")
             splits = universe_files(args.source, args.size, args.val_files)
         check_writable(args.out, "--out", directory=True)
     except ValueError as err:
@@ -282,5 +300,5 @@ def convert(args) -> int:
     if not args.quiet:
         for target, count, n_files in written:
             print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} "
-                  f"{'files' if args.kind == 'mlperf-cosmoflow' else 'universes'}")
+                  f"{'universes' if args.kind == 'nersc-cosmoflow' else 'files'}")
     return 0

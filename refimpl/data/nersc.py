@@ -11,6 +11,12 @@ order (the first axis outermost), reading one cube at a time (a universe of 512^
 universe carries its parameters.  ``refimpl convert nersc-cosmoflow`` writes them in refimpl's
 layout, whole universes to either split (a universe's cubes share its parameters: split across
 train and validation they would leak them).
+
+LBANN's ``split_cosmoflow_sample.py`` writes those cubes one per file (``train/000/<universe>_000.hdf5``
+...: ``split``, the cube channels first -- its default transpose, (C, S, S, S) with S the
+universe's first axis after C, as here -- or channels last with ``--no-transpose``, in the
+universe's dtype, and ``unitPar``); ``split_sample`` reads one (``refimpl convert
+lbann-cosmoflow``), so a Distconv user trains refimpl on the very samples LBANN reads.
 """
 from __future__ import annotations
 
@@ -65,4 +71,37 @@ def subvolumes(path: str, size: int, cubes=None):
             yield numpy.ascontiguousarray(cube.transpose(3, 0, 1, 2), dtype=numpy.float32), target.copy()
 
 
-__all__ = ["universe_shape", "cubes_per_universe", "subvolumes"]
+#: The data key of an LBANN split file (``split_cosmoflow_sample.py``); ``full`` is read too.
+SPLIT_KEY = "split"
+
+
+def split_sample(path: str):
+    """``(full (C, S, S, S) float32, unitPar (T,) float32)`` of one LBANN split file: ``split``
+    (or ``full``) a 4-D cube of any numeric type, channels first (``split_cosmoflow_sample.py``'s
+    default) or, where only the last axis differs from the other three, channels last
+    (``--no-transpose``; a cube of S = C, e.g. (4, 4, 4, 4), is read as channels first);
+    ValueError naming ``path`` for anything else."""
+    import h5py
+    with h5py.File(path, "r") as h5:
+        key = next((k for k in (SPLIT_KEY, DATA_KEY) if isinstance(h5.get(k), h5py.Dataset)), None)
+        if key is None or not isinstance(h5.get(TARGET_KEY), h5py.Dataset):
+            raise ValueError(f"{path}: an LBANN CosmoFlow sample holds 'split' (or 'full'), a (4, S, S, S) cube, "
+                             f"and 'unitPar'; found {sorted(h5.keys())}")
+        data, target = h5[key], h5[TARGET_KEY]
+        if data.ndim != 4 or data.dtype.kind not in "iuf" or target.ndim != 1 or target.dtype.kind not in "iuf":
+            raise ValueError(f"{path}: '{key}' must be a 4-D cube of numbers and 'unitPar' a vector, got "
+                             f"{data.dtype} {data.shape} and {target.dtype} {target.shape}")
+        shape = data.shape
+        if len(set(shape[1:])) == 1:                                           # (C, S, S, S)
+            full = numpy.asarray(data[()], dtype=numpy.float32)
+        elif len(set(shape[:3])) == 1:                                         # (S, S, S, C)
+            full = numpy.ascontiguousarray(data[()].transpose(3, 0, 1, 2), dtype=numpy.float32)
+        else:
+            raise ValueError(f"{path}: '{key}' of {shape} is not a cube (C, S, S, S) or (S, S, S, C)")
+        target = numpy.asarray(target[()], dtype=numpy.float32)
+    if not numpy.isfinite(target).all():
+        raise ValueError(f"{path}: 'unitPar' holds a NaN or infinity")
+    return full, target
+
+
+__all__ = ["universe_shape", "cubes_per_universe", "subvolumes", "split_sample", "SPLIT_KEY"]
