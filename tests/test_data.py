@@ -432,6 +432,23 @@ def test_datagen_writes_valid_files(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "bad" / "train.h5")
 
 
+@pytest.mark.parametrize("kind", ["cosmoflow", "segmentation"])
+def test_datagen_writes_the_same_files_on_any_number_of_workers(tmp_path, capsys, kind):
+    """Each sample comes from its own index (seed + i), and the writer takes the workers'
+    samples in order: one thread and five write the same datasets."""
+    for workers in ("1", "5"):
+        assert datagen(kind, "--out", tmp_path / workers, "--samples", 7, "--val-samples", 3, "--size", 8,
+                       "--workers", workers, "--quiet") == 0
+    for split in ("train.h5", "val.h5"):
+        with h5py.File(tmp_path / "1" / split, "r") as a, h5py.File(tmp_path / "5" / split, "r") as b:
+            assert sorted(a) == sorted(b) and a["full"].shape[0] == (7 if split == "train.h5" else 3)
+            for key in a:
+                assert numpy.array_equal(a[key][()], b[key][()])
+    assert datagen(kind, "--out", tmp_path / "0", "--workers", "0", "--quiet") == 2
+    assert "--workers must be >= 1, got 0" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "0" / "train.h5")
+
+
 def test_datagen_leaves_no_split_of_an_earlier_dataset(tmp_path, capsys):
     """A split the new dataset does not write (no validation samples now, or the other layout)
     would be read beside it: refused without --overwrite, removed with it once the new dataset

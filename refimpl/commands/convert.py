@@ -54,8 +54,6 @@ use), 4 a write failed (disk full); 130 interrupted.
 KINDS = ("mlperf-cosmoflow", "nersc-cosmoflow", "lbann-cosmoflow")
 #: Validation directory names MLPerf's releases use, in the order they are looked for.
 VALIDATION_DIRS = ("validation", "val")
-#: ``--workers``' default: the cores this process may use, at most this many (the writer is one).
-MAX_DEFAULT_WORKERS = 8
 #: nersc-cosmoflow's default validation share: one universe in this many.
 VAL_FILE_SHARE = 8
 
@@ -80,14 +78,10 @@ def add_arguments(parser) -> None:
                         help="training samples to convert: the first N records (default: all)")
     parser.add_argument("--val-samples", type=int, default=None,
                         help="validation samples: the first M records (default: all; 0 writes no val split)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="threads that read the source (gunzip, CRC, parse, transpose) while one writes, "
-                             "in order: the output is the same for any count (default: the cores this process "
-                             f"may use, at most {MAX_DEFAULT_WORKERS}; each holds up to two samples)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the CRC-32C of each record's data (the length's is always checked)")
     from .dataset_output import add_output_arguments
-    add_output_arguments(parser, "convert")
+    add_output_arguments(parser, "convert", "read the source (gunzip, CRC, parse, transpose)")
 
 
 def run(args) -> int:
@@ -240,18 +234,14 @@ def convert(args) -> int:
     from refimpl.paths import check_writable
     from refimpl.progress import phase
 
-    from .dataset_output import writing_into
+    from .dataset_output import worker_count, writing_into
 
     for flag, value, least in (("--samples", args.samples, 1), ("--val-samples", args.val_samples, 0)):
         if value is not None and value < least:
             refuse(f"{flag} must be >= {least}, got {value}")
     if args.chunk < 1:
         refuse(f"--chunk must be >= 1, got {args.chunk}")
-    if args.workers is None:
-        from ..data.ordered_pool import usable_cores
-        args.workers = min(MAX_DEFAULT_WORKERS, usable_cores())
-    if args.workers < 1:
-        refuse(f"--workers must be >= 1, got {args.workers}")
+    args.workers = worker_count(args)
     try:
         if args.kind != "nersc-cosmoflow":
             for flag, value in (("--size", args.size), ("--val-files", args.val_files)):

@@ -73,7 +73,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mean-count", type=float, default=64.0,
                         help="cosmoflow mean particles per voxel (default 64); 0 stores densities")
     from .dataset_output import add_output_arguments
-    add_output_arguments(parser, "datagen")
+    add_output_arguments(parser, "datagen", "generate the samples")
 
 
 def run(args) -> int:
@@ -94,10 +94,11 @@ def generate(args) -> int:
     from refimpl.paths import check_writable
     from refimpl.progress import phase
 
-    from .dataset_output import writing_into
+    from .dataset_output import worker_count, writing_into
 
     if args.samples < 1 or args.val_samples < 0:
         refuse("--samples must be >= 1 and --val-samples >= 0")
+    workers = worker_count(args)
     if args.kind == "cosmoflow":
         channels = 4 if args.channels is None else args.channels
         mean_count = args.mean_count if args.mean_count > 0 else None
@@ -128,7 +129,7 @@ def generate(args) -> int:
                 for (_, count, first), target in zip(splits, targets):
                     phase(f"writing {target}")          # what an interrupt or a failure names
                     write_split(target, make, count, first, attrs, layout=args.layout,
-                                chunk_edge=args.chunk, progress=bar.update)
+                                chunk_edge=args.chunk, progress=bar.update, workers=workers)
     except ValueError as err:  # OUT in use (LockHeld), bad generator arguments: nothing written
         refuse(str(err))
     except OSError as err:     # disk full, ...: the split that failed left nothing, not even a temporary

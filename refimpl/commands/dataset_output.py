@@ -1,10 +1,11 @@
 """What ``refimpl datagen`` and ``refimpl convert`` share: writing a dataset into ``--out``.
 
 Both write the splits of docs/data.md's layout into one directory, so they share its flags
-(``add_output_arguments``), the rule that one process writes them (``run_alone``), and the
-checks around the writing (``writing_into``): ``OUT`` not inside a running job's directory,
-``OUT/.lock`` held, no existing split replaced without ``--overwrite``, and no split of an
-earlier dataset left beside the new one.
+(``add_output_arguments``; ``--workers``, the threads that make or read the samples while one
+writes, resolved by ``worker_count``), the rule that one process writes them (``run_alone``),
+and the checks around the writing (``writing_into``): ``OUT`` not inside a running job's
+directory, ``OUT/.lock`` held, no existing split replaced without ``--overwrite``, and no split
+of an earlier dataset left beside the new one.
 """
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ import os
 import sys
 
 
-def add_output_arguments(parser, command: str) -> None:
-    """The flags of a command that writes a dataset: its layout, chunks, replacing, lock and progress."""
+#: ``--workers``' default: the cores this process may use, at most this many (the writer is one).
+MAX_DEFAULT_WORKERS = 8
+
+
+def add_output_arguments(parser, command: str, work: str) -> None:
+    """The flags of a command that writes a dataset: its workers (``work``: what they do), layout,
+    chunks, replacing, lock and progress."""
+    parser.add_argument("--workers", type=int, default=None,
+                        help=f"threads that {work} while one writes, in order: the output is the same for any "
+                             f"count (default: the cores this process may use, at most {MAX_DEFAULT_WORKERS}; "
+                             "each holds up to two samples)")
     parser.add_argument("--layout", choices=("single", "per-sample"), default="single",
                         help="one file per split (default) or one file per sample")
     parser.add_argument("--chunk", type=int, default=32,
@@ -24,6 +34,16 @@ def add_output_arguments(parser, command: str) -> None:
     parser.add_argument("--break-lock", action="store_true",
                         help=f"take over OUT/.lock left by a {command} that is gone (a live one is never broken)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def worker_count(args) -> int:
+    """``args.workers``, its default resolved (``MAX_DEFAULT_WORKERS``); an InputError below 1."""
+    from ..data.ordered_pool import usable_cores
+    from ..errors import refuse
+    workers = min(MAX_DEFAULT_WORKERS, usable_cores()) if args.workers is None else args.workers
+    if workers < 1:
+        refuse(f"--workers must be >= 1, got {workers}")
+    return workers
 
 
 def run_alone(command: str, write) -> int:
@@ -71,4 +91,4 @@ def writing_into(args, command: str, targets):
         remove_splits(stale)                             # only once this dataset is complete
 
 
-__all__ = ["add_output_arguments", "run_alone", "writing_into"]
+__all__ = ["MAX_DEFAULT_WORKERS", "add_output_arguments", "worker_count", "run_alone", "writing_into"]

@@ -122,7 +122,7 @@ def _root_attrs(f, attrs: dict) -> None:
 
 def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
                 layout: str = "single", chunk_edge: int = DEFAULT_CHUNK_EDGE,
-                progress=None) -> None:
+                progress=None, workers: int = 1) -> None:
     """Write samples ``first_index .. first_index + count - 1`` to ``path`` atomically.
 
     ``make_sample(global_index) -> (full (C, D, H, W) float32, target)``;
@@ -131,12 +131,17 @@ def write_split(path, make_sample, count: int, first_index: int, attrs: dict,
     memory at a time.  Chunks are ``chunk_shape(sample, chunk_edge)``.
     ``progress`` is called with 1 after each sample.  A failed write raises its
     ``OSError`` (naming the file) at the first sample it hits: nothing is left
-    under ``path`` or a temporary name.
+    under ``path`` or a temporary name.  ``workers`` threads make the samples
+    (``ordered_pool.ordered_map``: in order, each from its own index, so the
+    files are the same for any count), up to two each in memory.
     """
+    import contextlib
+
+    from .ordered_pool import ordered_map
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
-    write_samples(path, (make_sample(first_index + i) for i in range(count)), first_index, attrs, layout,
-                  chunk_edge, progress, count=count)
+    with contextlib.closing(ordered_map(make_sample, range(first_index, first_index + count), workers)) as samples:
+        write_samples(path, samples, first_index, attrs, layout, chunk_edge, progress, count=count)
 
 
 def write_samples(path, samples, first_index: int, attrs: dict, layout: str = "single",
