@@ -32,7 +32,9 @@ CONFIGS = [("cosmoflow", "tiny"), ("cosmoflow", "small"), ("unet3d", "tiny"),
            ("cosmoflow", dict(PRESETS["cosmoflow"]["tiny"], global_pool="avg", model_parallel="filter")),
            ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="filter")),
            ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="group")),
-           ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="instance", model_parallel="filter"))]
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="instance", model_parallel="filter")),
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], model_parallel="channel", model_parallel_levels=1)),
+           ("unet3d", dict(PRESETS["unet3d"]["tiny"], norm="group", model_parallel="filter", model_parallel_levels=2))]
 
 
 def _config(model, config):

@@ -82,6 +82,9 @@ def test_same_seed_same_weights_other_seed_other_weights():
     ("unet3d", {"norm": "layer"}, "'norm'"),
     ("unet3d", {"norm": "group", "num_groups": 3}, "'num_groups'"),
     ("unet3d", {"num_groups": 0}, "'num_groups'"),
+    ("unet3d", {"model_parallel_levels": 3}, r"\['model_parallel_levels'\] = 3 exceeds levels = 2"),
+    ("unet3d", {"model_parallel_levels": -1}, "'model_parallel_levels'.* must be an integer >= 0"),
+    ("unet3d", {"model_parallel_levels": True}, "'model_parallel_levels'"),
     ("cosmoflow", {"global_pool": "max"}, r"\['global_pool'\] must be one of none, avg"),
     ("cosmoflow", {"global_pool": True}, "'global_pool'"),
 ])

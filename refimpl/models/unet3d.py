@@ -76,6 +76,9 @@ DEFAULTS = {
     # channel slices) and gather its output before the first upsampling; "none": every model
     # rank runs every layer (docs/model_parallel.md)
     "model_parallel": "none",
+    # ... and the encoder and decoder blocks of the deepest K levels too, each as the bottleneck:
+    # from a replicated input to its output gathered again (0: the bottleneck alone)
+    "model_parallel_levels": 0,
 }
 
 
@@ -97,6 +100,9 @@ def check_config(config: dict, where: str = "config") -> dict:
     check_number(config, "bn_eps", lambda e: e > 0, "> 0", where)
     check_number(config, "bn_momentum", lambda m: 0.0 <= m <= 1.0, "in [0, 1]", where)
     check_choice(config, "model_parallel", ("none", "filter", "channel"), where)
+    split_levels = check_positive_int(config, "model_parallel_levels", minimum=0, where=where)
+    if split_levels > levels:
+        raise ValueError(f"{where}['model_parallel_levels'] = {split_levels} exceeds levels = {levels}")
     check_choice(config, "norm", NORMS, where)
     num_groups = check_positive_int(config, "num_groups", where=where)
     if config["norm"] == "group":
@@ -127,41 +133,42 @@ class UNet3D(Model):
 
         norm, eps, momentum = config["norm"], config["bn_eps"], config["bn_momentum"]
 
-        def conv_block(c_in, c_out):   # [Conv3d k=3 pad 1 -> BatchNorm3d (or the "norm") -> ReLU] x 2
+        mode = config["model_parallel"]
+        split_from = self.levels - config["model_parallel_levels"] if mode != "none" else self.levels + 1
+
+        def conv_block(c_in, c_out, level):   # [Conv3d k=3 pad 1 -> BatchNorm3d (or the "norm") -> ReLU] x 2
             # the ReLUs write y over the norm's y (its backward reads its own x) and dx over a dy
             # no one else reads (a conv's dx, or the pool's dx + the skip's: a new array)
             groups = norm_groups(config, c_out)
+            if level < split_from:
+                return Sequential(
+                    make.conv(c_in, c_out, 3, padding=1, bias=False),
+                    make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True),
+                    make.conv(c_out, c_out, 3, padding=1, bias=False),
+                    make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True))
+            # split over the model axis: from a replicated input, its output gathered again
             return Sequential(
-                make.conv(c_in, c_out, 3, padding=1, bias=False),
-                make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True),
-                make.conv(c_out, c_out, 3, padding=1, bias=False),
-                make.norm(norm, c_out, groups, eps, momentum), ReLU(in_place=True, reuse_grad=True))
+                make.model_conv(c_in, c_out, 3, 1, mode, first=True, bias=False),   # (n, c_out/Pm, ...)
+                make.model_norm(norm, c_out, groups, eps, momentum), ReLU(),
+                make.model_conv(c_out, c_out, 3, 1, mode, first=False, bias=False),
+                make.model_norm(norm, c_out, groups, eps, momentum), ReLU(),
+                make.gather(c_out))                                                  # (n, c_out, ...)
 
         self.widths = [base * 2 ** i for i in range(self.levels + 1)]
         self.enc, self.pool, self.up, self.dec = [], [], [None] * self.levels, [None] * self.levels
         c_in = self.input_shape[0]
         for i in range(self.levels):                  # registration = forward order (for bucketing)
-            self.enc.append(self.add_module(f"enc{i}", conv_block(c_in, self.widths[i])))
+            self.enc.append(self.add_module(f"enc{i}", conv_block(c_in, self.widths[i], i)))
             self.pool.append(self.add_module(f"pool{i}", make.max_pool(2)))
             c_in = self.widths[i]
-        mode = config["model_parallel"]
-        if mode == "none":
-            self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1]))
-        else:                        # the widest, smallest activations: split over the model axis
-            w = self.widths[-1]
-            groups = norm_groups(config, w)
-            self.bottleneck = self.add_module("bottleneck", Sequential(
-                make.model_conv(c_in, w, 3, 1, mode, first=True, bias=False),    # (n, w/Pm, ...)
-                make.model_norm(norm, w, groups, eps, momentum), ReLU(),
-                make.model_conv(w, w, 3, 1, mode, first=False, bias=False),
-                make.model_norm(norm, w, groups, eps, momentum), ReLU(),
-                make.gather(w)))                                                 # (n, w, ...)
+        # the widest, smallest activations: split over the model axis (level L >= split_from) unless "none"
+        self.bottleneck = self.add_module("bottleneck", conv_block(c_in, self.widths[-1], self.levels))
         self.first_conv = self.enc[0][0]
         self.needs_input_grad = False
         for i in reversed(range(self.levels)):
             self.up[i] = self.add_module(f"up{i}", make.conv_transpose(self.widths[i + 1],
                                                                        self.widths[i], 2, 2))
-            self.dec[i] = self.add_module(f"dec{i}", conv_block(2 * self.widths[i], self.widths[i]))
+            self.dec[i] = self.add_module(f"dec{i}", conv_block(2 * self.widths[i], self.widths[i], i))
         self.out = self.add_module("out", make.conv(self.widths[0], self.num_classes, 1))
         self.setup_layers(self.children())   # extents: S -> S/2^L -> S (pure index math)
 
@@ -191,23 +198,30 @@ class UNet3D(Model):
 
         widths = [base * 2 ** i for i in range(levels + 1)]
         shapes = [tuple(n // 2 ** i for n in dhw) for i in range(levels + 1)]
+        split_from = levels - cfg["model_parallel_levels"] if mode != "none" else levels + 1
+        split = ("filter-replicated", "channel" if mode == "channel" else "filter")
+
+        def level_block(prefix, level, c_in, first_grad):
+            """A conv block of ``level``, split as the model's (and its gather) from ``split_from`` on."""
+            if level < split_from:
+                block(prefix, c_in, widths[level], shapes[level], first_grad)
+                return
+            block(prefix, c_in, widths[level], shapes[level], first_grad, split)
+            out.append(_layer(f"{prefix}.6", "gather", widths[level], widths[level], shapes[level],
+                              shapes[level], split_in=True))
+
         c_in = c
         for i in range(levels):
-            block(f"enc{i}", c_in, widths[i], shapes[i], first_grad=i > 0)
+            level_block(f"enc{i}", i, c_in, first_grad=i > 0)
             out.append(_layer(f"pool{i}", "max_pool3d", widths[i], widths[i], shapes[i], shapes[i + 1], (2, 2, 2),
                               (2, 2, 2)))
             c_in = widths[i]
-        split = ("none", "none") if mode == "none" else \
-            ("filter-replicated", "channel" if mode == "channel" else "filter")
-        block("bottleneck", c_in, widths[levels], shapes[levels], True, split)
-        if mode != "none":
-            out.append(_layer("bottleneck.6", "gather", widths[levels], widths[levels], shapes[levels],
-                              shapes[levels], split_in=True))
+        level_block("bottleneck", levels, c_in, True)
         c_in = widths[levels]
         for i in reversed(range(levels)):
             out.append(_layer(f"up{i}", "conv_transpose3d", c_in, widths[i], shapes[i + 1], shapes[i], (2, 2, 2),
                               (2, 2, 2), weights=c_in * widths[i] * 8 + widths[i]))
-            block(f"dec{i}", 2 * widths[i], widths[i], shapes[i], True)
+            level_block(f"dec{i}", i, 2 * widths[i], True)
             c_in = widths[i]
         out.append(_layer("out", "conv3d", c_in, classes, shapes[0], shapes[0],
                           weights=classes * c_in + classes))

@@ -188,7 +188,7 @@ MODEL_GRIDS = {1: [(1, 1, 1, 1, 1)], 2: [(1, 1, 1, 1, 2)], 3: [(1, 1, 1, 1, 3)],
 @pytest.mark.parametrize("dims", MODEL_GRIDS.get(SIZE, []), ids=lambda d: "x".join(map(str, d)))
 def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, name, mode):
     """CosmoFlow with its last conv blocks filter- or channel-parallel and a 1.5-D head, the U-Net
-    with a model-parallel bottleneck (batch norm on channel slices): the same parameters and
+    with a model-parallel bottleneck and deepest levels (batch norm on channel slices): the same parameters and
     batch-norm statistics after 3 SGD steps as the unpartitioned model (float64), the split ones
     gathered whole."""
     from refimpl.nn.model_parallel import buffer_shards, whole_of
@@ -198,6 +198,8 @@ def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, 
         config["model_parallel_blocks"] = 2 if pm <= 4 else 1    # a split block needs >= Pm channels
         if mode == "channel" and pm > 4:
             pytest.skip("the channel-parallel block splits 4 input channels: Pm <= 4")
+    else:                                                        # level 0 has 4 channels, level 1 8
+        config["model_parallel_levels"] = 2 if pm <= 4 else 1
     grid = ProcessGrid(comm, dims)
     batch = global_batch(dims[0])
     model, history = train_config(name, config, grid, batch)
@@ -207,8 +209,13 @@ def test_model_parallel_training_is_grid_invariant(comm, all_ranks_agree, dims, 
     mine += [(key, whole_of(b, split.get(key), grid.model_comm)) for key, b in model.named_buffers()]
     worst, where = worst_error(mine, history, ref_model.state_dict(), ref_history)
     n_split = sum(p.shard is not None for p in model.parameters())
-    all_ranks_agree(worst <= 1e-10 and (pm == 1 or n_split > 0),
-                    f"{name} {mode} on grid {dims}: max rel err {worst:.3g} at {where}; {n_split} split parameters")
+    split_blocks = {key.split(".")[0] for key, p in model.named_parameters() if p.shard is not None}
+    expected = set() if pm == 1 or name != "unet3d" else \
+        {"bottleneck"} | {f"{part}{level}" for part in ("enc", "dec")
+                          for level in range(config["levels"] - config["model_parallel_levels"], config["levels"])}
+    all_ranks_agree(worst <= 1e-10 and (pm == 1 or n_split > 0) and expected <= split_blocks,
+                    f"{name} {mode} on grid {dims}: max rel err {worst:.3g} at {where}; {n_split} split parameters "
+                    f"in {sorted(split_blocks)}")
     grid.free()
 
 
