@@ -173,6 +173,26 @@ def test_torch_twin_passes_with_model_parallelism(traces, tmp_path, model, grid,
     assert sum(shares) == whole
 
 
+@pytest.mark.parametrize("mode", ["filter", "channel"])
+def test_the_unet_with_split_levels(tmp_path, capsys, mode):
+    """--model-config's model_parallel_levels: the deepest level's encoder and decoder blocks split
+    as the bottleneck, each with its gather; the twin passes them, and a planted halo error in the
+    split decoder is found there."""
+    pytest.importorskip("torch")
+    config = tmp_path / "split.toml"
+    config.write_text("model_parallel_levels = 1\n")
+    path, good, bad = (str(tmp_path / n) for n in ("t.h5", "good.h5", "bad.h5"))
+    assert main(["oracle", "trace", "generate", "--model", "unet3d", "--grid", "1,2,1,1,2", "--model-parallel", mode,
+                 "--model-config", str(config), "--out", path]) == 0
+    trace = torch_results(path, good)
+    assert [e["name"] for e in trace.layers if e["kind"] == "gather"] == ["enc1.6", "bottleneck.6", "dec1.6"]
+    assert {e["name"] for e in trace.layers if e["split"] != "none"} >= {"enc1.0", "enc1.3", "dec1.0", "dec1.3"}
+    assert main(["oracle", "trace", "check", path, good]) == 0
+    torch_results(path, bad, plant="halo:dec1.3:1")
+    assert main(["oracle", "trace", "check", path, bad]) == 1
+    assert "forward dec1.3 y (rank 1)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("norm", ["group", "instance"])
 @pytest.mark.parametrize("grid", [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 2, 1, 2)], ids=lambda g: "-".join(map(str, g)))
 def test_the_unet_with_group_or_instance_norm(traces, tmp_path, norm, grid):

@@ -51,7 +51,8 @@ def add_parser(sub):
                        help="the global batch shape (default: 2 samples of the preset's input)")
         p.add_argument("--model-parallel", default="none", metavar="none|filter|channel",
                        help="split the model over a model axis Pm (a 5-entry --grid): CosmoFlow its last "
-                            "--model-parallel-blocks conv blocks and its dense head, the U-Net its bottleneck; "
+                            "--model-parallel-blocks conv blocks and its dense head, the U-Net its bottleneck (and its "
+                            "deepest --model-config model_parallel_levels levels); "
                             "the split model's names include its gather layers (docs/model_parallel.md; "
                             "default none)")
         p.add_argument("--model-parallel-blocks", type=int, default=1, metavar="K",
@@ -136,7 +137,8 @@ def _model_parallel(args):
     if args.model_parallel_blocks < 1:
         raise ValueError(f"--model-parallel-blocks must be a positive integer, got {args.model_parallel_blocks}")
     if args.model != "cosmoflow" and args.model_parallel_blocks != 1:
-        raise ValueError("--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only)")
+        raise ValueError("--model-parallel-blocks is CosmoFlow's (the U-Net's split levels: --model-config's "
+                         "model_parallel_levels)")
     from ..oracle.trace import NORMS
     if args.norm not in NORMS:
         raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {args.norm!r}")

@@ -51,7 +51,8 @@ def add_arguments(parser):
     a("--model-parallel", choices=("none", "filter", "channel"),
       help="split layers by filters or channels over the grid's Pm: cosmoflow its last [model_config] "
            "model_parallel_blocks conv blocks (default 1) and its dense head (Gholami's 1.5-D layers), "
-           "unet3d its bottleneck (docs/model_parallel.md; default none: every model rank runs every layer)")
+           "unet3d its bottleneck and its deepest [model_config] model_parallel_levels levels (default 0) "
+           "(docs/model_parallel.md; default none: every model rank runs every layer)")
     a("--norm", choices=("batch", "group", "instance"),
       help="unet3d: the conv blocks' normalisation, [model_config] norm (default batch: statistics of the "
            "global batch; group: per sample and group of [model_config] num_groups channels, default 8; "

@@ -89,7 +89,9 @@ def torch_unet3d(config: dict):
     """refimpl.models.UNet3D in torch.nn, with its module names: ``enc{i}`` / ``dec{i}``
     ([Conv3d k3 pad 1 no bias, norm, ReLU] x 2), ``pool{i}``, ``bottleneck``, ``up{i}``
     (ConvTranspose3d k2 s2) and ``out`` (Conv3d k1); the norm is the config's ``norm``:
-    BatchNorm3d, GroupNorm (``num_groups`` clipped to the width) or InstanceNorm3d (affine)."""
+    BatchNorm3d, GroupNorm (``num_groups`` clipped to the width) or InstanceNorm3d (affine).
+    A block the model axis splits (the bottleneck, and the deepest ``model_parallel_levels``
+    levels' ``enc`` / ``dec``) ends in its gather's name (``.6``, an identity here)."""
     import torch
     from torch import nn
 
@@ -109,23 +111,24 @@ def torch_unet3d(config: dict):
                              norm(c_out), nn.ReLU(),
                              nn.Conv3d(c_out, c_out, 3, padding=1, bias=False),
                              norm(c_out), nn.ReLU(),
-                             *([nn.Identity()] if gather else []))       # bottleneck.6: the split's gather
+                             *([nn.Identity()] if gather else []))       # <block>.6: the split's gather
 
     levels = config["levels"]
     widths = [config["base_width"] * 2 ** i for i in range(levels + 1)]
+    split_from = levels - config.get("model_parallel_levels", 0) if _split(config) else levels + 1
 
     class UNet3D(nn.Module):
         def __init__(self):
             super().__init__()
             c_in = config["input_shape"][0]
             for i in range(levels):                           # registration = refimpl's order
-                setattr(self, f"enc{i}", conv_block(c_in, widths[i]))
+                setattr(self, f"enc{i}", conv_block(c_in, widths[i], gather=i >= split_from))
                 setattr(self, f"pool{i}", nn.MaxPool3d(2))
                 c_in = widths[i]
-            self.bottleneck = conv_block(c_in, widths[levels], gather=_split(config))
+            self.bottleneck = conv_block(c_in, widths[levels], gather=levels >= split_from)
             for i in reversed(range(levels)):
                 setattr(self, f"up{i}", nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2))
-                setattr(self, f"dec{i}", conv_block(2 * widths[i], widths[i]))
+                setattr(self, f"dec{i}", conv_block(2 * widths[i], widths[i], gather=i >= split_from))
             self.out = nn.Conv3d(widths[0], config["num_classes"], 1)
 
         def forward(self, x):                                         # (B, C, S, S, S)

@@ -17,7 +17,8 @@ The layers are the model's leaf modules in forward order, under their module nam
 (``features.0``, ``enc1.3``, ``up0``: the names of ``state_dict``).  A layer reads the
 outputs of the layers in its ``inputs``, concatenated on the channel axis ("input" is
 the batch): a chain, except the U-Net's decoder, whose first conv also reads its
-level's skip (``dec{i}.0`` <- ``up{i}``, ``enc{i}.5``).
+level's skip (``dec{i}.0`` <- ``up{i}``, the last layer of ``enc{i}``: ``enc{i}.5``, or
+``enc{i}.6``, its gather, where the model axis splits the level).
 
 The reference of a layer is refimpl's unpartitioned module (grid None) run with the
 math of ``refimpl/functional`` alone (``reference_math``), so the checker
@@ -162,7 +163,8 @@ def check_spec(spec: TraceSpec) -> TraceSpec:
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"--model-parallel-blocks must be a positive integer, got {blocks!r}")
     if spec.model != "cosmoflow" and blocks != 1:
-        raise ValueError(f"--model-parallel-blocks is CosmoFlow's (the U-Net splits its bottleneck only), "
+        raise ValueError(f"--model-parallel-blocks is CosmoFlow's (the U-Net's split levels: "
+                         "--model-config's model_parallel_levels), "
                          f"got {blocks} for {spec.model}")
     if spec.norm not in NORMS:
         raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {spec.norm!r}")
@@ -274,7 +276,7 @@ def model_layers(name: str, model) -> list[Layer]:
     split over the model axis: ``describe()``'s for the layers it lists; a ``gather``
     replicates its output; a layer it leaves out (activation, dropout) keeps its input's."""
     described = {entry["name"]: entry for entry in type(model).describe(model.config)}
-    out, previous, split_out = [], "input", {"input": False}
+    out, previous, split_out, last_of_block = [], "input", {"input": False}, {}
     for module_name, module in model.named_modules():
         if not module_name or (module.children() and module_name not in described):
             continue
@@ -285,14 +287,14 @@ def model_layers(name: str, model) -> list[Layer]:
         inputs = (previous,)
         skip = re.fullmatch(r"dec(\d+)\.0", module_name) if name == "unet3d" else None
         if skip:
-            inputs = (previous, f"enc{skip.group(1)}.5")     # concat (up_i, skip_i) on the channel axis
+            inputs = (previous, last_of_block[f"enc{skip.group(1)}"])   # concat (up_i, skip_i) on the channels
         params = {PARAM_TENSORS[attr]: p.name for attr, p in module._parameters.items()}
         x_split = any(split_out[s] for s in inputs)
         split = entry.get("split", "none")
         y_split = False if kind == "gather" else (split != "none" or x_split)
         out.append(Layer(module_name, kind, inputs, module, params, split, x_split, y_split))
         split_out[module_name] = y_split
-        previous = module_name
+        previous = last_of_block[module_name.split(".")[0]] = module_name
     return out
 
 
