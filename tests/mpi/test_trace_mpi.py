@@ -113,12 +113,14 @@ def test_refimpl_partitioned_passes_a_trace_of_another_configuration(comm, grids
 
 
 @pytest.mark.parametrize("split", ["filter", "channel"])
-@pytest.mark.parametrize("name", ["cosmoflow", "unet3d"])
-def test_refimpl_model_parallel_passes_its_trace(comm, all_ranks_agree, tmp_path, name, split):
-    """The model axis: refimpl's filter- / channel-parallel layers, 1.5-D head and gathers."""
+@pytest.mark.parametrize("name, levels", [("cosmoflow", None), ("unet3d", None), ("unet3d", 2)])
+def test_refimpl_model_parallel_passes_its_trace(comm, all_ranks_agree, tmp_path, name, levels, split):
+    """The model axis: refimpl's filter- / channel-parallel layers, 1.5-D head and gathers; the
+    U-Net's bottleneck alone, and with both its levels split too (``model_parallel_levels``)."""
     grid = model_parallel_grid(comm)
     try:
-        check_partitioned_run(comm, all_ranks_agree, tmp_path, name, grid, split)
+        check_partitioned_run(comm, all_ranks_agree, tmp_path, name, grid, split,
+                              overrides=None if levels is None else {"model_parallel_levels": levels})
     finally:
         grid.free()
 
