@@ -63,6 +63,7 @@ torch is optional: without it the torch columns read n/a.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
@@ -87,6 +88,11 @@ ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "strict"),
                 help="cpu: NumPy vs PyTorch CPU (default); cuda: CuPy vs PyTorch CUDA/cuDNN (the GPU "
                      "lane of scripts/gpu_check.sh); strict: refimpl on the strict device stand-in "
                      "(REFIMPL_BACKEND=strict: a CI smoke run of the device path) vs PyTorch CPU")
+ap.add_argument("--phases", action="store_true",
+                help="with --device cuda or strict: also where each conv row's fwd and bwd spend their time on the "
+                     "device schedule (refimpl/kernels/_im2col_device.py: pad, columns, gemm, dw gemm, col2im, dx "
+                     "buffers; other = the rest: launches, Python, a flipped-kernel dx's padded dy), each phase "
+                     "between synchronised clocks")
 ap.add_argument("--tf32", default="off", choices=("off", "on"),
                 help="with --device cuda: off (default) compares full float32 on both sides (CuPy without TF32, "
                      "torch.backends.cudnn/cuda.matmul.allow_tf32 = False); on lets both round float32 matrix "
@@ -95,6 +101,8 @@ ap.add_argument("--tf32", default="off", choices=("off", "on"),
 args = ap.parse_args()
 if args.tf32 == "on" and args.device != "cuda":
     ap.error("--tf32 on needs --device cuda (NumPy's BLAS and PyTorch CPU have no TF32)")
+if args.phases and args.device == "cpu":
+    ap.error("--phases times the device schedule: use it with --device cuda (or strict, its host stand-in)")
 os.environ["REFIMPL_TF32"] = "1" if args.tf32 == "on" else "0"
 os.environ["CUPY_TF32"] = "1" if args.tf32 == "on" else "0"     # read by CuPy when it is imported (below)
 
@@ -668,6 +676,78 @@ def print_split_table(rows):
               f"{dx['ours_over_gemm']:7.2f} {dw['ours_over_gemm']:7.2f}")
 
 
+# ---------------------------------------------------------------------------- --phases
+
+class PhaseClock:
+    """``_im2col_device.PROFILE``: seconds per phase, each between synchronised clocks."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+PHASES = ("pad", "columns", "gemm", "dw gemm", "col2im", "dx buffers")
+
+
+def conv_phases():
+    """Each selected conv row's fwd and bwd once more, the device schedule's phases timed
+    (``_im2col_device.PROFILE``): a table of ms per phase, and its rows for the JSON."""
+    from refimpl.kernels import _im2col_device
+    rows = []
+    for case in conv_cases(args.quick):
+        if not selected(case):
+            continue
+        passes, _ = case["build"]()
+        for name in ("fwd", "bwd"):
+            ours = passes[name][0]
+            try:
+                timed(ours)                                  # warm: plans, kernels, allocator
+                best = None
+                for _ in range(REPEATS):
+                    clock = PhaseClock()
+                    ours()                                   # the warm call timed() makes, unrecorded
+                    synchronize()
+                    _im2col_device.PROFILE = clock
+                    try:
+                        t0 = time.perf_counter()
+                        ours()
+                        synchronize()
+                        total = time.perf_counter() - t0
+                    finally:
+                        _im2col_device.PROFILE = None
+                    if best is None or total < best[0]:
+                        best = (total, clock.seconds)
+            except (ValueError, NotImplementedError) as err:
+                print(f"  phases {case['op']} {case['shape']} {name}: skipped ({err})", file=sys.stderr)
+                continue
+            total, seconds = best
+            rows.append(dict(op=case["op"], shape=case["shape"], pass_=name, total=total,
+                             phases={k: seconds.get(k, 0.0) for k in PHASES},
+                             other=total - sum(seconds.values())))
+    print("\n## where the device schedule's time goes (--phases; ms, the best of "
+          f"{REPEATS} by total; each phase between synchronised clocks)")
+    print(f"{'op':<17} {'shape':<30} {'pass':<4} {'total':>8} " + " ".join(f"{k:>10}" for k in PHASES)
+          + f" {'other':>8}")
+    for r in rows:
+        print(f"{r['op']:<17} {r['shape']:<30} {r['pass_']:<4} {1e3 * r['total']:8.2f} "
+              + " ".join(f"{1e3 * r['phases'][k]:10.2f}" for k in PHASES) + f" {1e3 * r['other']:8.2f}")
+    if rows:
+        spent = {k: sum(r["phases"][k] for r in rows) for k in PHASES}
+        spent["other"] = sum(r["other"] for r in rows)
+        whole = sum(r["total"] for r in rows)
+        print("# share of all rows' time: " + ", ".join(f"{k} {100 * v / whole:.0f} %" for k, v in spent.items()))
+    return rows
+
+
 def main():
     t_start = time.perf_counter()
     load_start = load()
@@ -721,6 +801,7 @@ def main():
         print_fwd_bwd_table("pooling, batch norm, activations, dropout, loss", layer_rows, gemm_column=False)
     for s in skipped:
         print(f"# skipped {s['op']} {s['shape']}: {s['error']}")
+    phase_rows = conv_phases() if args.phases else []
     load_end = load()
     print(f"# total {time.perf_counter() - t_start:.0f} s; {load_end}")
     if args.json:
@@ -734,7 +815,7 @@ def main():
                        "leaky_relu_slope": LEAKY_SLOPE, "pool_note": POOL_NOTE,
                        "load_start": load_start, "load_end": load_end,
                        "conv_summary": summary, "conv_rows": conv_rows, "layer_rows": layer_rows,
-                       "skipped": skipped}, fh, indent=1)
+                       "conv_phases": phase_rows, "skipped": skipped}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@
 # 3. every partitioned layer against its unpartitioned oracle on the GPU (check-layer, float64,
 #    1e-10), on 1, 2 and 4 ranks, device buffers staged through host memory and, where the MPI
 #    is CUDA-aware, handed to it directly;
-# 4. the layer benchmark: CuPy vs PyTorch CUDA/cuDNN, per shape (scripts/bench_layers.py
-#    --device cuda), as a table and JSON;
+# 4. the layer benchmark: CuPy vs PyTorch CUDA/cuDNN, per shape (scripts/bench_layers.py --device cuda),
+#    as a table and JSON, and where each conv row spends its time on the device schedule (--phases);
 # 5. a CosmoFlow training step at 128^3 (the mlperf preset) on the GPU, 1 and 2 ranks, staged
 #    and (CUDA-aware MPI only) direct;
 # 6. training steps against PyTorch on the same GPU (scripts/bench_train.py --device cuda):
@@ -89,7 +89,7 @@ for mode in "${MODES[@]}"; do
 done
 
 echo "== 4. layers: CuPy vs PyTorch CUDA/cuDNN"
-run python scripts/bench_layers.py --device cuda --repeats 5 --tf32 off --json "$OUT/bench_layers_cuda.json"
+run python scripts/bench_layers.py --device cuda --repeats 5 --tf32 off --phases --json "$OUT/bench_layers_cuda.json"
 run python scripts/bench_layers.py --device cuda --repeats 3 --tf32 on --json "$OUT/bench_layers_cuda_tf32.json"
 
 echo "== 5. CosmoFlow at 128^3 on the GPU"

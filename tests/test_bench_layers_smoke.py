@@ -34,3 +34,25 @@ def test_bench_layers_one_row_table_and_json(tmp_path):
     assert math.isclose(fb["torch_over_gemm"], fb["flops"] / fb["torch_s"] / 1e9 / gemm)
     summary = data["conv_summary"]["issue9"]
     assert summary["rows"] == 1 and math.isclose(summary["min_fwd_bwd"], fb["torch_over_ours"])
+
+
+def test_bench_layers_phases_on_the_device_stand_in(tmp_path):
+    """--phases (the device schedule's time per phase; strict: its host stand-in): every phase
+    and the rest add up to the pass's time, the stride-2 backward adds its columns back by
+    col2im; on the CPU route, where there is no device schedule, the flag is refused."""
+    out = tmp_path / "layers.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--repeats", "1",
+                          "--only", "33^3", "--device", "strict", "--phases", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "where the device schedule's time goes" in run.stdout
+    rows = {r["pass_"]: r for r in json.loads(out.read_text())["conv_phases"]}
+    assert set(rows) == {"fwd", "bwd"}
+    for r in rows.values():
+        assert r["total"] > 0 and min(r["phases"].values()) >= 0
+        assert math.isclose(sum(r["phases"].values()) + r["other"], r["total"])
+        assert r["phases"]["columns"] > 0 and r["phases"]["gemm"] > 0
+    assert rows["bwd"]["phases"]["col2im"] > 0 and rows["fwd"]["phases"]["col2im"] == 0
+    cpu = subprocess.run([sys.executable, str(SCRIPT), "--phases", "--only", "33^3"], capture_output=True, text=True,
+                         timeout=120)
+    assert cpu.returncode == 2 and "--phases times the device schedule" in cpu.stderr

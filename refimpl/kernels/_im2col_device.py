@@ -35,13 +35,28 @@ temporary, which the CPU schedule avoids and a GPU can afford.
 
 Exact: every output is the same sum of products as in ``_im2col`` (float64 results agree with
 PyTorch to rounding); only the order of additions differs.
+
+Where the time goes: with ``PROFILE`` set (``scripts/bench_layers.py --phases``), each pass
+reports its phases -- ``pad``, ``columns`` (the strided copy), ``gemm`` (y, or dx's column
+gradient), ``dw gemm``, ``col2im``, ``dx buffers`` (zeroing and cropping the padded dx) -- to
+it; unset (the default), nothing is recorded.
 """
 from __future__ import annotations
 
+import contextlib
 from math import prod
 
 from ..backend import array_module
 from ._im2col import placed, tiles
+
+
+#: None, or what collects the time of each phase: an object whose ``phase(name)`` is a context
+#: manager (``scripts/bench_layers.py --phases``: synchronised clocks around each).
+PROFILE = None
+
+
+def _phase(name):
+    return contextlib.nullcontext() if PROFILE is None else PROFILE.phase(name)
 
 
 def _reach(o, k, s, dl):
@@ -120,17 +135,21 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     if not (y.size and x.size):
         y[...] = 0
         return y if g is None else (y, xp.zeros(w.shape, dtype=x.dtype))
-    xpad = _padded(x, padding, out_spatial, k, stride, dilation)
+    with _phase("pad"):
+        xpad = _padded(x, padding, out_spatial, k, stride, dilation)
     w2 = xp.ascontiguousarray(w).reshape(f, kk)
     plan = _Plan(xp, x.dtype, n_b, kk, f, out_spatial, budget)
     dw2 = None if g is None else xp.zeros((f, kk), dtype=x.dtype)
     for tile in plan.tiles:
-        col = plan.columns(xpad, tile, k, stride, dilation)          # (nb, K, M)
+        with _phase("columns"):
+            col = plan.columns(xpad, tile, k, stride, dilation)      # (nb, K, M)
         blk = _block(y, tile)                                         # (nb, F, nd, nh, Wo)
-        blk[...] = xp.matmul(w2, col).reshape(blk.shape)
+        with _phase("gemm"):
+            blk[...] = xp.matmul(w2, col).reshape(blk.shape)
         if g is not None:
             gb = _block(g, tile).reshape(col.shape[0], f, -1)        # (nb, F, M)
-            dw2 += xp.tensordot(gb, col, axes=((0, 2), (0, 2)))
+            with _phase("dw gemm"):
+                dw2 += xp.tensordot(gb, col, axes=((0, 2), (0, 2)))
     return y if g is None else (y, dw2.reshape(w.shape))
 
 
@@ -147,26 +166,33 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
         return (xp.zeros(tuple(x.shape), dtype=dy.dtype) if need_dx else None,
                 xp.zeros(tuple(w.shape), dtype=dy.dtype) if need_dw else None)
     plan = _Plan(xp, dy.dtype, n_b, kk, f, out, budget)
-    xpad = _padded(x, padding, out, k, stride, dilation) if need_dw else None
+    with _phase("pad"):
+        xpad = _padded(x, padding, out, k, stride, dilation) if need_dw else None
     dw2 = xp.zeros((f, kk), dtype=dy.dtype) if need_dw else None
     if need_dx:
         w2t = xp.ascontiguousarray(xp.ascontiguousarray(w).reshape(f, kk).T)   # (K, F)
         # padded dx: the outputs' reach, and at least the padding plus the input
         ext = tuple(max(_reach(o, kk_, s, dl), p + n)
                     for o, kk_, s, dl, p, n in zip(out, k, stride, dilation, padding, in_spatial))
-        dxpad = xp.zeros((n_b, c) + ext, dtype=dy.dtype)
+        with _phase("dx buffers"):
+            dxpad = xp.zeros((n_b, c) + ext, dtype=dy.dtype)
     for tile in plan.tiles:
         nb = tile[1] - tile[0]
         dyb = _block(dy, tile).reshape(nb, f, -1)                     # (nb, F, M)
         if need_dw:
-            col = plan.columns(xpad, tile, k, stride, dilation)      # (nb, K, M)
-            dw2 += xp.tensordot(dyb, col, axes=((0, 2), (0, 2)))
+            with _phase("columns"):
+                col = plan.columns(xpad, tile, k, stride, dilation)  # (nb, K, M)
+            with _phase("dw gemm"):
+                dw2 += xp.tensordot(dyb, col, axes=((0, 2), (0, 2)))
         if need_dx:
             dcol = plan.buf[:nb * kk * dyb.shape[2]].reshape(nb, kk, -1)
-            xp.matmul(w2t, dyb, out=dcol)
-            _col2im(dxpad, dcol, tile, k, stride, dilation, out[2])
+            with _phase("gemm"):
+                xp.matmul(w2t, dyb, out=dcol)
+            with _phase("col2im"):
+                _col2im(dxpad, dcol, tile, k, stride, dilation, out[2])
     dx = None
     if need_dx:
-        dx = xp.ascontiguousarray(dxpad[(slice(None), slice(None))
-                                        + tuple(slice(p, p + n) for p, n in zip(padding, in_spatial))])
+        with _phase("dx buffers"):
+            dx = xp.ascontiguousarray(dxpad[(slice(None), slice(None))
+                                            + tuple(slice(p, p + n) for p, n in zip(padding, in_spatial))])
     return dx, (dw2.reshape(tuple(w.shape)) if need_dw else None)
