@@ -22,13 +22,13 @@ from refimpl.functional.losses import dice_score_local_sums, soft_dice_loss, sof
 from refimpl.functional.group_norm import (group_norm3d, group_norm3d_backward, group_norm_backward,
                                            group_norm_backward_local_sums, group_norm_backward_row_sums,
                                            group_norm_forward, group_norm_local_sums, group_norm_stats)
-from refimpl.kernels import _cuda, batch_norm, group_norm, losses, pooling
+from refimpl.kernels import _cuda, _im2col_device, batch_norm, group_norm, losses, pooling
 from refimpl.kernels import dropout as dropout_kernels
 from test_strict import MODELS, _step_runner
 
 SOURCES = {"pooling": pooling.DEVICE_SOURCE, "batch_norm": batch_norm.DEVICE_SOURCE,
            "group_norm": group_norm.DEVICE_SOURCE, "dropout": dropout_kernels.DEVICE_SOURCE,
-           "losses": losses.DEVICE_SOURCE}
+           "losses": losses.DEVICE_SOURCE, "im2col": _im2col_device.DEVICE_SOURCE}
 GPU = not settings.cupy_unavailable()
 
 
@@ -336,6 +336,45 @@ def test_other_dtypes_take_the_reference(where):
     with reference_only():
         ref = max_pool3d(x, 2)
     _equal(max_pool3d(backend.asarray(x), 2), ref)
+
+
+CONVS = [  # x shape, weight shape, stride, padding, dilation, byte budget (small: tiles of rows, offsets)
+    ((2, 3, 9, 8, 7), (4, 3, 3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1 << 20),
+    ((2, 3, 9, 8, 7), (4, 3, 3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 600),
+    ((1, 2, 11, 10, 9), (3, 2, 3, 2, 3), (2, 1, 3), (1, 0, 2), (1, 2, 1), 900),
+    ((3, 4, 8, 8, 8), (5, 4, 2, 2, 2), (2, 2, 2), (0, 0, 0), (1, 1, 1), 2000),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation, budget", CONVS)
+def test_im2col_columns_kernel_equals_the_strided_copy(where, monkeypatch, dtype, xs, ws, stride, padding, dilation,
+                                                       budget):
+    """The device schedule's forward, weight gradient and input gradient with the columns
+    copied by ``im2col_columns`` and by the strided view's copy: the same arrays bit for bit
+    (a copy), on whole samples and on tiles of rows within a sample."""
+    rng = np.random.default_rng(sum(xs) + budget)
+    x, w = rng.standard_normal(xs).astype(dtype), rng.standard_normal(ws).astype(dtype)
+    out = tuple((n + 2 * p - dl * (k - 1) - 1) // s + 1
+                for n, k, s, p, dl in zip(xs[2:], ws[2:], stride, padding, dilation))
+    dy = rng.standard_normal((xs[0], ws[0]) + out).astype(dtype)
+    launched = []
+
+    def run():
+        x_, w_, dy_ = (backend.asarray(a) for a in (x, w, dy))
+        y = _im2col_device.forward(x_, w_, stride, padding, dilation, out, budget)
+        dx, dw = _im2col_device.backward(dy_, x_, w_, stride, padding, dilation, budget)
+        return [backend.to_host(a) for a in (y, dx, dw)]
+    if where == "host":
+        def counting(body, name, *args, **kwargs):
+            launched.append(name)
+            _emulated_launch(body, name, *args, **kwargs)
+        monkeypatch.setattr(_cuda, "launch", counting)
+    kernel = run()
+    assert where == "gpu" or "im2col_columns" in launched
+    monkeypatch.setenv("REFIMPL_CUDA_KERNELS", "0")
+    for a, b in zip(kernel, run()):
+        np.testing.assert_array_equal(a, b)
 
 
 def train_with_and_without_kernels(name, config, batch, monkeypatch):

@@ -16,7 +16,10 @@ two orders of magnitude behind cuDNN (docs/benchmarks.md, "Kernel choices").  He
 
   is an 8-D strided view of ``xpad`` (strides ``(sN, sC, dl*sD, dl*sH, dl*sW, s*sD,
   s*sH, s*sW)`` in its element strides ``sN .. sW``), copied into the ``(nb, K, M)``
-  column buffer;
+  column buffer.  On a GPU that copy is one CUDA kernel (``DEVICE_SOURCE``: a block row
+  per column row, whose source offset is worked out once, and its positions along x, two
+  32-bit divisions each), where CuPy's copy of an 8-D view divides every element's index
+  eight times in 64 bits; the view's copy stays the reference it is tested against;
 * the GEMMs are batched over the tile's samples:
   ``y (nb, F, M) = W (F, K) @ col``, ``dW (F, K) += sum_n dy_n (F, M) @ col_n^T``
   (one ``tensordot``), ``dcol (nb, K, M) = W^T (K, F) @ dy``;
@@ -47,6 +50,7 @@ import contextlib
 from math import prod
 
 from ..backend import array_module
+from . import _cuda
 from ._im2col import placed, tiles
 
 
@@ -101,8 +105,71 @@ class _Plan:
         """The tile's columns copied into the buffer: (nb, K, M)."""
         view = _column_view(xpad, tile, k, stride, dilation, self.out[2])
         col = self.buf[:view.size].reshape(view.shape)
-        col[...] = view
+        if takes(xpad, view):
+            device_columns(xpad, col, tile, k, stride, dilation)
+        else:
+            col[...] = view
         return col.reshape(view.shape[0], self.kk, -1)
+
+
+# ---------------------------------------------------------------- the columns' CUDA kernel
+#
+# col (rows = nb*K, M) C-contiguous, K = C*kd*kh*kw, M = nd*nh*wo; xpad (N, C, Dp, Hp, Wp)
+# C-contiguous.  Row r = (n, c, a, b, e) reads from
+#     origin + n*sN + c*sC + a*tap_d + b*tap_h + e*tap_w
+# (origin: the tile's first sample, depth and height; tap_*: a tap's dilated step), and its
+# position m = (d, h, w) adds d*step_d + h*step_h + w*step_w (the strided steps).  The rows run
+# grid-stride along y (one division chain per row), the positions along x (two unsigned 32-bit
+# divisions each: a tile's M is below 2^31, ``takes``).
+DEVICE_SOURCE = r"""
+extern "C" __global__ void im2col_columns(const T* xpad, T* col, long long rows, long long k_rows,
+        long long taps, long long taps_hw, long long kw, long long positions, long long nh, long long wo,
+        long long origin, long long s_n, long long s_c, long long tap_d, long long tap_h, long long tap_w,
+        long long step_d, long long step_h, long long step_w) {
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        long long n = r / k_rows, k = r % k_rows;
+        long long c = k / taps, t = k % taps;
+        long long a = t / taps_hw, t2 = t % taps_hw;
+        long long b = t2 / kw, e = t2 % kw;
+        const T* src = xpad + origin + n * s_n + c * s_c + a * tap_d + b * tap_h + e * tap_w;
+        T* dst = col + r * positions;
+        unsigned int uwo = (unsigned int) wo, unh = (unsigned int) nh;
+        for (long long m = (long long) blockIdx.x * blockDim.x + threadIdx.x; m < positions;
+             m += (long long) gridDim.x * blockDim.x) {
+            unsigned int um = (unsigned int) m;
+            unsigned int w = um % uwo, q = um / uwo;
+            unsigned int h = q % unh, d = q / unh;
+            dst[m] = src[d * step_d + h * step_h + w * step_w];
+        }
+    }
+}
+"""
+
+SIGNATURES = {"im2col_columns": ("ptr", "ptr") + ("i64",) * 17}
+
+
+def takes(xpad, view) -> bool:
+    """Whether the kernel copies these columns: a float32 / float64 CuPy array (``_cuda.takes``)
+    with a tile of fewer than 2^31 positions (its 32-bit position arithmetic)."""
+    return _cuda.takes(xpad) and prod(view.shape[5:]) < 2 ** 31
+
+
+def device_columns(xpad, col, tile, k, stride, dilation):
+    """``col[...] = _column_view(...)`` by ``im2col_columns``: ``col`` the (nb, C, kd, kh, kw,
+    nd, nh, wo) buffer, C-contiguous."""
+    n0, n1, d0, d1, h0, h1 = tile
+    _, c, _, hp, wp = xpad.shape
+    s_w, s_h, s_d = 1, wp, hp * wp                     # xpad's element strides
+    s_c, s_n = xpad.shape[2] * s_d, c * xpad.shape[2] * s_d
+    nd, nh, wo = d1 - d0, h1 - h0, col.shape[-1]
+    taps = k[0] * k[1] * k[2]
+    rows, positions = (n1 - n0) * c * taps, nd * nh * wo
+    origin = n0 * s_n + d0 * stride[0] * s_d + h0 * stride[1] * s_h
+    _cuda.launch(DEVICE_SOURCE, "im2col_columns", SIGNATURES["im2col_columns"],
+                 (xpad, col, rows, c * taps, taps, k[1] * k[2], k[2], positions, nh, wo,
+                  origin, s_n, s_c, dilation[0] * s_d, dilation[1] * s_h, dilation[2] * s_w,
+                  stride[0] * s_d, stride[1] * s_h, stride[2] * s_w),
+                 xpad.dtype, positions, grid_y=_cuda.grid_rows(rows))
 
 
 def _block(a, tile):

@@ -12,6 +12,7 @@ The measurement behind each threshold is in docs/benchmarks.md, "Kernel threshol
 | conv3d, conv_transpose3d  | the reference                   | functional.conv3d  | ``algorithm="reference"`` / ``REFIMPL_CONV_ALGORITHM``        |
 |                           | im2col, host schedule           | ``_im2col``        | NumPy arrays (``_im2col.device_schedule``, ``REFIMPL_CONV_SCHEDULE``) |
 |                           | im2col, device schedule         | ``_im2col_device`` | CuPy arrays (the same switch)                                 |
+|                           | ... its columns by one kernel   | ``_im2col_device`` | CuPy arrays (``takes``: ``DEVICE_SOURCE``, ``_cuda``)          |
 |                           | depth taps sharing columns      | ``_im2col``        | stride 1 along depth, kd > 1 (``_im2col.depth_tap_tiles``)    |
 |                           | ... one GEMM per output plane   | ``_im2col``        | a forward or dW alone, depth dilation 1, ``plane_gemms_pay``  |
 |                           | width taps as column offsets    | ``_width_taps``    | a forward or dW alone, stride 1, depth dilation 1, ``width_taps_pay`` |
