@@ -21,8 +21,9 @@ two orders of magnitude behind cuDNN (docs/benchmarks.md, "Kernel choices").  He
   32-bit divisions each), where CuPy's copy of an 8-D view divides every element's index
   eight times in 64 bits; the view's copy stays the reference it is tested against;
 * the GEMMs are batched over the tile's samples:
-  ``y (nb, F, M) = W (F, K) @ col``, ``dW (F, K) += sum_n dy_n (F, M) @ col_n^T``
-  (one ``tensordot``), ``dcol (nb, K, M) = W^T (K, F) @ dy``;
+  ``y (nb, F, M) = W (F, K) @ col``, ``dcol (nb, K, M) = W^T (K, F) @ dy``, and
+  ``dW (F, K) += sum_n dy_n (F, M) @ col_n^T`` one GEMM per sample on a transposed view
+  (``_add_weight_grad``);
 * col2im adds the ``K`` rows back tap by tap into a padded ``dx`` (kd*kh*kw strided
   adds per tile, every sample of the tile at once: within one tap no input position
   repeats), and the padding is cut off at the end.  (``_im2col.backward`` takes dx of a
@@ -192,6 +193,17 @@ def _col2im(dxpad, dcol, tile, k, stride, dilation, wo):
                       ww:ww + (wo - 1) * s[2] + 1:s[2]] += dcol[:, :, a, b, e]
 
 
+def _add_weight_grad(dw2, dy_cols, col):
+    """``dw2 (F, K) += sum_n dy_cols[n] (F, M) @ col[n]^T (M, K)``: one GEMM per sample of the
+    tile, ``col[n]^T`` a transposed view (BLAS reads it as it lies).  One ``tensordot`` over
+    (n, m) instead copies both operands to bring n next to m, the column buffer being the
+    largest array of the pass: the weight gradient of 4 x 32->64 at 32^3 in one tile peaked at
+    916 MiB that way, 452 MiB this way (host, tracemalloc); its time on a GPU is the
+    ``dw gemm`` column of ``bench_layers.py --phases``."""
+    for n in range(col.shape[0]):
+        dw2 += dy_cols[n] @ col[n].T
+
+
 def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
     """``_im2col.forward`` on the device schedule: ``y`` (and ``dW`` of ``g``: ``(y, dW)``)."""
     xp = array_module(x, w)
@@ -216,7 +228,7 @@ def forward(x, w, stride, padding, dilation, out_spatial, budget, g=None):
         if g is not None:
             gb = _block(g, tile).reshape(col.shape[0], f, -1)        # (nb, F, M)
             with _phase("dw gemm"):
-                dw2 += xp.tensordot(gb, col, axes=((0, 2), (0, 2)))
+                _add_weight_grad(dw2, gb, col)
     return y if g is None else (y, dw2.reshape(w.shape))
 
 
@@ -250,7 +262,7 @@ def backward(dy, x, w, stride, padding, dilation, budget, need_dx=True, need_dw=
             with _phase("columns"):
                 col = plan.columns(xpad, tile, k, stride, dilation)  # (nb, K, M)
             with _phase("dw gemm"):
-                dw2 += xp.tensordot(dyb, col, axes=((0, 2), (0, 2)))
+                _add_weight_grad(dw2, dyb, col)
         if need_dx:
             dcol = plan.buf[:nb * kk * dyb.shape[2]].reshape(nb, kk, -1)
             with _phase("gemm"):
