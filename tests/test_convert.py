@@ -10,6 +10,7 @@ foreign input refused with exit 2 naming its file and record, leaving nothing be
 """
 import gzip
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,6 +211,17 @@ def test_with_several_workers_the_first_bad_record_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "univ_0001.tfrecord: record 1: the gzip stream is damaged" in err and err.count("\n") == 1, err
     assert not [n for n in os.listdir(out) if not n.startswith(".lock")]
+
+
+def test_the_closing_lines_name_count_rate_and_readers(tmp_path, capsys):
+    make_source(tmp_path / "src", n_train=5, n_val=2)
+    assert main(["convert", "mlperf-cosmoflow", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
+                 "--workers", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(
+        rf"wrote .*{split}: {n} samples of \(4, 8, 8, 8\) from {n} files in [0-9.]+ s "
+        r"\([0-9.]+ samples/s, 3 reader threads\)", line) for line, split, n in zip(lines, ("train.h5", "val.h5"),
+                                                                                  (5, 2))), lines
 
 
 def test_a_source_that_cannot_be_read_is_bad_input_not_a_failed_write(tmp_path, capsys):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import time
 
 EPILOG = """\
 examples:
@@ -274,13 +275,14 @@ def convert(args) -> int:
             first = 0
             for (name, files), target in zip(splits, targets):
                 phase(f"writing {target}")
+                started = time.perf_counter()
                 with tqdm(total=expected_samples(args, files, limits[name]), unit="sample", desc=f"convert {name}",
                           disable=args.quiet) as bar:
                     count = write_samples(target, samples_of(args.kind, files, limits[name], args, seen), first,
                                           {"generator": args.kind, "params": params,
                                            "refimpl_version": __version__},
                                           layout=args.layout, chunk_edge=args.chunk, progress=bar.update)
-                written.append((target, count, len(files)))
+                written.append((target, count, len(files), time.perf_counter() - started))
                 first += count
     except ValueError as err:  # a damaged or foreign record, OUT in use: the split being written left nothing
         refuse(str(err))
@@ -288,7 +290,8 @@ def convert(args) -> int:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
 
     if not args.quiet:
-        for target, count, n_files in written:
+        for target, count, n_files, seconds in written:
             print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} "
-                  f"{'universes' if args.kind == 'nersc-cosmoflow' else 'files'}")
+                  f"{'universes' if args.kind == 'nersc-cosmoflow' else 'files'} in {seconds:.1f} s "
+                  f"({count / max(seconds, 1e-9):.1f} samples/s, {args.workers} reader threads)")
     return 0
