@@ -485,7 +485,8 @@ if comm.rank == 0:
 #   and mixed; uneven and empty blocks included) and on grids with a model axis of 2, 3, 4, 6 and
 #   8 ranks. The widest, smallest activations, those of the bottleneck, can also be split by
 #   channels over a model axis (config `"model_parallel": "filter"` or `"channel"`, on a 5-entry
-#   grid; tutorial 11 shows those layers).
+#   grid; `"model_parallel_levels": K` splits the deepest K levels' blocks too; tutorial 11
+#   shows those layers).
 
 # %%
 grid.free()
