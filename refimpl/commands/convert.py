@@ -12,7 +12,7 @@ Three sources, one output:
 - ``lbann-cosmoflow``: those cubes as LBANN's ``split_cosmoflow_sample.py`` writes them, one
   HDF5 file per sample under ``train/`` and ``validation/`` (``nersc.split_sample``).
 
-Either becomes ``OUT/train.h5`` and ``OUT/val.h5`` (or ``per-sample`` directories), which
+Each becomes ``OUT/train.h5`` and ``OUT/val.h5`` (or ``per-sample`` directories), which
 ``refimpl train --data OUT`` trains on, under any grid: each rank then reads only its own block
 of every sample (docs/data.md).  The counts are stored as float32 channels-first (C, D, H, W);
 ``refimpl train`` takes log(1 + counts), as MLPerf's reference does (``apply_log``).
