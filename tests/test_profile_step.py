@@ -6,6 +6,7 @@ torch's Flatten folded into the dense layer after it), then the loss and 'other'
 rows; the shares add up to one.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,8 +79,10 @@ def test_without_torch_columns_read_na(tmp_path):
 
 def test_gemm_floor_of_the_conv_rows(tmp_path):
     """``--gemm-floor``: one floor per conv row (its GEMMs alone: K = C*27 rows, the batch's
-    output positions), positive, below our own time of the row; the first conv's floor counts
-    no input gradient (CosmoFlow's input needs none), the second's does."""
+    output positions), positive, its ratios to both sides' times of the row as reported (which
+    side is faster is a measurement, not asserted here: on so small a conv ours ran below the
+    floor of separate GEMM calls once); the first conv's floor counts no input gradient
+    (CosmoFlow's input needs none), the second's does."""
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "cosmoflow", "--preset", "tiny", "--repeats", "1",
                            "--threads", "1", "--gemm-floor", "--json", str(out)],
@@ -92,8 +95,10 @@ def test_gemm_floor_of_the_conv_rows(tmp_path):
     assert (first["k_rows"], first["positions"], second["k_rows"], second["positions"]) == (108, 4 * 16**3, 108, 4 * 8**3)
     assert not first["input_grad"] and second["input_grad"]
     for f in floors.values():
-        assert 0 < f["floor_fwd_s"] and 0 < f["floor_bwd_s"] and f["floor_s"] < f["ours_s"], f
-        assert f["torch_over_floor"] > 0 and f["gemm_gflops"] > 0
+        assert 0 < f["floor_fwd_s"] and 0 < f["floor_bwd_s"], f
+        assert math.isclose(f["floor_s"], f["floor_fwd_s"] + f["floor_bwd_s"]), f
+        assert math.isclose(f["ours_over_floor"], f["floor_s"] / f["ours_s"]), f
+        assert math.isclose(f["torch_over_floor"], f["torch_s"] / f["floor_s"]) and f["gemm_gflops"] > 0, f
     assert "GEMM floor of the conv rows" in proc.stdout
 
 
