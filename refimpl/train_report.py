@@ -37,13 +37,13 @@ SUMMARY = "summary.json"
 RUN_FILES = (CHECKPOINT, METRICS, PLOT, CONFIG, SUMMARY)      # what a run writes into OUT
 
 
-
 def format_duration(seconds: float) -> str:
     """``H:MM:SS`` (``M:SS`` under an hour) of a non-negative number of seconds, rounded up."""
     total = int(-(-max(0.0, seconds) // 1))
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
 
 class RunReport:
     """Rank 0's account of one run: config.json, metrics lines, the plot, the summary, the log lines;
@@ -54,6 +54,7 @@ class RunReport:
         self.out = config["out"]
         self.talks = comm.Get_rank() == 0 and not config["quiet"]     # only rank 0 prints, unless --quiet
         self.bar = None
+        self._since = None           # (clock, step) at ``start``: the pace the log lines' ETA uses
         self.last_saved = None       # the step of the last checkpoint (``saved``)
 
     def path(self, name: str) -> str:
@@ -96,8 +97,10 @@ class RunReport:
         """`` | eta H:MM:SS`` for the steps left at this run's pace so far (its validations and
         checkpoints included), for the log lines of a job log, where no bar is drawn; empty at
         the last step."""
-        t0, step0 = getattr(self, "_since", (None, step))
-        if t0 is None or step >= total_steps or step <= step0:
+        if self._since is None:
+            return ""
+        t0, step0 = self._since
+        if step >= total_steps or step <= step0:
             return ""
         left = (time.perf_counter() - t0) / (step - step0) * (total_steps - step)
         return f" | eta {format_duration(left)}"

@@ -695,13 +695,11 @@ class PhaseClock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
-PHASES = ("pad", "columns", "gemm", "dw gemm", "col2im", "dx buffers")
-
-
 def conv_phases():
     """Each selected conv row's fwd and bwd once more, the device schedule's phases timed
     (``_im2col_device.PROFILE``): a table of ms per phase, and its rows for the JSON."""
     from refimpl.kernels import _im2col_device
+    phases = _im2col_device.PHASES
     rows = []
     for case in conv_cases(args.quick):
         if not selected(case):
@@ -731,17 +729,17 @@ def conv_phases():
                 continue
             total, seconds = best
             rows.append(dict(op=case["op"], shape=case["shape"], pass_=name, total=total,
-                             phases={k: seconds.get(k, 0.0) for k in PHASES},
+                             phases={k: seconds.get(k, 0.0) for k in phases},
                              other=total - sum(seconds.values())))
     print("\n## where the device schedule's time goes (--phases; ms, the best of "
           f"{REPEATS} by total; each phase between synchronised clocks)")
-    print(f"{'op':<17} {'shape':<30} {'pass':<4} {'total':>8} " + " ".join(f"{k:>10}" for k in PHASES)
+    print(f"{'op':<17} {'shape':<30} {'pass':<4} {'total':>8} " + " ".join(f"{k:>10}" for k in phases)
           + f" {'other':>8}")
     for r in rows:
         print(f"{r['op']:<17} {r['shape']:<30} {r['pass_']:<4} {1e3 * r['total']:8.2f} "
-              + " ".join(f"{1e3 * r['phases'][k]:10.2f}" for k in PHASES) + f" {1e3 * r['other']:8.2f}")
+              + " ".join(f"{1e3 * r['phases'][k]:10.2f}" for k in phases) + f" {1e3 * r['other']:8.2f}")
     if rows:
-        spent = {k: sum(r["phases"][k] for r in rows) for k in PHASES}
+        spent = {k: sum(r["phases"][k] for r in rows) for k in phases}
         spent["other"] = sum(r["other"] for r in rows)
         whole = sum(r["total"] for r in rows)
         print("# share of all rows' time: " + ", ".join(f"{k} {100 * v / whole:.0f} %" for k, v in spent.items()))

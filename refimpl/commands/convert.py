@@ -150,12 +150,13 @@ def units_of(kind, files, size):
     import h5py
 
     from ..data.nersc import cubes_per_universe, universe_shape
+    from ..errors import describe
     for path in files:
         try:
             with h5py.File(path, "r") as h5:
                 n = cubes_per_universe(universe_shape(h5, path), size)
         except OSError as err:
-            raise ValueError(f"{path}: cannot be read as HDF5 ({err})") from None
+            raise ValueError(f"{path}: cannot be read as HDF5 ({describe(err)})") from None
         yield from ((path, (i,)) for i in range(n))
 
 
@@ -288,7 +289,6 @@ def convert(args) -> int:
         refuse(str(err))
     except OSError as err:
         raise WriteError(f"writing {args.out} failed: {describe(err)}", agreed=True) from None
-
     if not args.quiet:
         for target, count, n_files, seconds in written:
             print(f"wrote {target}: {count} samples of {seen['shape']} from {n_files} "

@@ -58,10 +58,15 @@ from ._im2col import placed, tiles
 #: None, or what collects the time of each phase: an object whose ``phase(name)`` is a context
 #: manager (``scripts/bench_layers.py --phases``: synchronised clocks around each).
 PROFILE = None
+#: The phases a pass reports to ``PROFILE``, by name.
+PHASES = ("pad", "columns", "gemm", "dw gemm", "col2im", "dx buffers")
 
 
 def _phase(name):
-    return contextlib.nullcontext() if PROFILE is None else PROFILE.phase(name)
+    if PROFILE is None:
+        return contextlib.nullcontext()
+    assert name in PHASES, name
+    return PROFILE.phase(name)
 
 
 def _reach(o, k, s, dl):

@@ -55,6 +55,15 @@ def norm_groups(config, width: int) -> int:
     return {"batch": 0, "group": min(config["num_groups"], width), "instance": width}[config["norm"]]
 
 
+def first_split_level(config) -> int:
+    """The first level whose conv blocks the model axis splits, the bottleneck being level
+    ``levels``: ``levels - model_parallel_levels``, or ``levels + 1`` where ``model_parallel``
+    is "none" (the model, ``describe()`` and the oracle's torch twin all split by it)."""
+    if config.get("model_parallel", "none") == "none":
+        return config["levels"] + 1
+    return config["levels"] - config.get("model_parallel_levels", 0)
+
+
 DEFAULTS = {
     "input_shape": (1, 128, 128, 128),   # (C, D, H, W)
     "num_classes": 3,
@@ -133,8 +142,7 @@ class UNet3D(Model):
 
         norm, eps, momentum = config["norm"], config["bn_eps"], config["bn_momentum"]
 
-        mode = config["model_parallel"]
-        split_from = self.levels - config["model_parallel_levels"] if mode != "none" else self.levels + 1
+        mode, split_from = config["model_parallel"], first_split_level(config)
 
         def conv_block(c_in, c_out, level):   # [Conv3d k=3 pad 1 -> BatchNorm3d (or the "norm") -> ReLU] x 2
             # the ReLUs write y over the norm's y (its backward reads its own x) and dx over a dy
@@ -198,7 +206,7 @@ class UNet3D(Model):
 
         widths = [base * 2 ** i for i in range(levels + 1)]
         shapes = [tuple(n // 2 ** i for n in dhw) for i in range(levels + 1)]
-        split_from = levels - cfg["model_parallel_levels"] if mode != "none" else levels + 1
+        split_from = first_split_level(cfg)
         split = ("filter-replicated", "channel" if mode == "channel" else "filter")
 
         def level_block(prefix, level, c_in, first_grad):
@@ -302,4 +310,4 @@ class UNet3D(Model):
         return loss, dout, {"dice": dice}
 
 
-__all__ = ["UNet3D", "DEFAULTS", "LOSSES", "NORMS", "check_config", "norm_groups"]
+__all__ = ["UNet3D", "DEFAULTS", "LOSSES", "NORMS", "check_config", "first_split_level", "norm_groups"]

@@ -95,7 +95,7 @@ def torch_unet3d(config: dict):
     import torch
     from torch import nn
 
-    from ..models.unet3d import norm_groups
+    from ..models.unet3d import first_split_level, norm_groups
     eps, momentum = float(config.get("bn_eps", 1e-5)), float(config.get("bn_momentum", 0.1))
 
     def norm(c):
@@ -115,7 +115,7 @@ def torch_unet3d(config: dict):
 
     levels = config["levels"]
     widths = [config["base_width"] * 2 ** i for i in range(levels + 1)]
-    split_from = levels - config.get("model_parallel_levels", 0) if _split(config) else levels + 1
+    split_from = first_split_level(config)
 
     class UNet3D(nn.Module):
         def __init__(self):
